@@ -1,0 +1,42 @@
+"""Pure tensor functions for RL on multi-agent turns: advantage estimators and policy losses.
+
+No model code lives here. Estimators are registered by name in ``ADVANTAGE_ESTIMATORS``
+(add your own with ``@register_advantage("name")``); see docs/algorithms.md.
+"""
+from masrl.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    SINGLETON_MODES,
+    AdvantageEstimator,
+    AdvantageGroups,
+    SetStats,
+    compute_advantages,
+    group_stats,
+    register_advantage,
+)
+from masrl.algorithms.losses import (
+    AGG_MODES,
+    KL_KINDS,
+    POLICY_LOSSES,
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGG_MODES",
+    "AdvantageEstimator",
+    "AdvantageGroups",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "SINGLETON_MODES",
+    "SetStats",
+    "agg_loss",
+    "compute_advantages",
+    "entropy_from_logits",
+    "group_stats",
+    "kl_penalty",
+    "policy_loss",
+    "register_advantage",
+]
