@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -86,11 +87,15 @@ def _load_builtin() -> None:
 
 
 def render(template: str, **fields: Any) -> str:
-    """Fill ``{name}`` placeholders; other braces (``\\boxed{}``) are left as they are."""
-    out = template
-    for key, value in fields.items():
-        out = out.replace("{" + key + "}", str(value))
-    return out
+    """Fill ``{name}`` placeholders in one pass; other braces (``\\boxed{}``) are left as they are.
+
+    One pass means a field's value is never searched for placeholders itself (a question
+    containing ``a_{n}`` stays intact).
+    """
+    if not fields:
+        return template
+    pattern = re.compile("{(" + "|".join(re.escape(k) for k in fields) + ")}")
+    return pattern.sub(lambda m: str(fields[m.group(1)]), template)
 
 
 class Team:
@@ -127,6 +132,10 @@ class Team:
         turn.turn_index = len(self.turns)
         self.turns.append(turn)
         return turn
+
+    def score(self, answer: str | None) -> dict:
+        """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict."""
+        return self._score(self.task, answer)
 
     def finish(self, answer: str | None, **info: Any) -> Episode:
         """Score the final answer and return the episode (team reward = task outcome)."""
