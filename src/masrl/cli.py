@@ -1,0 +1,111 @@
+"""masrl command line: thin — parse, call, exit code (0 ok, 1 failure, 2 bad input)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from masrl.config import ConfigError, load_config
+
+
+def _cmd_train(args) -> int:
+    from masrl.training.trainer import Trainer, format_before_after
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        cfg_path = run_dir / "config.yaml"
+        if not cfg_path.is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a masrl run folder?")
+        cfg = load_config(cfg_path, args.overrides)
+    else:
+        if not args.config:
+            raise ConfigError("masrl train: give a config file (or --resume RUN_DIR)")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
+    trainer = Trainer(cfg, run_dir=run_dir)
+    report = trainer.fit(resume=bool(args.resume))
+    table = format_before_after(trainer.history)
+    if table:
+        print(table)
+    print(f"run folder: {run_dir}  (report.md, metrics.jsonl, plots/, checkpoints/)")
+    return 0 if report else 1
+
+
+def _cmd_eval(args) -> int:
+    from masrl.evaluation.cli import run_eval
+
+    return run_eval(args)
+
+
+def _cmd_plot(args) -> int:
+    from masrl.monitoring.plots import plot_training_curves
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"masrl plot: {run_dir} has no metrics.jsonl; is it a masrl run folder?")
+    paths = plot_training_curves(run_dir)
+    try:
+        from masrl.monitoring.dashboard import plot_dashboard
+
+        paths += plot_dashboard(run_dir)
+    except ImportError:
+        pass
+    for p in paths:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="masrl", description="Stable RL for teams of LLM agents")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a team (SFT cold start, then RL)")
+    train.add_argument("config", nargs="?", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last valid checkpoint")
+    train.add_argument("--output-dir", help="run folder (default: output_dir from the config)")
+    train.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="evaluate a team on benchmarks (avg@n, pass@k, maj@k)")
+    ev.add_argument("config")
+    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--checkpoint", help="RUN_DIR or RUN_DIR/checkpoints/step_N")
+    ev.add_argument("--bench", default="test", help="comma-separated benchmarks; 'test' = the task's held-out split")
+    ev.add_argument("--n", type=int, default=None, help="samples per task")
+    ev.add_argument("--k", default=None, help="comma-separated k values for pass@k")
+    ev.add_argument("--limit", type=int, default=None, help="tasks per benchmark")
+    ev.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval or runs/eval)")
+    ev.add_argument("--strict", action="store_true", help="fail on malformed data rows instead of skipping them")
+    ev.set_defaults(func=_cmd_eval)
+
+    plot = sub.add_parser("plot", help="draw training curves and the per-role dashboard of a run")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_cmd_plot)
+
+    for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"masrl: config error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"masrl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("masrl: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The run configuration: YAML -> pydantic models. The one place defaults live.
+
+Errors name the key, the file and what was expected (``ConfigError``; the CLI exits 2).
+Dotted overrides from the command line: ``trainer.total_steps=50 algorithm.estimator=grpo``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with one clear message (what, where, what to do)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TaskConfig(_Strict):
+    """Where tasks come from. ``name``: ``arithmetic`` (synthetic) or a benchmark name/file."""
+
+    name: str = "arithmetic"
+    params: dict[str, Any] = Field(default_factory=dict)
+    train_limit: Optional[int] = None
+    test_limit: Optional[int] = None
+
+
+class WorkflowConfig(_Strict):
+    name: str = "math_solver_verifier"
+    params: dict[str, Any] = Field(default_factory=dict)
+    prompts: dict[str, str] = Field(default_factory=dict)
+
+
+class AgentConfig(_Strict):
+    policy: str
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(256, gt=0)
+    system_prompt: Optional[str] = None
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-6, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.01, ge=0.0)
+    grad_clip: Optional[float] = Field(1.0, gt=0.0)
+    eps: float = 1e-8
+
+
+class LoraConfig(_Strict):
+    r: int = Field(8, gt=0)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class PolicyConfig(_Strict):
+    """A trainable model: ``model`` is ``tiny``, an alias, a hub id or a local folder."""
+
+    model: str = "tiny"
+    tiny: dict[str, Any] = Field(default_factory=dict)
+    tokenizer: Optional[str] = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trainable: bool = True
+    trust_remote_code: bool = False
+    lora: Optional[LoraConfig] = None
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    init_seed: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _lora_needs_training(self):
+        if self.lora is not None and not self.trainable:
+            raise ValueError("lora is set on a policy declared trainable: false; "
+                             "drop lora or make the policy trainable")
+        return self
+
+
+class LossConfig(_Strict):
+    loss: Literal["ppo", "gspo"] = "ppo"
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0)
+    dual_clip: Optional[float] = Field(None, gt=1.0)
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+
+
+class AlgorithmConfig(_Strict):
+    estimator: str = "drmas"
+    eps: float = 1e-6
+    unbiased_std: bool = True
+    singleton: Literal["zero", "raw"] = "zero"
+    format_penalty: float = 0.1
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class SFTConfig(_Strict):
+    """Cold-start supervised stage on teacher demonstrations (``steps: 0`` turns it off)."""
+
+    steps: int = Field(0, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0.0)
+    warmup_steps: int = Field(20, ge=0)
+    teacher: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainerConfig(_Strict):
+    total_steps: int = Field(50, ge=0)
+    batch_size: int = Field(8, gt=0, description="tasks per step")
+    group_size: int = Field(8, gt=0, description="episodes per task (G)")
+    epochs: int = Field(1, gt=0)
+    minibatches: int = Field(1, gt=0)
+    micro_batch_tokens: int = Field(16384, gt=0)
+    save_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(2, gt=0)
+    log_every: int = Field(1, gt=0)
+    threads: Optional[int] = None
+    device: str = "cpu"
+    per_agent_grad_norm: bool = True
+    skip_nonfinite: bool = True
+    max_rollout_batch: int = Field(512, gt=0)
+
+
+class EvalConfig(_Strict):
+    every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only before/after)")
+    n: int = Field(4, gt=0)
+    k: list[int] = Field(default_factory=lambda: [1, 4])
+    temperature: Optional[float] = None
+    limit: Optional[int] = None
+    benches: list[str] = Field(default_factory=list)
+    before_after: bool = True
+
+
+class LoggingConfig(_Strict):
+    tensorboard: bool = True
+    progress: bool = True
+    plots: bool = True
+
+
+class RunConfig(_Strict):
+    seed: int = 0
+    output_dir: str = "runs/{name}-seed{seed}"
+    name: str = "run"
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    agents: dict[str, AgentConfig]
+    policies: dict[str, PolicyConfig]
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _mapping_is_complete(self):
+        for agent, acfg in self.agents.items():
+            if acfg.policy not in self.policies:
+                raise ValueError(f"agents.{agent}.policy = {acfg.policy!r} is not a declared policy; "
+                                 f"declared: {sorted(self.policies)}")
+        unused = sorted(set(self.policies) - {a.policy for a in self.agents.values()})
+        if unused:
+            raise ValueError(f"policies {unused} are not used by any agent; map an agent to them or remove them")
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir.replace("{name}", self.name).replace("{seed}", str(self.seed)))
+
+
+# ----------------------------------------------------------------------------- loading
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars/lists)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key.path=value")
+        key, _, raw = item.partition("=")
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_scalar(raw)
+    return data
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see docs/config.md)")
+        elif e["type"] == "missing":
+            lines.append(f"{source}: missing required key '{loc}'")
+        else:
+            got = e.get("input")
+            got = f" (got {got!r})" if not isinstance(got, dict) else ""
+            lines.append(f"{source}: key '{loc}': {e['msg']}{got}")
+    return "\n".join(lines)
+
+
+def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: malformed YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    data = apply_overrides(data, overrides or [])
+    return config_from_dict(data, str(path))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,37 @@
+"""Build a policy's model and tokenizer from its config: tiny-from-config, alias, hub id or folder."""
+from __future__ import annotations
+
+import torch
+
+from masrl.config import PolicyConfig
+from masrl.models.hub import ModelLoadError
+from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model_and_tokenizer(cfg: PolicyConfig, seed: int = 0):
+    """Return ``(model, tokenizer)`` for a policy; the tokenizer always has a chat template."""
+    if cfg.model == "tiny":
+        tokenizer = build_char_tokenizer(cfg.tiny.get("extra_tokens"))
+        overrides = {k: v for k, v in cfg.tiny.items() if k != "extra_tokens"}
+        model = build_tiny_model(tokenizer, overrides, seed=cfg.init_seed if cfg.init_seed is not None else seed)
+        model.to(DTYPES[cfg.dtype])
+    else:
+        from masrl.models.hub import load_pretrained  # transformers hub/alias/folder loading
+
+        try:
+            model, tokenizer = load_pretrained(cfg.model, dtype=DTYPES[cfg.dtype],
+                                               trust_remote_code=cfg.trust_remote_code)
+        except Exception as e:  # one clear line, whatever layer failed
+            raise ModelLoadError(f"policy model {cfg.model!r}: {e}") from e
+        if cfg.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"tokenizer of {cfg.model!r} has no chat template; set one "
+                             "(tokenizer.chat_template) or use a chat/instruct model")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

@@ -1,0 +1,72 @@
+"""Metric sinks: metrics.jsonl (every number a user sees), TensorBoard, and the console."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+
+def _clean(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_from_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_from_step is not None and self.path.exists():
+            self._truncate_after(resume_from_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except Exception as e:  # TensorBoard is optional; say so once
+                print(f"[masrl] TensorBoard disabled: {e}")
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records after the checkpoint's step (those steps are redone)."""
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a partial last line from a crash
+            if record.get("step", -1) <= step:
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def log(self, step: int, metrics: Mapping[str, float], phase: str = "train") -> None:
+        record = {"step": step, "phase": phase}
+        record.update({k: (_clean(float(v)) if isinstance(v, (int, float)) else v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Records of ``metrics.jsonl``, tolerating a partial last line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out

@@ -1,0 +1,48 @@
+"""Run a workflow over many tasks concurrently; agent calls go through the rollout scheduler."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from masrl.config import AgentConfig
+from masrl.rollout.engine import GenRequest
+from masrl.rollout.scheduler import RolloutScheduler
+from masrl.types import Episode, Task, Turn
+from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
+
+
+def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: RolloutScheduler,
+              temperature: float | None = None):
+    """The ``team.call`` backend: chat-encode the prompt, generate with the agent's policy."""
+
+    async def call(agent: str, prompt: str) -> Turn:
+        acfg = agents[agent]
+        policy = policies[acfg.policy]
+        prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
+        info = {}
+        room = policy.max_positions - acfg.max_new_tokens
+        if len(prompt_ids) > room:  # keep the end of an over-long prompt, and say so
+            info["prompt_truncated_from"] = len(prompt_ids)
+            prompt_ids = prompt_ids[-room:]
+        temp = acfg.temperature if temperature is None else temperature
+        info["temperature"] = temp
+        result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens))
+        return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
+                    logprobs=result.logprobs, text=policy.decode(result.response_ids), prompt_text=prompt,
+                    truncated=result.truncated, info=info)
+
+    return call
+
+
+def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,
+                 scheduler: RolloutScheduler, score: ScoreFn, prompts: Mapping[str, str],
+                 params: Mapping, format_penalty: float) -> list[Episode]:
+    """One episode per task (tasks repeat G times for a group); results in input order."""
+
+    async def one(index: int, task: Task) -> Episode:
+        team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty)
+        episode = await spec.fn(task, team)
+        episode.group_id = group_ids[index]
+        episode.episode_id = index
+        return episode
+
+    return scheduler.run([one(i, t) for i, t in enumerate(tasks)])

@@ -1,0 +1,99 @@
+"""Rollout scheduler: runs many episodes concurrently and batches their agent calls per policy.
+
+Every episode is an asyncio task. An agent call enqueues a request and waits. When every
+unfinished episode is waiting, the scheduler flushes: the pending requests are grouped by
+policy (whatever agent made them) and each group is generated in one engine call. This
+gives the largest possible batches with deterministic ordering, and nothing reloads
+weights per agent call.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Mapping, Sequence
+
+from masrl.rollout.engine import Engine, GenRequest, GenResult
+
+
+@dataclass
+class RolloutStats:
+    flushes: int = 0
+    engine_calls: int = 0
+    requests: int = 0
+    generated_tokens: int = 0
+    generate_seconds: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+class RolloutScheduler:
+    def __init__(self, engines: Mapping[str, Engine]):
+        self.engines = dict(engines)
+        self.stats = RolloutStats()
+        self._pending: list[tuple[str, GenRequest, asyncio.Future]] = []
+        self._active = 0
+        self._wake: asyncio.Event | None = None
+
+    async def generate(self, policy: str, request: GenRequest) -> GenResult:
+        if policy not in self.engines:
+            raise KeyError(f"no rollout engine for policy {policy!r}; policies: {sorted(self.engines)}")
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((policy, request, future))
+        self._maybe_wake()
+        return await future
+
+    def run(self, coroutines: Sequence[Awaitable]) -> list:
+        """Run the episodes' coroutines to completion; results in input order."""
+        return asyncio.run(self._run(list(coroutines)))
+
+    async def _run(self, coroutines: list[Awaitable]) -> list:
+        self._wake = asyncio.Event()
+        self._active = len(coroutines)
+        self._pending = []
+
+        async def wrapped(coro):
+            try:
+                return await coro
+            finally:
+                self._active -= 1
+                self._maybe_wake()
+
+        tasks = [asyncio.ensure_future(wrapped(c)) for c in coroutines]
+        try:
+            while self._active > 0:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._pending and len(self._pending) >= self._active:
+                    self._flush()
+                failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+                if failed is not None:
+                    raise failed.exception()
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _maybe_wake(self) -> None:
+        if self._wake is not None and (len(self._pending) >= self._active or self._active == 0):
+            self._wake.set()
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        by_policy: dict[str, list[tuple[GenRequest, asyncio.Future]]] = defaultdict(list)
+        for policy, request, future in pending:
+            by_policy[policy].append((request, future))
+        self.stats.flushes += 1
+        for policy, items in by_policy.items():
+            start = time.perf_counter()
+            results = self.engines[policy].generate([r for r, _ in items])
+            self.stats.generate_seconds += time.perf_counter() - start
+            self.stats.engine_calls += 1
+            self.stats.requests += len(items)
+            self.stats.batch_sizes.append(len(items))
+            for (_, future), result in zip(items, results):
+                self.stats.generated_tokens += len(result.response_ids)
+                future.set_result(result)
+
+
+EngineFactory = Callable[[str], Engine]

@@ -1,0 +1,121 @@
+"""Synthetic multi-step integer arithmetic: a CPU-sized math task with a held-out test split.
+
+A task is an expression such as ``23+45-17``. A solution evaluates it left to right, one
+step per line, then boxes the result::
+
+    23+45=68
+    68-17=51
+    \\boxed{51}
+
+``ArithmeticTeacher`` writes cold-start demonstrations in these formats. They are
+deliberately imperfect (``error_rate`` per step, ``verifier_noise`` per verdict), like
+real teacher traces: SFT teaches the formats, RL has to learn from outcomes to do better.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from masrl.types import Task
+from masrl.workflows.parsing import extract_boxed
+
+
+@dataclass
+class ArithmeticConfig:
+    train_size: int = 2000
+    test_size: int = 200
+    min_terms: int = 2
+    max_terms: int = 3
+    max_operand: int = 30
+    ops: str = "+-"
+    seed: int = 1234  # data seed, independent of the training seed
+
+
+def _expression(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int]:
+    n = rng.randint(cfg.min_terms, cfg.max_terms)
+    terms = [rng.randint(0, cfg.max_operand) for _ in range(n)]
+    ops = [rng.choice(cfg.ops) for _ in range(n - 1)]
+    text = str(terms[0]) + "".join(op + str(t) for op, t in zip(ops, terms[1:]))
+    value = terms[0]
+    for op, t in zip(ops, terms[1:]):
+        value = _apply(value, op, t)
+    return text, value
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def make_arithmetic_tasks(cfg: ArithmeticConfig) -> tuple[list[Task], list[Task]]:
+    """(train, test): disjoint sets of distinct expressions, deterministic in ``cfg.seed``."""
+    rng = random.Random(cfg.seed)
+    seen: set[str] = set()
+    out: list[Task] = []
+    target = cfg.train_size + cfg.test_size
+    attempts = 0
+    while len(out) < target:
+        attempts += 1
+        if attempts > 50 * target:
+            raise ValueError(f"arithmetic task: cannot draw {target} distinct expressions with "
+                             f"max_operand={cfg.max_operand}, terms {cfg.min_terms}..{cfg.max_terms}; "
+                             "lower train_size/test_size or widen the ranges")
+        text, value = _expression(rng, cfg)
+        if text in seen:
+            continue
+        seen.add(text)
+        split = "test" if len(out) < cfg.test_size else "train"
+        out.append(Task(id=f"arith/{split}/{len(out)}", question=text, answer=str(value),
+                        meta={"data_source": "arithmetic", "split": split}))
+    return out[cfg.test_size:], out[:cfg.test_size]
+
+
+def solve_steps(question: str) -> list[tuple[int, str, int, int]]:
+    """Parse ``a op b op c`` into left-to-right steps (lhs, op, rhs, result)."""
+    tokens, num = [], ""
+    for ch in question:
+        if ch.isdigit():
+            num += ch
+        else:
+            tokens.append(int(num))
+            tokens.append(ch)
+            num = ""
+    tokens.append(int(num))
+    steps, value = [], tokens[0]
+    for i in range(1, len(tokens), 2):
+        op, rhs = tokens[i], tokens[i + 1]
+        result = _apply(value, op, rhs)
+        steps.append((value, op, rhs, result))
+        value = result
+    return steps
+
+
+class ArithmeticTeacher:
+    """Writes imperfect demonstrations for the Solver and Verifier roles (cold-start SFT)."""
+
+    def __init__(self, error_rate: float = 0.2, verifier_noise: float = 0.2, seed: int = 0):
+        self.error_rate = error_rate
+        self.verifier_noise = verifier_noise
+        self.rng = random.Random(seed)
+
+    def solution(self, question: str) -> str:
+        lines, carry = [], None
+        for lhs, op, rhs, _ in solve_steps(question):
+            lhs = lhs if carry is None else carry
+            result = _apply(lhs, op, rhs)
+            if self.rng.random() < self.error_rate:
+                result += self.rng.choice([-10, -2, -1, 1, 2, 10])
+            lines.append(f"{lhs}{op}{rhs}={result}")
+            carry = result
+        lines.append(f"\\boxed{{{carry}}}")
+        return "\n".join(lines)
+
+    def verdict(self, solution_text: str, answer: str) -> str:
+        ok = extract_boxed(solution_text) == answer
+        if self.rng.random() < self.verifier_noise:
+            ok = not ok
+        return "<verify>approve</verify>" if ok else "<verify>reject</verify>"
+
+    def reply(self, agent: str, prompt: str, task: Task) -> str:
+        if agent == "Verifier":
+            return self.verdict(prompt, str(task.answer))
+        return self.solution(task.question)

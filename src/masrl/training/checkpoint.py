@@ -1,0 +1,192 @@
+"""Checkpoints: safetensors weights and optimizer state, JSON trainer state, a checksummed manifest.
+
+A checkpoint is written to a temporary folder and renamed into place, so a crash leaves
+either the old set of checkpoints or the new one. Loading verifies every file against the
+manifest's sha256; a corrupt or partial checkpoint is skipped (with a warning) in favour of
+the previous one. No pickles: everything is safetensors or JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors, meta = {}, {"param_groups": sd["param_groups"], "state": {}}
+    for idx, state in sd["state"].items():
+        meta["state"][str(idx)] = {}
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{idx}.{key}"] = value.detach().contiguous().clone()
+                meta["state"][str(idx)][key] = "tensor"
+            else:
+                meta["state"][str(idx)][key] = value
+    return tensors, meta
+
+
+def optimizer_from_tensors(opt: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+    state = {}
+    for idx, entries in meta["state"].items():
+        state[int(idx)] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in entries.items()}
+    groups = meta["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {"python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
+            "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+            "torch": torch.random.get_rng_state().tolist()}
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.random.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], trainer_state: dict,
+                    keep: int = 2) -> Path:
+    """Write ``run_dir/checkpoints/step_<step>`` atomically and prune to the newest ``keep``."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".step_{step}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = []
+    for name, policy in policies.items():
+        if not policy.cfg.trainable:
+            continue
+        pdir = tmp / "policies" / name
+        pdir.mkdir(parents=True)
+        save_file(trainable_state(policy.model), str(pdir / "model.safetensors"))
+        tensors, meta = optimizer_to_tensors(policy.optimizer)
+        save_file(tensors, str(pdir / "optimizer.safetensors"))
+        (pdir / "optimizer.json").write_text(json.dumps(meta))
+        files += [pdir / "model.safetensors", pdir / "optimizer.safetensors", pdir / "optimizer.json"]
+    state_path = tmp / "trainer_state.json"
+    state_path.write_text(json.dumps({**trainer_state, "step": step, "rng": rng_state()}))
+    files.append(state_path)
+    manifest = {"format_version": FORMAT_VERSION, "step": step,
+                "files": {str(f.relative_to(tmp)): _sha256(f) for f in files}}
+    for f in files:
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Return the manifest if every file is present and matches its checksum, else raise."""
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST} (partial checkpoint)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
+    for rel, digest in manifest.get("files", {}).items():
+        f = Path(path) / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: missing file {rel}")
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{path}: checksum mismatch for {rel} (corrupt checkpoint)")
+    return manifest
+
+
+def latest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(path)
+            return path
+        except CheckpointError as e:
+            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: bool = True) -> dict:
+    """Load weights (and optimizer state) into ``policies``; returns the trainer state."""
+    verify_checkpoint(path)
+    for name, policy in policies.items():
+        pdir = Path(path) / "policies" / name
+        if not policy.cfg.trainable:
+            continue
+        if not pdir.is_dir():
+            raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
+        weights = load_file(str(pdir / "model.safetensors"))
+        expected = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+        if set(weights) != expected:
+            missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+            raise CheckpointError(f"{path}: policy {name!r} weights do not fit the model "
+                                  f"(missing {missing}, unexpected {extra})")
+        with torch.no_grad():
+            params = dict(policy.model.named_parameters())
+            for n, t in weights.items():
+                params[n].copy_(t)
+        if load_optimizer and policy.optimizer is not None:
+            meta = json.loads((pdir / "optimizer.json").read_text())
+            optimizer_from_tensors(policy.optimizer, load_file(str(pdir / "optimizer.safetensors")), meta)
+    return json.loads((Path(path) / "trainer_state.json").read_text())

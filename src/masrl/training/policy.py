@@ -1,0 +1,78 @@
+"""A policy: one trainable model with its tokenizer, optimizer and rollout engine."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from masrl.config import PolicyConfig
+from masrl.models.loading import load_model_and_tokenizer
+from masrl.rollout.engine import TransformersEngine
+
+
+@dataclass
+class Policy:
+    name: str
+    cfg: PolicyConfig
+    model: torch.nn.Module
+    tokenizer: object
+    engine: TransformersEngine
+    optimizer: torch.optim.Optimizer | None = None
+    ref_model: torch.nn.Module | None = None
+    agents: list[str] = field(default_factory=list)
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 4096))
+
+    def encode_prompt(self, text: str, system_prompt: str | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+                   [{"role": "user", "content": text}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+    def encode_response(self, text: str) -> list[int]:
+        """Token ids of an assistant reply followed by the end-of-turn token (for SFT targets)."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos_token_id]
+
+    @property
+    def eos_token_id(self) -> int:
+        return int(self.tokenizer.eos_token_id)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
+                 kl: bool = False) -> Policy:
+    model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
+    if cfg.lora is not None:
+        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+        model = get_peft_model(model, PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                     lora_dropout=cfg.lora.dropout,
+                                                     target_modules=cfg.lora.target_modules,
+                                                     task_type="CAUSAL_LM"))
+    if not cfg.trainable:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    eos_ids = {int(tokenizer.eos_token_id)}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        eos_ids.add(gen_eos)
+    elif isinstance(gen_eos, (list, tuple)):
+        eos_ids.update(int(e) for e in gen_eos)
+    engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
+                                max_batch_size=max_rollout_batch, seed=seed)
+    policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine)
+    if cfg.trainable:
+        o = cfg.optim
+        policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+                                             weight_decay=o.weight_decay, eps=o.eps)
+    if kl and cfg.lora is None:
+        policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return policy

@@ -1,0 +1,80 @@
+"""Cold-start SFT: teacher demonstrations collected through the workflow itself, so every
+prompt a policy is trained on is exactly a prompt the workflow will show it."""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections import defaultdict
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from masrl.config import AgentConfig, SFTConfig
+from masrl.tasks.registry import Teacher
+from masrl.training.policy import Policy
+from masrl.training.update import Row, micro_batches, pack_rows, response_logits, token_logprobs
+from masrl.types import Task, Turn
+from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
+
+
+def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: Teacher, *,
+                           policies: Mapping[str, Policy], agents: Mapping[str, AgentConfig],
+                           score: ScoreFn, prompts: Mapping[str, str], params: Mapping) -> list[Row]:
+    """Run the workflow with the teacher answering every agent call; one row per call."""
+
+    async def one(task: Task) -> list[Turn]:
+        async def call(agent: str, prompt: str) -> Turn:
+            policy = policies[agents[agent].policy]
+            text = teacher(agent, prompt, task)
+            return Turn(agent=agent, policy=policy.name,
+                        prompt_ids=policy.encode_prompt(prompt, agents[agent].system_prompt),
+                        response_ids=policy.encode_response(text), logprobs=[], text=text, prompt_text=prompt)
+
+        team = Team(task, spec, call, score, prompts=prompts, params=params)
+        return (await spec.fn(task, team)).turns
+
+    async def all_tasks():
+        return await asyncio.gather(*(one(t) for t in tasks))
+
+    return [Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 0.0, policy=t.policy)
+            for turns in asyncio.run(all_tasks()) for t in turns]
+
+
+def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,
+            micro_batch_tokens: int, on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
+    """Token-mean cross-entropy on response tokens, per policy, AdamW + warmup/cosine."""
+    by_policy: dict[str, list[Row]] = defaultdict(list)
+    for r in rows:
+        by_policy[r.policy].append(r)
+    rng = random.Random(seed)
+    optims = {}
+    for name, prows in by_policy.items():
+        params = policies[name].trainable_parameters()
+        optims[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    last: dict[str, float] = {}
+    for step in range(cfg.steps):
+        warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
+        decay = 0.5 * (1 + math.cos(math.pi * step / max(cfg.steps, 1)))
+        for name, prows in by_policy.items():
+            policy = policies[name]
+            policy.model.train()
+            opt = optims[name]
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr * warm * (0.1 + 0.9 * decay)
+            batch_rows = [prows[rng.randrange(len(prows))] for _ in range(cfg.batch_size)]
+            total = sum(len(r.response_ids) for r in batch_rows)
+            opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for chunk in micro_batches(batch_rows, micro_batch_tokens):
+                batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id))
+                logp = token_logprobs(response_logits(policy.model, batch), batch.targets)
+                nll = -(logp * batch.response_mask).sum() / total
+                nll.backward()
+                loss_sum += float(nll.detach())
+            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), 1.0)
+            opt.step()
+            last[f"sft/{name}/loss"] = loss_sum
+        if on_step is not None:
+            on_step(step, last)
+    return last

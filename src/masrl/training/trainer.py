@@ -1,0 +1,336 @@
+"""The training loop. One RL step reads like the data path in docs/design.md:
+
+1. sample B tasks, each repeated G times (a group);
+2. run every episode's workflow concurrently, agent calls batched per policy;
+3. score turns: team reward to every turn, minus the format penalty on invalid turns;
+4. advantages once over all turns of the step;
+5. per policy, one update on the turns of every agent mapped to it;
+6. metrics, checkpoints, periodic evaluation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from masrl.algorithms import compute_advantages
+from masrl.config import RunConfig, dump_config
+from masrl.evaluation.runner import repeat_tasks, summarize_episodes
+from masrl.monitoring.logger import MetricsLogger
+from masrl.rollout.runner import make_call, run_episodes
+from masrl.rollout.scheduler import RolloutScheduler
+from masrl.tasks.registry import load_task_source
+from masrl.training import checkpoint as ckpt
+from masrl.training.policy import Policy, build_policy
+from masrl.training.sft import collect_demonstrations, run_sft
+from masrl.training.update import Row, update_policy
+from masrl.types import Episode, Turn
+from masrl.workflows.base import get_workflow
+
+
+def _step_seed(seed: int, step: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt * 104_729) % (2**63 - 1)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
+        self.show_progress = cfg.logging.progress if progress is None else progress
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.spec = get_workflow(cfg.workflow.name)
+        missing = [a for a in self.spec.agents if a not in cfg.agents]
+        extra = [a for a in cfg.agents if a not in self.spec.agents]
+        if missing or extra:
+            raise ValueError(f"workflow {self.spec.name!r} has agents {list(self.spec.agents)}; the config's "
+                             f"agents section is missing {missing} and has unknown {extra}")
+        unknown_prompts = sorted(set(cfg.workflow.prompts) - set(self.spec.prompts))
+        if unknown_prompts:
+            raise ValueError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
+                             f"{self.spec.name} uses {sorted(self.spec.prompts)}")
+        self.source = load_task_source(cfg.task, cfg.sft.teacher)
+        kl = cfg.algorithm.loss.kl_coef > 0
+        self.policies: dict[str, Policy] = {
+            name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl)
+            for name, pcfg in cfg.policies.items()}
+        for agent, acfg in cfg.agents.items():
+            self.policies[acfg.policy].agents.append(agent)
+        self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
+        self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
+        self.step = 0
+        self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
+        self.logger: MetricsLogger | None = None
+
+    # ------------------------------------------------------------------ stages
+    def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0) -> list[Episode]:
+        for i, policy in enumerate(self.policies.values()):
+            policy.engine.reseed(seed + i)
+        call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
+        return run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
+                            score=self.source.score, prompts=self.cfg.workflow.prompts, params=self.params,
+                            format_penalty=self.cfg.algorithm.format_penalty)
+
+    def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
+        """Every turn gets the team reward, minus the format penalty if it is invalid."""
+        turns, keys, scores = [], [], []
+        penalty = self.cfg.algorithm.format_penalty
+        for e in episodes:
+            for t in e.turns:
+                turns.append(t)
+                keys.append((e.group_id, e.episode_id))
+                scores.append(e.reward - (0.0 if t.valid else penalty))
+        return turns, keys, torch.tensor(scores, dtype=torch.float32)
+
+    def advantages(self, turns, keys, scores) -> torch.Tensor:
+        a = self.cfg.algorithm
+        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=[t.agent for t in turns],
+                                  episode_ids=[k[1] for k in keys], estimator=a.estimator,
+                                  turn_index=[t.turn_index for t in turns], eps=a.eps,
+                                  unbiased_std=a.unbiased_std, singleton=a.singleton)
+
+    def update(self, turns, advantages) -> dict[str, float]:
+        rows: dict[str, list[Row]] = defaultdict(list)
+        for t, adv in zip(turns, advantages.tolist()):
+            if t.response_ids:
+                rows[t.policy].append(Row(t.agent, t.prompt_ids, t.response_ids, t.logprobs, adv,
+                                          t.info.get("temperature", 1.0), policy=t.policy))
+        metrics = {}
+        for name, policy in self.policies.items():
+            if policy.cfg.trainable and rows.get(name):
+                metrics.update(update_policy(policy, rows[name], self.cfg.algorithm, self.cfg.trainer,
+                                             step=self.step, seed=self.cfg.seed))
+        return metrics
+
+    def evaluate(self, label: str) -> dict[str, float]:
+        ecfg = self.cfg.eval
+        tasks = self.source.test[:ecfg.limit] if ecfg.limit else self.source.test
+        rep, groups = repeat_tasks(tasks, ecfg.n)
+        episodes = self.rollout(rep, groups, temperature=ecfg.temperature, seed=_step_seed(self.cfg.seed, 0, 99))
+        summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n])
+        self.history[label] = summary
+        self._last_eval_episodes = episodes
+        return summary
+
+    # ------------------------------------------------------------------ loop
+    def sft(self) -> None:
+        cfg = self.cfg
+        if cfg.sft.steps == 0:
+            return
+        if self.source.teacher is None:
+            raise ValueError(f"sft.steps > 0 but task {cfg.task.name!r} has no teacher for demonstrations")
+        rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
+                                      agents=cfg.agents, score=self.source.score, prompts=cfg.workflow.prompts,
+                                      params=self.params)
+        progress = _Progress(self.show_progress, "SFT", cfg.sft.steps)
+
+        def on_step(step: int, m: dict):
+            progress.advance(", ".join(f"{k.split('/')[1]} loss {v:.3f}" for k, v in m.items()))
+            if step % 10 == 0 or step == cfg.sft.steps - 1:
+                self.logger.log(step, m, phase="sft")
+
+        run_sft(self.policies, rows, cfg.sft, seed=cfg.seed, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                on_step=on_step)
+        progress.close()
+
+    def train_step(self) -> dict[str, float]:
+        cfg, t0 = self.cfg, time.perf_counter()
+        rng = random.Random(_step_seed(cfg.seed, self.step, 1))
+        batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
+        tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
+        tokens_before = self.scheduler.stats.generated_tokens
+        episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2))
+        t_rollout = time.perf_counter() - t0
+        turns, keys, scores = self.score_turns(episodes)
+        advantages = self.advantages(turns, keys, scores)
+        t1 = time.perf_counter()
+        metrics = self.update(turns, advantages)
+        t_update = time.perf_counter() - t1
+        metrics.update(step_metrics(episodes, turns, scores, advantages))
+        generated = self.scheduler.stats.generated_tokens - tokens_before
+        trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)
+        metrics.update({"perf/rollout_seconds": t_rollout, "perf/update_seconds": t_update,
+                        "perf/step_seconds": time.perf_counter() - t0,
+                        "perf/rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
+                        "perf/train_tokens_per_s": trained / max(t_update, 1e-9)})
+        return metrics
+
+    def fit(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        start_step = 0
+        if resume:
+            path = ckpt.latest_valid_checkpoint(self.run_dir)
+            if path is None:
+                raise FileNotFoundError(f"--resume: no valid checkpoint under {self.run_dir / 'checkpoints'}")
+            state = ckpt.load_checkpoint(path, self.policies)
+            ckpt.set_rng_state(state["rng"])
+            self.history = state.get("history", {})
+            start_step = int(state["step"])
+            print(f"[masrl] resumed from {path} (step {start_step})")
+        else:
+            _atomic_write(self.run_dir / "config.yaml", dump_config(cfg))
+        self.logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, resume_from_step=start_step if resume else None)
+        try:
+            if not resume:
+                self.sft()
+                if cfg.eval.before_after and self.source.test:
+                    summary = self.evaluate("sft")
+                    self.logger.log(0, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+                self.save(0)
+            self.step = start_step
+            progress = _Progress(self.show_progress, "RL", cfg.trainer.total_steps, completed=start_step)
+            while self.step < cfg.trainer.total_steps:
+                metrics = self.train_step()
+                self.step += 1
+                self.logger.log(self.step, metrics)
+                progress.advance(_progress_text(metrics, self.cfg.agents))
+                if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.trainer.total_steps:
+                    summary = self.evaluate(f"step_{self.step}")
+                    self.logger.log(self.step, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+                if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
+                    self.save(self.step)
+            progress.close()
+            if cfg.eval.before_after and self.source.test:
+                summary = self.evaluate("final")
+                self.logger.log(self.step, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+            if not cfg.trainer.save_every or self.step % cfg.trainer.save_every:
+                self.save(self.step)
+        finally:
+            self.logger.close()
+        report = write_report(self)
+        return report
+
+    def save(self, step: int) -> Path:
+        return ckpt.save_checkpoint(self.run_dir, step, self.policies, {"history": self.history},
+                                    keep=self.cfg.trainer.keep_checkpoints)
+
+
+# ---------------------------------------------------------------------- metrics
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+
+
+def step_metrics(episodes: Sequence[Episode], turns: Sequence[Turn], scores: torch.Tensor,
+                 advantages: torch.Tensor) -> dict[str, float]:
+    out = {"team/reward": statistics.fmean(e.reward for e in episodes),
+           "team/accuracy": statistics.fmean(float(e.correct) for e in episodes),
+           "team/turns_per_episode": statistics.fmean(len(e.turns) for e in episodes)}
+    by_agent: dict[str, list[int]] = defaultdict(list)
+    for i, t in enumerate(turns):
+        by_agent[t.agent].append(i)
+    s, a = scores.tolist(), advantages.tolist()
+    for agent, idx in by_agent.items():
+        p = f"agent/{agent}"
+        out[f"{p}/reward_mean"], out[f"{p}/reward_std"] = _mean_std([s[i] for i in idx])
+        out[f"{p}/adv_mean"], out[f"{p}/adv_std"] = _mean_std([a[i] for i in idx])
+        out[f"{p}/response_length"] = statistics.fmean(len(turns[i].response_ids) for i in idx)
+        out[f"{p}/invalid_rate"] = statistics.fmean(float(not turns[i].valid) for i in idx)
+        out[f"{p}/truncation_rate"] = statistics.fmean(float(turns[i].truncated) for i in idx)
+        out[f"{p}/turns"] = float(len(idx))
+    return out
+
+
+def _progress_text(m: dict, agents) -> str:
+    parts = [f"reward {m.get('team/reward', float('nan')):.3f}", f"acc {m.get('team/accuracy', float('nan')):.2f}"]
+    for agent in agents:
+        parts.append(f"{agent}: r {m.get(f'agent/{agent}/reward_mean', float('nan')):.2f} "
+                     f"len {m.get(f'agent/{agent}/response_length', float('nan')):.0f} "
+                     f"|g| {m.get(f'agent/{agent}/grad_norm', float('nan')):.2f}")
+    return " | ".join(parts)
+
+
+class _Progress:
+    """A rich progress bar with ETA when interactive; one line per update otherwise."""
+
+    def __init__(self, enabled: bool, label: str, total: int, completed: int = 0):
+        self.enabled, self.label, self.total, self.done = enabled, label, total, completed
+        self.start = time.perf_counter()
+        self._bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            console = Console(stderr=True)
+            if console.is_terminal:
+                self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
+                self._task = self._bar.add_task("", total=total, completed=completed)
+                self._bar.start()
+
+    def advance(self, text: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, description=text)
+            return
+        every = max(1, self.total // 20)
+        if self.done % every == 0 or self.done == self.total:
+            elapsed = time.perf_counter() - self.start
+            eta = elapsed / max(self.done, 1) * (self.total - self.done)
+            print(f"[{self.label} {self.done}/{self.total} eta {eta:5.0f}s] {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_report(trainer: Trainer) -> dict:
+    """report.json + report.md (before/after table) and PNG curves in the run folder."""
+    from masrl.monitoring.plots import plot_training_curves
+
+    cfg, run_dir = trainer.cfg, trainer.run_dir
+    rows = []
+    for label in ("sft", "final"):
+        if label in trainer.history:
+            rows.append((label, trainer.history[label]))
+    report = {"name": cfg.name, "seed": cfg.seed, "estimator": cfg.algorithm.estimator,
+              "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history}
+    lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
+             f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
+             f"{trainer.step} RL steps, eval n={cfg.eval.n} on {len(trainer.source.test)} held-out tasks", ""]
+    if rows:
+        keys = [k for k in rows[0][1] if k.startswith(("avg@", "pass@", "maj@"))]
+        lines.append("| stage | " + " | ".join(keys) + " |")
+        lines.append("|---|" + "---|" * len(keys))
+        for label, summary in rows:
+            stage = {"sft": "after SFT", "final": "after RL"}.get(label, label)
+            lines.append(f"| {stage} | " + " | ".join(f"{100 * summary.get(k, float('nan')):.1f}%" for k in keys) + " |")
+    _atomic_write(run_dir / "report.json", json.dumps(report, indent=1, default=float))
+    _atomic_write(run_dir / "report.md", "\n".join(lines) + "\n")
+    if cfg.logging.plots:
+        try:
+            report["plots"] = [str(p) for p in plot_training_curves(run_dir)]
+        except Exception as e:  # a plot must never lose a finished run
+            print(f"[masrl] plotting failed: {e}")
+    return report
+
+
+def format_before_after(history: dict) -> str:
+    if "sft" not in history or "final" not in history:
+        return ""
+    keys = [k for k in history["final"] if k.startswith(("avg@", "pass@"))]
+    out = ["held-out team accuracy:", f"{'stage':<10}" + "".join(f"{k:>10}" for k in keys)]
+    for label, name in (("sft", "after SFT"), ("final", "after RL")):
+        out.append(f"{name:<10}" + "".join(f"{100 * history[label][k]:>9.1f}%" for k in keys))
+    return "\n".join(out)
+

@@ -1,0 +1,244 @@
+"""Per-policy update: one batch of the turns of every agent mapped to the policy.
+
+Rows are packed left-padded so that every response ends at the last position; the LM head
+then runs only on the last ``R + 1`` positions (``logits_to_keep``). Micro-batches hold the
+rows of one agent, so the agent's part of the gradient (its term of the policy loss) is
+measured exactly by differencing the accumulated gradient: ``g_k = G_after_k - G_before_k``.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss
+from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.training.policy import Policy
+
+
+@dataclass
+class Row:
+    """One training row: a turn's prompt + response with its advantage."""
+
+    agent: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    old_logprobs: list[float]
+    advantage: float
+    temperature: float = 1.0
+    policy: str = ""
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor       # [n, L] left-padded prompt+response
+    attention_mask: torch.Tensor  # [n, L]
+    position_ids: torch.Tensor    # [n, L]
+    targets: torch.Tensor         # [n, R] response tokens aligned to the end
+    response_mask: torch.Tensor   # [n, R] float
+    old_logprobs: torch.Tensor    # [n, R]
+    advantages: torch.Tensor      # [n]
+    temperature: torch.Tensor     # [n]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+
+def pack_rows(rows: Sequence[Row], pad_token_id: int, device: str | torch.device = "cpu") -> PackedBatch:
+    n = len(rows)
+    width = max(r.length for r in rows)
+    resp = max(max(len(r.response_ids) for r in rows), 1)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    targets = torch.full((n, resp), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, resp), dtype=torch.float32)
+    old = torch.zeros((n, resp), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        seq = r.prompt_ids + r.response_ids
+        input_ids[i, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        attention[i, width - len(seq):] = 1
+        k = len(r.response_ids)
+        if k:
+            targets[i, resp - k:] = torch.tensor(r.response_ids, dtype=torch.long)
+            mask[i, resp - k:] = 1.0
+            old[i, resp - k:] = torch.tensor(r.old_logprobs, dtype=torch.float32)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
+    temp = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32)
+    to = lambda t: t.to(device)  # noqa: E731
+    return PackedBatch(to(input_ids), to(attention), to(positions), to(targets), to(mask), to(old), to(adv), to(temp))
+
+
+def response_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Temperature-scaled float32 logits predicting each response token: [n, R, V]."""
+    resp = batch.targets.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=batch.position_ids, logits_to_keep=resp + 1, use_cache=False)
+    logits = out.logits[:, -(resp + 1):-1, :].float()
+    return logits / batch.temperature[:, None, None]
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def micro_batches(rows: Sequence[Row], token_budget: int) -> list[list[Row]]:
+    """Length-bucketed chunks of rows whose padded size (rows x longest) fits ``token_budget``."""
+    ordered = sorted(rows, key=lambda r: r.length)
+    chunks, current = [], []
+    for r in ordered:
+        if current and (len(current) + 1) * r.length > token_budget:
+            chunks.append(current)
+            current = []
+        current.append(r)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _grad_list(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    if not tensors:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+
+
+# A guard sees (key, grad_norm, step) and returns None (go on) or ("skip"|"scale", scale).
+GradGuard = Callable[[str, float, int], "tuple[str, float] | None"]
+
+
+def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
+                  *, step: int, seed: int, guard: GradGuard | None = None) -> dict[str, float]:
+    """Train ``policy`` on ``rows``; returns ``policy/<name>/...`` and ``agent/<a>/...`` metrics."""
+    assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
+    lc = algo.loss
+    params = policy.trainable_parameters()
+    model = policy.model
+    model.train()
+    pad = int(policy.tokenizer.pad_token_id)
+    device = trainer.device
+    agents = sorted({r.agent for r in rows})
+    per_agent_norms = trainer.per_agent_grad_norm and len(agents) > 1
+    rng = random.Random(seed * 1_000_003 + step)
+    metrics: dict[str, list[float]] = defaultdict(list)
+    norm_length = max(len(r.response_ids) for r in rows)
+
+    for epoch in range(trainer.epochs):
+        order = list(rows)
+        rng.shuffle(order)
+        n_mb = min(trainer.minibatches, len(order))
+        for mb_index in range(n_mb):
+            minibatch = order[mb_index::n_mb]
+            total_tokens = sum(len(r.response_ids) for r in minibatch)
+            total_rows = sum(1 for r in minibatch if r.response_ids)
+            if total_tokens == 0:
+                continue
+            policy.optimizer.zero_grad(set_to_none=True)
+            before = [torch.zeros_like(p) for p in params] if per_agent_norms else None
+            agent_norms: dict[str, float] = {}
+            finite = True
+            for agent in agents:
+                agent_rows = [r for r in minibatch if r.agent == agent and r.response_ids]
+                for chunk in micro_batches(agent_rows, trainer.micro_batch_tokens):
+                    batch = pack_rows(chunk, pad, device)
+                    logits = response_logits(model, batch)
+                    logprobs = token_logprobs(logits, batch.targets)
+                    loss, stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
+                                              loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                                              dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length)
+                    entropy = entropy_from_logits(logits)
+                    if lc.entropy_coef:
+                        loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
+                                                                 norm_length=norm_length)
+                    if lc.kl_coef:
+                        ref = reference_logprobs(policy, batch)
+                        kl = kl_penalty(logprobs, ref, lc.kl_kind)
+                        kl_loss = agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length)
+                        loss = loss + lc.kl_coef * kl_loss
+                        metrics[f"agent/{agent}/kl_ref"].append(float(kl_loss.detach()))
+                    weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
+                              else len(chunk) / max(total_rows, 1))
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    (loss * weight).backward()
+                    with torch.no_grad():
+                        m = batch.response_mask
+                        metrics[f"agent/{agent}/entropy"].append(float((entropy * m).sum() / m.sum()))
+                    metrics["pg_loss"].append(float(loss.detach()))
+                    for key, value in stats.items():
+                        metrics[key].append(float(value))
+                if not finite:
+                    break
+                if per_agent_norms:
+                    now = _grad_list(params)
+                    agent_norms[agent] = _norm([a - b for a, b in zip(now, before)])
+                    before = [g.detach().clone() for g in now]
+            grad_norm = _norm(_grad_list(params)) if finite else float("nan")
+            prefix = f"policy/{policy.name}"
+            if not finite or not math.isfinite(grad_norm):
+                metrics[f"{prefix}/nonfinite_skipped"].append(1.0)
+                policy.optimizer.zero_grad(set_to_none=True)
+                if not trainer.skip_nonfinite:
+                    raise FloatingPointError(f"non-finite loss or gradient in policy {policy.name} at step {step}")
+                continue
+            scale = 1.0
+            if guard is not None:
+                decision = guard(policy.name, grad_norm, step)
+                if decision is not None:
+                    action, scale = decision
+                    metrics[f"{prefix}/grad_spike"].append(1.0)
+                    if action == "skip":
+                        metrics[f"{prefix}/spike_skipped"].append(1.0)
+                        policy.optimizer.zero_grad(set_to_none=True)
+                        continue
+                    if action == "scale":
+                        for p in params:
+                            if p.grad is not None:
+                                p.grad.mul_(scale)
+            clip = policy.cfg.optim.grad_clip
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            policy.optimizer.step()
+            metrics[f"{prefix}/grad_norm"].append(grad_norm)
+            total = sum(agent_norms.values())
+            for agent, value in agent_norms.items():
+                metrics[f"agent/{agent}/grad_norm"].append(value)
+                metrics[f"agent/{agent}/grad_share"].append(value / total if total > 0 else 0.0)
+            if not per_agent_norms:
+                for agent in agents:
+                    metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
+    out = {}
+    for key, values in metrics.items():
+        name = key if key.startswith(("agent/", "policy/")) else f"policy/{policy.name}/{key}"
+        if key.endswith(("_skipped", "grad_spike")):
+            out[name] = float(sum(values))
+        else:
+            out[name] = sum(values) / len(values)
+    out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
+    out[f"policy/{policy.name}/rows"] = float(len(rows))
+    out[f"policy/{policy.name}/tokens"] = float(sum(len(r.response_ids) for r in rows))
+    return out
+
+
+@torch.no_grad()
+def reference_logprobs(policy: Policy, batch: PackedBatch) -> torch.Tensor:
+    """Log-probs under the reference: the frozen initial copy, or the base with adapters disabled."""
+    if policy.ref_model is not None:
+        return token_logprobs(response_logits(policy.ref_model, batch), batch.targets)
+    if hasattr(policy.model, "disable_adapter"):
+        with policy.model.disable_adapter():
+            return token_logprobs(response_logits(policy.model, batch), batch.targets)
+    raise RuntimeError(f"policy {policy.name}: kl_coef > 0 needs a reference model")

@@ -1,0 +1,52 @@
+"""Dr. MAS math team: Solver -> Verifier -> Solver ..., up to ``max_loops`` Solver turns."""
+from __future__ import annotations
+
+from masrl.types import Episode, Task
+from masrl.workflows.base import Team, register_workflow
+from masrl.workflows.parsing import extract_boxed, parse_choice
+
+TEAM_INTRO = ("You are a member of an expert multi-agent team tasked with solving the math problem.\n"
+              "The team's math problem is: {question}\n")
+
+MATH_PROMPTS = {
+    "Solver": TEAM_INTRO + "{context}\nYou are the \"Solver Agent\". Solve the problem step by step, "
+              "taking the team's previous outputs into account, and give the final answer within \\boxed{}.",
+    "Verifier": TEAM_INTRO + "{context}\nYou are the \"Verifier Agent\". Critically review the most recent "
+                "solution. If it is correct, reply <verify>approve</verify>; otherwise reply "
+                "<verify>reject</verify> and say briefly why.",
+    "context": "\nThe output of \"{agent}\": {text}\n",
+}
+
+
+@register_workflow("math_solver_verifier", agents=("Solver", "Verifier"), prompts=MATH_PROMPTS,
+                   params={"max_loops": 2, "untagged_verdict": "reject"})
+async def math_solver_verifier(task: Task, team: Team) -> Episode:
+    """Solver answers; Verifier approves (stop) or rejects (Solver retries), up to max_loops Solver turns.
+
+    A Solver turn without ``\\boxed{}`` is invalid. A Verifier turn without
+    ``<verify>approve|reject</verify>`` is invalid and counts as ``untagged_verdict``
+    (default reject; the Dr. MAS reference silently approves).
+    """
+    max_loops = int(team.params["max_loops"])
+    untagged = team.params["untagged_verdict"]
+    if untagged not in ("approve", "reject"):
+        raise ValueError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
+    context, answer, verdicts = "", None, []
+    for loop in range(max_loops):
+        solver = await team.call("Solver", team.render("Solver", question=task.question, context=context))
+        solver.valid = extract_boxed(solver.text) is not None
+        answer = solver.text
+        context += team.render("context", agent="Solver", text=solver.text)
+        if loop == max_loops - 1:
+            break
+        verifier = await team.call("Verifier", team.render("Verifier", question=task.question, context=context))
+        verdict = parse_choice(verifier.text, "verify", ("approve", "reject"))
+        verifier.valid = verdict is not None
+        verdict = verdict or untagged
+        verifier.info["verdict"] = verdict
+        verifier.info["judged_correct"] = team.score(solver.text)["correct"]
+        verdicts.append(verdict)
+        context += team.render("context", agent="Verifier", text=verifier.text)
+        if verdict == "approve":
+            break
+    return team.finish(answer, loops=sum(t.agent == "Solver" for t in team.turns), verdicts=verdicts)
