@@ -11,11 +11,16 @@ from masrl.config import ConfigError, load_config
 def _cmd_train(args) -> int:
     from masrl.training.trainer import Trainer, format_before_after
 
+    if args.config and "=" in args.config:  # `masrl train --resume DIR key=value ...`
+        args.overrides, args.config = [args.config, *args.overrides], None
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
         if not cfg_path.is_file():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a masrl run folder?")
+        if args.config:
+            raise ConfigError("masrl train --resume RUN_DIR takes its config from RUN_DIR/config.yaml; "
+                              "give overrides only")
         cfg = load_config(cfg_path, args.overrides)
     else:
         if not args.config:

@@ -1,0 +1,59 @@
+"""On-disk cache keys and atomic writes for retrieval indexes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from masrl.paths import cache_dir
+
+CACHE_FORMAT_VERSION = 1
+
+
+def corpus_fingerprint(path: str | Path) -> dict[str, Any]:
+    """What identifies a corpus file version: absolute path, size and modification time."""
+    path = Path(path).expanduser().resolve()
+    st = path.stat()
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def cache_key(kind: str, corpus_path: str | Path, settings: dict[str, Any]) -> str:
+    """Key for an index of ``corpus_path`` built with ``settings`` (JSON-serializable)."""
+    payload = {"kind": kind, "v": CACHE_FORMAT_VERSION, "corpus": corpus_fingerprint(corpus_path),
+               "settings": settings}
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:20]
+    return f"{kind}-{Path(corpus_path).name}-{digest}"
+
+
+def retrieval_cache_dir(root: str | Path | None = None) -> Path:
+    path = Path(root).expanduser() if root is not None else cache_dir() / "retrieval"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temporary folder with ``write(tmp)`` then rename it to ``final``.
+
+    If another process finished the same folder first, its copy is kept and ours discarded.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "meta.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def discard_dir(folder: Path) -> None:
+    """Remove a stale or damaged cache folder (best effort)."""
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,70 @@
+"""``masrl serve-retriever``: serve a corpus over HTTP (Search-R1 API). Wire with ``register(subparsers)``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add the ``serve-retriever`` subcommand; its ``func(args)`` returns an exit code."""
+    p = subparsers.add_parser(
+        "serve-retriever", help="serve a passage corpus over HTTP (Search-R1 /retrieve API)",
+        description="Index a passage corpus (BM25, dense or hybrid) and serve POST /retrieve "
+                    '{"queries": [...], "topk": k, "return_scores": bool} on 127.0.0.1.')
+    p.add_argument("--corpus", required=True,
+                   help="corpus file (.jsonl {id, contents}, [{title, text}] .json, {title: [sentences]} .json, "
+                        "raw HotpotQA .json) or 'synthetic_kb'")
+    p.add_argument("--format", default="auto", choices=["auto", "jsonl", "json_list", "json_titles", "hotpotqa"])
+    p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "hybrid"],
+                   help="dense and hybrid need `pip install masrl[embed]`")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--topk", type=int, default=3, help="topk when a request gives none")
+    p.add_argument("--max-topk", type=int, default=50, help="larger topk requests are capped to this")
+    p.add_argument("--max-queries", type=int, default=512, help="most queries per request")
+    p.add_argument("--max-query-chars", type=int, default=2000, help="longer queries are truncated")
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk index cache")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run_serve_retriever)
+    return p
+
+
+def run_serve_retriever(args: argparse.Namespace) -> int:
+    from masrl.tasks.retrieval import build_retriever
+    from masrl.tasks.retrieval.corpus import CorpusError
+    from masrl.tasks.retrieval.server import ServerLimits, serve
+
+    if not 1 <= args.port <= 65535:
+        print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if args.topk < 1 or args.max_topk < 1 or args.max_queries < 1 or args.max_query_chars < 1:
+        print("error: --topk, --max-topk, --max-queries and --max-query-chars must be >= 1", file=sys.stderr)
+        return 2
+    spec = ("synthetic_kb" if args.corpus == "synthetic_kb" else
+            {"type": args.retriever, "corpus": args.corpus, "format": args.format, "cache": not args.no_cache})
+    start = time.perf_counter()
+    try:
+        retriever = build_retriever(spec)
+    except (CorpusError, RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = len(retriever) if hasattr(retriever, "__len__") else "?"
+    print(f"{args.retriever} index over {n} passages ready in {time.perf_counter() - start:.1f} s; "
+          f"serving http://{args.host}:{args.port}/retrieve", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: binding {args.host} exposes the retriever beyond this machine", file=sys.stderr)
+    limits = ServerLimits(default_topk=args.topk, max_topk=args.max_topk, max_queries=args.max_queries,
+                          max_query_chars=args.max_query_chars)
+    try:
+        serve(retriever, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
+    except OSError as e:
+        print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    except SystemExit as e:  # uvicorn exits when it cannot bind the port
+        if e.code:
+            print(f"error: cannot serve on {args.host}:{args.port} (is the port in use?)", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

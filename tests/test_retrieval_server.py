@@ -1,0 +1,227 @@
+"""The retrieval server over real HTTP on loopback, and the HTTP client retriever."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from masrl.tasks.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
+from masrl.tasks.retrieval.server import BackgroundServer, ServerLimits
+
+PASSAGES = [Passage(str(i), f"Topic {name}", f"{name} is a common word about {name} things.")
+            for i, name in enumerate(["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"])]
+LIMITS = ServerLimits(default_topk=2, max_topk=5, max_queries=4, max_query_chars=50)
+
+
+def wait_until_answers(url: str, timeout: float = 30.0) -> dict:
+    """Poll GET /health until the server answers (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(url + "/health", timeout=2.0).json()
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with BackgroundServer(BM25Retriever(PASSAGES), LIMITS) as srv:
+        wait_until_answers(srv.url)
+        yield srv
+
+
+def post(server, payload=None, *, content=None):
+    body = content if content is not None else json.dumps(payload)
+    return httpx.post(server.url + "/retrieve", content=body, headers={"Content-Type": "application/json"},
+                      timeout=10.0)
+
+
+def test_health_and_loopback_binding(server):
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["passages"] == len(PASSAGES) and health["max_topk"] == 5
+    assert server.host == "127.0.0.1"
+
+
+def test_retrieve_search_r1_shapes(server):
+    r = post(server, {"queries": ["Topic delta", "golf things"], "topk": 3, "return_scores": True})
+    assert r.status_code == 200
+    result = r.json()["result"]
+    assert len(result) == 2
+    first = result[0][0]
+    assert set(first) == {"document", "score"} and set(first["document"]) == {"id", "contents"}
+    assert first["document"]["contents"] == '"Topic delta"\ndelta is a common word about delta things.'
+    assert result[1][0]["document"]["id"] == "6"
+    assert isinstance(first["score"], float) and len(result[0]) <= 3
+
+    bare = post(server, {"queries": ["Topic delta"], "topk": 1}).json()["result"]
+    assert bare == [[{"id": "3", "contents": first["document"]["contents"]}]]  # return_scores defaults to false
+    default_k = post(server, {"queries": ["common word"]}).json()["result"]
+    assert len(default_k[0]) == LIMITS.default_topk
+    assert post(server, {"queries": []}).json() == {"result": []}
+
+
+def test_huge_topk_is_capped(server):
+    r = post(server, {"queries": ["common word"], "topk": 10**9, "return_scores": False})
+    assert r.status_code == 200
+    assert len(r.json()["result"][0]) == LIMITS.max_topk
+
+
+def test_long_query_is_truncated_not_fatal(server):
+    r = post(server, {"queries": ["Topic echo " + "x" * 100_000], "topk": 1})
+    assert r.status_code == 200
+    assert r.json()["result"][0][0]["id"] == "4"
+
+
+@pytest.mark.parametrize("content,status,needle", [
+    ("{not json", 400, "malformed JSON"),
+    ("", 400, "malformed JSON"),
+    ('"just a string"', 422, "JSON object"),
+    ('{"topk": 3}', 422, "missing field 'queries'"),
+    ('{"queries": "alpha"}', 422, "list of strings"),
+    ('{"queries": ["alpha", 3]}', 422, "list of strings"),
+    ('{"queries": ["alpha"], "topk": "3"}', 422, "'topk' must be an integer"),
+    ('{"queries": ["alpha"], "topk": 2.5}', 422, "'topk' must be an integer"),
+    ('{"queries": ["alpha"], "topk": true}', 422, "'topk' must be an integer"),
+    ('{"queries": ["alpha"], "topk": 0}', 422, ">= 1"),
+    ('{"queries": ["alpha"], "return_scores": "yes"}', 422, "return_scores"),
+    ('{"queries": ["a", "b", "c", "d", "e"]}', 413, "limit is 4"),
+])
+def test_malformed_requests_get_4xx_with_message(server, content, status, needle):
+    r = post(server, content=content)
+    assert r.status_code == status
+    assert needle in r.json()["error"]
+
+
+def test_server_survives_bad_requests(server):
+    post(server, content="{oops")
+    assert post(server, {"queries": ["Topic alpha"], "topk": 1}).json()["result"][0][0]["id"] == "0"
+
+
+def test_http_retriever_roundtrip(server):
+    client = HttpRetriever(server.url, timeout=5, retries=0, max_batch=3)
+    local = BM25Retriever(PASSAGES)
+    queries = ["Topic bravo", "hotel things", "nothing matches zzz"]
+    remote = client.search(queries, topk=3)
+    expected = local.search(queries, topk=3)
+    assert [[p.id for p in row] for row in remote] == [[p.id for p in row] for row in expected]
+    assert remote[0][0] == expected[0][0]  # title, text and score survive the trip
+    many = client.search([f"Topic {n}" for n in ["alpha", "bravo", "charlie", "delta", "echo", "golf"]], topk=1)
+    assert [row[0].id for row in many] == ["0", "1", "2", "3", "4", "6"]  # two requests of 3 (server limit: 4)
+    client.close()
+
+
+def test_http_retriever_rejected_request_is_clear(server):
+    client = HttpRetriever(server.url, timeout=5, retries=0, max_batch=10)
+    with pytest.raises(RetrieverError, match="rejected the request: HTTP 413"):
+        client.search(["a"] * 6, topk=1)  # more than the server's max_queries=4 in one request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_retriever_unreachable_error_names_url():
+    url = f"http://127.0.0.1:{_free_port()}"
+    client = HttpRetriever(url, timeout=1, retries=1, backoff=0.01)
+    with pytest.raises(RetrieverError, match=r"127\.0\.0\.1:\d+/retrieve unreachable after 2 attempt"):
+        client.search(["q"], 3)
+
+
+def test_cli_serve_retriever_subprocess(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(p.to_document()) + "\n" for p in PASSAGES))
+    port = _free_port()
+    code = ("import argparse, sys; from masrl.tasks.retrieval.cli import register; "
+            "p = argparse.ArgumentParser(); sub = p.add_subparsers(); register(sub); "
+            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+    env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve-retriever", "--corpus", str(corpus),
+                             "--port", str(port), "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                httpx.get(url + "/health", timeout=2.0)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.05)
+        [top] = HttpRetriever(url, retries=0).search(["Topic foxtrot"], 1)
+        assert top[0].id == "5"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_cli_missing_corpus_is_one_clear_line(tmp_path, capsys):
+    import argparse
+
+    from masrl.tasks.retrieval.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve-retriever", "--corpus", str(tmp_path / "nope.jsonl")])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: corpus file not found") and "\n" not in err
+
+
+class _FlakyRetriever:
+    """Fails its first call (the server answers 500), then works."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def search(self, queries, topk):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("transient failure")
+        return [[Passage("1", "T", "ok", 1.0)] for _ in queries]
+
+
+def test_http_retriever_retries_server_errors():
+    flaky = _FlakyRetriever()
+    with BackgroundServer(flaky) as srv:
+        wait_until_answers(srv.url)
+        client = HttpRetriever(srv.url, retries=2, backoff=0.01)
+        assert client.search(["q"], 1)[0][0].text == "ok"
+        assert flaky.calls == 2
+
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from masrl.tasks.retrieval.server import _BadRequest, parse_retrieve_request
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                     max_leaves=12)
+_requests = st.fixed_dictionaries({}, optional={"queries": _json | st.lists(st.text(), max_size=6),
+                                                "topk": _json, "return_scores": _json})
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.one_of(st.binary(max_size=64), _json.map(lambda v: json.dumps(v).encode()),
+                      _requests.map(lambda v: json.dumps(v).encode())))
+def test_request_parser_accepts_or_refuses_with_4xx(body):
+    try:
+        queries, topk, return_scores = parse_retrieve_request(body, LIMITS)
+    except _BadRequest as e:
+        assert 400 <= e.status < 500 and e.message
+        return
+    assert all(isinstance(q, str) and len(q) <= LIMITS.max_query_chars for q in queries)
+    assert len(queries) <= LIMITS.max_queries and 1 <= topk <= LIMITS.max_topk
+    assert isinstance(return_scores, bool)
