@@ -134,6 +134,8 @@ class EvalConfig(_Strict):
     limit: Optional[int] = None
     benches: list[str] = Field(default_factory=list)
     before_after: bool = True
+    prices: dict[str, float] = Field(default_factory=dict,
+                                     description="USD per 1M generated tokens, by policy (cost estimate)")
 
 
 class LoggingConfig(_Strict):

@@ -46,21 +46,56 @@ def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return TaskSource(cfg.name, train, test, math_score)
 
 
-SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic}
+def _qa_score(cfg: TaskConfig):
+    from functools import partial
+
+    from masrl.tasks.qa import qa_score
+
+    return partial(qa_score, metric=cfg.params.get("reward_metric", "em"))
+
+
+def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
+
+    params = {k: v for k, v in cfg.params.items() if k != "reward_metric"}
+    seed = int(params.pop("seed", 0))
+    train, _ = synthetic_kb(seed, "train", **params)
+    test, _ = synthetic_kb(seed, "test", **params)
+    teacher = SyntheticKBTeacher(seed, **params, **sft_teacher)
+    return TaskSource("synthetic_kb", train, test, _qa_score(cfg), teacher.reply,
+                      {"retriever": synthetic_kb_retriever(seed, **params)})
+
+
+def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    from masrl.tasks.qa import load_qa
+    from masrl.tasks.retrieval import resolve_retriever
+
+    train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit)
+    test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit)
+    retriever = cfg.params.get("retriever")
+    if retriever is None:
+        raise ValueError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
+                         "(a corpus path, a retrieval server URL, or a {type: ...} mapping)")
+    return TaskSource(cfg.name, train, test, _qa_score(cfg), None, {"retriever": resolve_retriever(retriever)})
+
+
+SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
+                                                                "synthetic_kb": _synthetic_kb}
 
 
 def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSource:
     if cfg.name in SOURCES:
         source = SOURCES[cfg.name](cfg, sft_teacher or {})
     else:
-        try:
-            from masrl.tasks.math_data import BENCHMARKS
-        except ImportError:
-            BENCHMARKS = {}
+        from masrl.tasks.math_data import BENCHMARKS
+        from masrl.tasks.qa import QA_DATASETS
+
         if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
             source = _math_benchmark(cfg, sft_teacher or {})
+        elif cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
+            source = _qa_benchmark(cfg, sft_teacher or {})
         else:
-            known = sorted(set(SOURCES) | set(BENCHMARKS))
+            known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
             raise ValueError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)}")
     if cfg.train_limit is not None:
         source.train = source.train[:cfg.train_limit]

@@ -1,0 +1,35 @@
+"""`masrl eval` on a trained tiny checkpoint writes the console table, eval.json, eval.md and samples."""
+import json
+
+import yaml
+
+from masrl.cli import main
+from masrl.config import config_from_dict
+from masrl.training.trainer import Trainer
+
+
+def test_eval_of_tiny_checkpoint_writes_all_outputs(tmp_path, tiny_cfg, capsys):
+    data = tiny_cfg(**{"trainer.total_steps": 1})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+    Trainer(config_from_dict(data)).fit()
+    out = tmp_path / "eval"
+    code = main(["eval", str(cfg_path), "--checkpoint", data["output_dir"], "--bench", "test",
+                 "--n", "3", "--k", "1,2", "--limit", "4", "--out", str(out)])
+    assert code == 0
+    result = json.loads((out / "eval.json").read_text())
+    test = result["results"]["test"]
+    assert test["n_tasks"] == 4 and test["n"] == 3
+    assert 0.0 <= test["avg@n"] <= test["pass@2"] <= 1.0
+    assert result["meta"]["checkpoint"].endswith("step_1")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 12 and all(s["turns"] and s["turns"][0]["agent"] == "Solver" for s in samples)
+    assert "pass@2" in (out / "eval.md").read_text()
+    assert "team accuracy" in capsys.readouterr().out
+
+
+def test_eval_unknown_bench_is_a_clear_error(tmp_path, tiny_cfg, capsys):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_cfg()))
+    assert main(["eval", str(cfg_path), "--bench", "nosuchbench", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown benchmark 'nosuchbench'" in capsys.readouterr().err
