@@ -68,3 +68,12 @@ def test_resume_reproduces_uninterrupted_run(tiny_cfg, tmp_path):
         for key, value in a[step].items():
             if key.startswith(("team/", "agent/", "policy/")):
                 assert b[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+
+
+def test_new_run_refuses_a_used_run_folder(tiny_cfg):
+    cfg = config_from_dict(tiny_cfg(**{"trainer.total_steps": 1, "sft.steps": 0, "eval.before_after": False}))
+    Trainer(cfg).fit()
+    with pytest.raises(ValueError, match="already holds a run"):
+        Trainer(cfg).fit()
+    Trainer(cfg).fit(overwrite=True)  # starts over: one record per step, no mixing
+    assert [r["step"] for r in _records(cfg.run_dir)] == [1]

@@ -28,7 +28,7 @@ def _cmd_train(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
     trainer = Trainer(cfg, run_dir=run_dir)
-    report = trainer.fit(resume=bool(args.resume))
+    report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history)
     if table:
         print(table)
@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last valid checkpoint")
     train.add_argument("--output-dir", help="run folder (default: output_dir from the config)")
+    train.add_argument("--overwrite", action="store_true", help="start over in a run folder that holds a run")
     train.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="evaluate a team on benchmarks (avg@n, pass@k, maj@k)")
@@ -96,6 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Error types that mean "bad input" (exit 2, one line): a model, dataset or checkpoint that
+    cannot be found or read. Imported lazily: only evaluated when an exception is being handled."""
+    from masrl.models.hub import ModelLoadError
+    from masrl.tasks.math_data import DatasetLoadError
+    from masrl.training.checkpoint import CheckpointError
+
+    return (FileNotFoundError, ValueError, ModelLoadError, DatasetLoadError, CheckpointError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as e:
+    except _input_errors() as e:
         print(f"masrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

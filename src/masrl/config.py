@@ -72,6 +72,13 @@ class PolicyConfig(_Strict):
     init_seed: Optional[int] = None
 
     @model_validator(mode="after")
+    def _tiny_has_its_own_tokenizer(self):
+        if self.model == "tiny" and self.tokenizer:
+            raise ValueError("tokenizer is set on a tiny model, which always uses its built-in character "
+                             "tokenizer; remove tokenizer or use a pretrained model")
+        return self
+
+    @model_validator(mode="after")
     def _lora_needs_training(self):
         if self.lora is not None and not self.trainable:
             raise ValueError("lora is set on a policy declared trainable: false; "
@@ -107,6 +114,9 @@ class SFTConfig(_Strict):
     lr: float = Field(3e-3, gt=0.0)
     warmup_steps: int = Field(20, ge=0)
     teacher: dict[str, Any] = Field(default_factory=dict)
+    filter_agents: list[str] = Field(default_factory=list, description=(
+        "rejection-sampled SFT: drop these agents' demonstrations whose own answer scores incorrect "
+        "(they still appear as context in later prompts)"))
 
 
 class TrainerConfig(_Strict):
@@ -146,7 +156,7 @@ class LoggingConfig(_Strict):
 
 class RunConfig(_Strict):
     seed: int = 0
-    output_dir: str = "runs/{name}-seed{seed}"
+    output_dir: str = "runs/{name}-{estimator}-seed{seed}"  # placeholders: {name} {estimator} {seed}
     name: str = "run"
     task: TaskConfig = Field(default_factory=TaskConfig)
     workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
@@ -171,7 +181,8 @@ class RunConfig(_Strict):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir.replace("{name}", self.name).replace("{seed}", str(self.seed)))
+        return Path(self.output_dir.replace("{name}", self.name).replace("{seed}", str(self.seed))
+                    .replace("{estimator}", self.algorithm.estimator))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -204,13 +215,14 @@ def _format_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see docs/config.md)")
+            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see the config reference "
+                         "in docs/training.md)")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{loc}'")
         else:
             got = e.get("input")
             got = f" (got {got!r})" if not isinstance(got, dict) else ""
-            lines.append(f"{source}: key '{loc}': {e['msg']}{got}")
+            lines.append(f"{source}: key '{loc}': {e['msg'].removeprefix('Value error, ')}{got}")
     return "\n".join(lines)
 
 

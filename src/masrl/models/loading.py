@@ -18,7 +18,7 @@ def load_model_and_tokenizer(cfg: PolicyConfig, seed: int = 0):
         model = build_tiny_model(tokenizer, overrides, seed=cfg.init_seed if cfg.init_seed is not None else seed)
         model.to(DTYPES[cfg.dtype])
     else:
-        from masrl.models.hub import load_pretrained  # transformers hub/alias/folder loading
+        from masrl.models.hub import load_pretrained, resolve_model_source  # hub/alias/folder loading
 
         try:
             model, tokenizer = load_pretrained(cfg.model, dtype=DTYPES[cfg.dtype],
@@ -28,10 +28,18 @@ def load_model_and_tokenizer(cfg: PolicyConfig, seed: int = 0):
         if cfg.tokenizer:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=cfg.trust_remote_code)
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(cfg.tokenizer),
+                                                          trust_remote_code=cfg.trust_remote_code)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"policy tokenizer {cfg.tokenizer!r}: {e}") from None
+            except Exception as e:  # one clear line, as for the model
+                raise ModelLoadError(f"policy tokenizer {cfg.tokenizer!r}: {type(e).__name__}: "
+                                     f"{(str(e).strip().splitlines() or [''])[0]}") from e
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelLoadError(f"tokenizer of {cfg.model!r} has no chat template; set one "
-                             "(tokenizer.chat_template) or use a chat/instruct model")
+        raise ModelLoadError(f"tokenizer of {(cfg.tokenizer or cfg.model)!r} has no chat template; set one "
+                             "(tokenizer.chat_template), point the policy's `tokenizer` at one that has it, "
+                             "or use a chat/instruct model")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

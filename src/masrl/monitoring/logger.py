@@ -30,14 +30,14 @@ class MetricsLogger:
                 print(f"[masrl] TensorBoard disabled: {e}")
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop records after the checkpoint's step (those steps are redone)."""
+        """On resume, drop RL/eval records after the checkpoint's step (those steps are redone); keep SFT."""
         kept = []
         for line in self.path.read_text(encoding="utf-8").splitlines():
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a partial last line from a crash
-            if record.get("step", -1) <= step:
+            if record.get("phase") == "sft" or record.get("step", -1) <= step:
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")

@@ -8,8 +8,10 @@ step per line, then boxes the result::
     \\boxed{51}
 
 ``ArithmeticTeacher`` writes cold-start demonstrations in these formats. They are
-deliberately imperfect (``error_rate`` per step, ``verifier_noise`` per verdict), like
-real teacher traces: SFT teaches the formats, RL has to learn from outcomes to do better.
+deliberately imperfect, like real teacher traces: an arithmetic mistake per step
+(``error_rate``), a transcription slip that boxes a wrong number after correct steps
+(``slip_rate``), a wrong verdict (``verifier_noise``). SFT teaches the formats and the
+skill; RL has to learn from outcomes to stop imitating the mistakes.
 """
 from __future__ import annotations
 
@@ -92,8 +94,13 @@ def solve_steps(question: str) -> list[tuple[int, str, int, int]]:
 class ArithmeticTeacher:
     """Writes imperfect demonstrations for the Solver and Verifier roles (cold-start SFT)."""
 
-    def __init__(self, error_rate: float = 0.2, verifier_noise: float = 0.2, seed: int = 0):
+    def __init__(self, error_rate: float = 0.0, slip_rate: float = 0.0, verifier_noise: float = 0.0,
+                 seed: int = 0):
+        for name, value in (("error_rate", error_rate), ("slip_rate", slip_rate), ("verifier_noise", verifier_noise)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
         self.error_rate = error_rate
+        self.slip_rate = slip_rate
         self.verifier_noise = verifier_noise
         self.rng = random.Random(seed)
 
@@ -106,7 +113,10 @@ class ArithmeticTeacher:
                 result += self.rng.choice([-10, -2, -1, 1, 2, 10])
             lines.append(f"{lhs}{op}{rhs}={result}")
             carry = result
-        lines.append(f"\\boxed{{{carry}}}")
+        boxed = carry
+        if self.rng.random() < self.slip_rate:
+            boxed += self.rng.choice([-10, -2, -1, 1, 2, 10])
+        lines.append(f"\\boxed{{{boxed}}}")
         return "\n".join(lines)
 
     def verdict(self, solution_text: str, answer: str) -> str:

@@ -79,8 +79,22 @@ def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return TaskSource(cfg.name, train, test, _qa_score(cfg), None, {"retriever": resolve_retriever(retriever)})
 
 
+def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """MBPP (train split for training, test split held out) or HumanEval (test only), sandboxed reward."""
+    from masrl.tasks.code import load_humaneval, load_mbpp, make_code_score
+
+    mode = cfg.params.get("reward_mode", "fraction")
+    if cfg.name == "mbpp":
+        train = load_mbpp(split=cfg.params.get("train_split", "train"))
+        test = load_mbpp(split=cfg.params.get("test_split", "test"))
+    else:
+        train = test = load_humaneval()
+    return TaskSource(cfg.name, train, test, make_code_score(mode))
+
+
 SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
-                                                                "synthetic_kb": _synthetic_kb}
+                                                                "synthetic_kb": _synthetic_kb,
+                                                                "mbpp": _code, "humaneval": _code}
 
 
 def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSource:
@@ -102,5 +116,7 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
     if cfg.test_limit is not None:
         source.test = source.test[:cfg.test_limit]
     if not source.train:
-        raise ValueError(f"task {cfg.name!r}: the training split is empty")
+        why = ("task.train_limit is 0" if cfg.train_limit == 0 else
+               "check task.params (e.g. train_size) or the data file")
+        raise ValueError(f"task {cfg.name!r}: the training split is empty ({why})")
     return source

@@ -97,9 +97,9 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
+    for stale in root.glob(".step_*.tmp-*"):  # left by a crash mid-save; never loaded
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".step_{step}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     files = []
     for name, policy in policies.items():
@@ -117,10 +117,10 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
     files.append(state_path)
     manifest = {"format_version": FORMAT_VERSION, "step": step,
                 "files": {str(f.relative_to(tmp)): _sha256(f) for f in files}}
-    for f in files:
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    for f in [*files, tmp / MANIFEST]:  # the manifest too: it is what makes the folder a checkpoint
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -144,10 +144,13 @@ def verify_checkpoint(path: Path) -> dict:
     if not manifest_path.is_file():
         raise CheckpointError(f"{path}: no {MANIFEST} (partial checkpoint)")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # a flipped byte may not even be UTF-8
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
-    for rel, digest in manifest.get("files", {}).items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or "trainer_state.json" not in files:
+        raise CheckpointError(f"{manifest_path}: malformed manifest (no file list with trainer_state.json)")
+    for rel, digest in files.items():
         f = Path(path) / rel
         if not f.is_file():
             raise CheckpointError(f"{path}: missing file {rel}")

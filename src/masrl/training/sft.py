@@ -20,8 +20,13 @@ from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
 
 def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: Teacher, *,
                            policies: Mapping[str, Policy], agents: Mapping[str, AgentConfig],
-                           score: ScoreFn, prompts: Mapping[str, str], params: Mapping) -> list[Row]:
-    """Run the workflow with the teacher answering every agent call; one row per call."""
+                           score: ScoreFn, prompts: Mapping[str, str], params: Mapping,
+                           filter_agents: Sequence[str] = ()) -> list[Row]:
+    """Run the workflow with the teacher answering every agent call; one row per call.
+
+    Calls of ``filter_agents`` whose own text scores incorrect are left out of the rows
+    (rejection-sampled SFT); they still shaped the prompts of the calls after them.
+    """
 
     async def one(task: Task) -> list[Turn]:
         async def call(agent: str, prompt: str) -> Turn:
@@ -37,8 +42,14 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     async def all_tasks():
         return await asyncio.gather(*(one(t) for t in tasks))
 
-    return [Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 0.0, policy=t.policy)
-            for turns in asyncio.run(all_tasks()) for t in turns]
+    rows = []
+    for task, turns in zip(tasks, asyncio.run(all_tasks())):
+        for t in turns:
+            if t.agent in filter_agents and not score(task, t.text)["correct"]:
+                continue
+            rows.append(Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 0.0,
+                            policy=t.policy))
+    return rows
 
 
 def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,

@@ -128,9 +128,12 @@ class Trainer:
             return
         if self.source.teacher is None:
             raise ValueError(f"sft.steps > 0 but task {cfg.task.name!r} has no teacher for demonstrations")
+        unknown = sorted(set(cfg.sft.filter_agents) - set(cfg.agents))
+        if unknown:
+            raise ValueError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
         rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
                                       agents=cfg.agents, score=self.source.score, prompts=cfg.workflow.prompts,
-                                      params=self.params)
+                                      params=self.params, filter_agents=cfg.sft.filter_agents)
         progress = _Progress(self.show_progress, "SFT", cfg.sft.steps)
 
         def on_step(step: int, m: dict):
@@ -164,8 +167,10 @@ class Trainer:
                         "perf/train_tokens_per_s": trained / max(t_update, 1e-9)})
         return metrics
 
-    def fit(self, resume: bool = False) -> dict:
+    def fit(self, resume: bool = False, overwrite: bool = False) -> dict:
         cfg = self.cfg
+        if not resume:
+            prepare_run_dir(self.run_dir, overwrite)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start_step = 0
         if resume:
@@ -213,6 +218,28 @@ class Trainer:
     def save(self, step: int) -> Path:
         return ckpt.save_checkpoint(self.run_dir, step, self.policies, {"history": self.history},
                                     keep=self.cfg.trainer.keep_checkpoints)
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml")
+
+
+def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
+    """A new run never mixes with an old one: refuse a used folder unless ``overwrite``."""
+    used = [name for name in RUN_OUTPUTS[:2] if (run_dir / name).exists()]
+    if not used:
+        return
+    if not overwrite:
+        raise ValueError(f"run folder {run_dir} already holds a run ({', '.join(used)}); continue it with "
+                         f"`masrl train --resume {run_dir}`, choose another folder (--output-dir, seed, name), "
+                         "or start over with --overwrite")
+    import shutil
+
+    for name in RUN_OUTPUTS:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 # ---------------------------------------------------------------------- metrics

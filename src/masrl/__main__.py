@@ -1,0 +1,5 @@
+import sys
+
+from masrl.cli import main
+
+sys.exit(main())
