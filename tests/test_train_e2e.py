@@ -77,3 +77,25 @@ def test_new_run_refuses_a_used_run_folder(tiny_cfg):
         Trainer(cfg).fit()
     Trainer(cfg).fit(overwrite=True)  # starts over: one record per step, no mixing
     assert [r["step"] for r in _records(cfg.run_dir)] == [1]
+
+
+def test_isolated_lora_policies_train_in_one_mixed_step(tiny_cfg):
+    """Isolated-Policy: one adapter per agent over a frozen base, one optimizer step per RL step."""
+    data = tiny_cfg(**{"trainer.total_steps": 2, "algorithm.loss.kl_coef": 0.01})
+    data["policies"]["shared"]["lora"] = {"r": 4, "alpha": 8, "per_agent": True,
+                                          "target_modules": ["q_proj", "v_proj"]}
+    data["policies"]["shared"]["optim"]["weight_decay"] = 0.0
+    cfg = config_from_dict(data)
+    trainer = Trainer(cfg)
+    policy = trainer.policies["shared"]
+    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
+    trainer.fit()
+    for n, p in policy.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), f"base weight {n} changed"
+    saved = load_file(str(cfg.run_dir / "checkpoints" / "step_2" / "policies" / "shared" / "model.safetensors"))
+    assert any(".Solver." in k for k in saved) and any(".Verifier." in k for k in saved)
+    assert all("lora_" in k for k in saved)
+    records = _records(cfg.run_dir)
+    assert all(math.isfinite(r["agent/Verifier/kl_ref"]) for r in records)
+    assert any(r["agent/Solver/grad_norm"] > 0 for r in records)

@@ -56,6 +56,9 @@ class LoraConfig(_Strict):
     alpha: float = 16.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    per_agent: bool = Field(False, description=(
+        "Isolated-Policy: one adapter per agent mapped to this policy, all trained in one optimizer step "
+        "from one mixed batch; false: one adapter shared by the policy's agents (Shared-Policy)"))
 
 
 class PolicyConfig(_Strict):

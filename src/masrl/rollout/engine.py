@@ -20,6 +20,7 @@ class GenRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    adapter: str | None = None  # LoRA adapter this row decodes with (per-agent adapters)
 
 
 @dataclass
@@ -79,6 +80,11 @@ class TransformersEngine:
         was_training = model.training
         model.eval()
         try:
+            if any(r.adapter is not None for r in requests):
+                from masrl.models.lora import mixed_adapters
+
+                with mixed_adapters(model, [r.adapter for r in requests]):
+                    return self._decode(model, requests)
             return self._decode(model, requests)
         finally:
             model.train(was_training)

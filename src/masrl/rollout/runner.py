@@ -25,7 +25,8 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
             prompt_ids = prompt_ids[-room:]
         temp = acfg.temperature if temperature is None else temperature
         info["temperature"] = temp
-        result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens))
+        result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens,
+                                                                       policy.adapter(agent)))
         return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
                     logprobs=result.logprobs, text=policy.decode(result.response_ids), prompt_text=prompt,
                     truncated=result.truncated, info=info)

@@ -21,6 +21,10 @@ class Policy:
     optimizer: torch.optim.Optimizer | None = None
     ref_model: torch.nn.Module | None = None
     agents: list[str] = field(default_factory=list)
+    adapter_of: dict[str, str] = field(default_factory=dict)  # agent -> LoRA adapter (per-agent adapters)
+
+    def adapter(self, agent: str) -> str | None:
+        return self.adapter_of.get(agent)
 
     @property
     def max_positions(self) -> int:
@@ -48,15 +52,18 @@ class Policy:
 
 
 def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
-                 kl: bool = False) -> Policy:
+                 kl: bool = False, agents: list[str] | None = None) -> Policy:
     model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
+    agents = list(agents or [])
+    adapter_of: dict[str, str] = {}
     if cfg.lora is not None:
-        from peft import LoraConfig as PeftLoraConfig, get_peft_model
+        from masrl.models.lora import attach_adapters
 
-        model = get_peft_model(model, PeftLoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
-                                                     lora_dropout=cfg.lora.dropout,
-                                                     target_modules=cfg.lora.target_modules,
-                                                     task_type="CAUSAL_LM"))
+        names = agents if cfg.lora.per_agent else [name]
+        model = attach_adapters(model, names, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                                target_modules=cfg.lora.target_modules)
+        if cfg.lora.per_agent:
+            adapter_of = {a: a for a in agents}
     if not cfg.trainable:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -68,7 +75,8 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
         eos_ids.update(int(e) for e in gen_eos)
     engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
                                 max_batch_size=max_rollout_batch, seed=seed)
-    policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine)
+    policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
+                    adapter_of=adapter_of)
     if cfg.trainable:
         o = cfg.optim
         policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),

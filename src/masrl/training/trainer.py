@@ -61,10 +61,9 @@ class Trainer:
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
         kl = cfg.algorithm.loss.kl_coef > 0
         self.policies: dict[str, Policy] = {
-            name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl)
+            name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
+                               agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
             for name, pcfg in cfg.policies.items()}
-        for agent, acfg in cfg.agents.items():
-            self.policies[acfg.policy].agents.append(agent)
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0

@@ -4,9 +4,13 @@ Rows are packed left-padded so that every response ends at the last position; th
 then runs only on the last ``R + 1`` positions (``logits_to_keep``). Micro-batches hold the
 rows of one agent, so the agent's part of the gradient (its term of the policy loss) is
 measured exactly by differencing the accumulated gradient: ``g_k = G_after_k - G_before_k``.
+With one LoRA adapter per agent (Isolated-Policy), micro-batches mix agents instead: every row
+is routed to its agent's adapter in the same forward pass, all adapters step together, and an
+agent's gradient is its adapter's gradient.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from collections import defaultdict
@@ -135,6 +139,7 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
     metrics: dict[str, list[float]] = defaultdict(list)
     norm_length = max(len(r.response_ids) for r in rows)
 
+    routed = bool(policy.adapter_of)  # per-agent LoRA adapters: mixed batches, rows routed by agent
     for epoch in range(trainer.epochs):
         order = list(rows)
         rng.shuffle(order)
@@ -146,14 +151,18 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
             if total_tokens == 0:
                 continue
             policy.optimizer.zero_grad(set_to_none=True)
-            before = [torch.zeros_like(p) for p in params] if per_agent_norms else None
+            before = [torch.zeros_like(p) for p in params] if per_agent_norms and not routed else None
             agent_norms: dict[str, float] = {}
             finite = True
-            for agent in agents:
-                agent_rows = [r for r in minibatch if r.agent == agent and r.response_ids]
-                for chunk in micro_batches(agent_rows, trainer.micro_batch_tokens):
+            # one unit per agent (its part of the gradient is measured by differencing), or one mixed unit
+            units = [minibatch] if routed else [[r for r in minibatch if r.agent == a] for a in agents]
+            for unit in units:
+                unit = [r for r in unit if r.response_ids]
+                for chunk in micro_batches(unit, trainer.micro_batch_tokens):
+                    chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
                     batch = pack_rows(chunk, pad, device)
-                    logits = response_logits(model, batch)
+                    with _routing(policy, chunk):
+                        logits = response_logits(model, batch)
                     logprobs = token_logprobs(logits, batch.targets)
                     loss, stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
@@ -165,27 +174,29 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                     if lc.kl_coef:
                         ref = reference_logprobs(policy, batch)
                         kl = kl_penalty(logprobs, ref, lc.kl_kind)
-                        kl_loss = agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length)
-                        loss = loss + lc.kl_coef * kl_loss
-                        metrics[f"agent/{agent}/kl_ref"].append(float(kl_loss.detach()))
+                        loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length)
+                        _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
                     weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
                               else len(chunk) / max(total_rows, 1))
                     if not torch.isfinite(loss):
                         finite = False
                         break
                     (loss * weight).backward()
-                    with torch.no_grad():
-                        m = batch.response_mask
-                        metrics[f"agent/{agent}/entropy"].append(float((entropy * m).sum() / m.sum()))
+                    _per_agent_token_mean(entropy, batch.response_mask, chunk, "entropy", metrics)
                     metrics["pg_loss"].append(float(loss.detach()))
                     for key, value in stats.items():
                         metrics[key].append(float(value))
                 if not finite:
                     break
-                if per_agent_norms:
+                if before is not None:
                     now = _grad_list(params)
-                    agent_norms[agent] = _norm([a - b for a, b in zip(now, before)])
+                    agent_norms[unit[0].agent if unit else "?"] = _norm([a - b for a, b in zip(now, before)])
                     before = [g.detach().clone() for g in now]
+            if finite and routed and trainer.per_agent_grad_norm:
+                from masrl.models.lora import adapter_parameters
+
+                for agent in agents:
+                    agent_norms[agent] = _norm(_grad_list(adapter_parameters(model, policy.adapter_of[agent])))
             grad_norm = _norm(_grad_list(params)) if finite else float("nan")
             prefix = f"policy/{policy.name}"
             if not finite or not math.isfinite(grad_norm):
@@ -217,7 +228,7 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
             for agent, value in agent_norms.items():
                 metrics[f"agent/{agent}/grad_norm"].append(value)
                 metrics[f"agent/{agent}/grad_share"].append(value / total if total > 0 else 0.0)
-            if not per_agent_norms:
+            if not agent_norms:
                 for agent in agents:
                     metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
     out = {}
@@ -233,12 +244,32 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
     return out
 
 
+def _routing(policy: Policy, chunk: Sequence[Row]):
+    """Route each row to its agent's adapter (per-agent LoRA), else do nothing."""
+    if not policy.adapter_of:
+        return contextlib.nullcontext()
+    from masrl.models.lora import mixed_adapters
+
+    return mixed_adapters(policy.model, [policy.adapter_of[r.agent] for r in chunk])
+
+
+def _per_agent_token_mean(values: torch.Tensor, mask: torch.Tensor, chunk: Sequence[Row], name: str,
+                          metrics: dict[str, list[float]]) -> None:
+    with torch.no_grad():
+        sums, counts = (values.detach() * mask).sum(-1), mask.sum(-1)
+        for agent in {r.agent for r in chunk}:
+            idx = torch.tensor([i for i, r in enumerate(chunk) if r.agent == agent])
+            metrics[f"agent/{agent}/{name}"].append(float(sums[idx].sum() / counts[idx].sum().clamp(min=1)))
+
+
 @torch.no_grad()
 def reference_logprobs(policy: Policy, batch: PackedBatch) -> torch.Tensor:
     """Log-probs under the reference: the frozen initial copy, or the base with adapters disabled."""
     if policy.ref_model is not None:
         return token_logprobs(response_logits(policy.ref_model, batch), batch.targets)
-    if hasattr(policy.model, "disable_adapter"):
-        with policy.model.disable_adapter():
+    if policy.cfg.lora is not None:
+        from masrl.models.lora import base_only
+
+        with base_only(policy.model):
             return token_logprobs(response_logits(policy.model, batch), batch.targets)
     raise RuntimeError(f"policy {policy.name}: kl_coef > 0 needs a reference model")
