@@ -125,7 +125,23 @@ class ArithmeticTeacher:
             ok = not ok
         return "<verify>approve</verify>" if ok else "<verify>reject</verify>"
 
+    def choose(self, prompt: str, answer: str) -> str:
+        """Aggregator: the 1-based index of a candidate whose box is right (boxes in prompt order)."""
+        import re
+
+        boxes = re.findall(r"\\boxed\{(-?\d+)\}", prompt)
+        right = [i for i, b in enumerate(boxes, 1) if b == answer]
+        if right and self.rng.random() >= self.verifier_noise:
+            return f"\\boxed{{{right[0]}}}"
+        return f"\\boxed{{{self.rng.randint(1, max(len(boxes), 1))}}}"
+
     def reply(self, agent: str, prompt: str, task: Task) -> str:
+        """Demonstration for a role: Verifier/Evaluator verdicts, Aggregator choices, else a solution."""
         if agent == "Verifier":
             return self.verdict(prompt, str(task.answer))
+        if agent == "Evaluator":
+            ok = "approve" in self.verdict(prompt, str(task.answer))
+            return "\\boxed{Correct}" if ok else "\\boxed{Incorrect}"
+        if agent == "Aggregator":
+            return self.choose(prompt, str(task.answer))
         return self.solution(task.question)
