@@ -79,23 +79,30 @@ def test_new_run_refuses_a_used_run_folder(tiny_cfg):
     assert [r["step"] for r in _records(cfg.run_dir)] == [1]
 
 
-def test_isolated_lora_policies_train_in_one_mixed_step(tiny_cfg):
-    """Isolated-Policy: one adapter per agent over a frozen base, one optimizer step per RL step."""
-    data = tiny_cfg(**{"trainer.total_steps": 2, "algorithm.loss.kl_coef": 0.01})
+def test_isolated_lora_policies_train_in_one_mixed_step(tiny_cfg, tmp_path):
+    """Isolated-Policy: one adapter per agent over a frozen base, one optimizer step per RL step.
+
+    The tiny base starts random, so SFT trains it (sft.train_base); RL must leave it untouched.
+    """
+    data = tiny_cfg(**{"trainer.total_steps": 2, "algorithm.loss.kl_coef": 0.01, "sft.train_base": True})
     data["policies"]["shared"]["lora"] = {"r": 4, "alpha": 8, "per_agent": True,
                                           "target_modules": ["q_proj", "v_proj"]}
     data["policies"]["shared"]["optim"]["weight_decay"] = 0.0
     cfg = config_from_dict(data)
-    trainer = Trainer(cfg)
-    policy = trainer.policies["shared"]
-    base = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" not in n}
-    trainer.fit()
-    for n, p in policy.model.named_parameters():
-        if "lora_" not in n:
-            assert torch.equal(p, base[n]), f"base weight {n} changed"
-    saved = load_file(str(cfg.run_dir / "checkpoints" / "step_2" / "policies" / "shared" / "model.safetensors"))
-    assert any(".Solver." in k for k in saved) and any(".Verifier." in k for k in saved)
-    assert all("lora_" in k for k in saved)
+    Trainer(cfg).fit()
+    ckpts = cfg.run_dir / "checkpoints"
+    after_sft = load_file(str(ckpts / "step_0" / "policies" / "shared" / "model.safetensors"))
+    after_rl = load_file(str(ckpts / "step_2" / "policies" / "shared" / "model.safetensors"))
+    assert set(after_sft) == set(after_rl)
+    base = [k for k in after_sft if "lora_" not in k]
+    lora = [k for k in after_sft if "lora_" in k]
+    assert base and all(torch.equal(after_sft[k], after_rl[k]) for k in base), "RL changed the frozen base"
+    for agent in ("Solver", "Verifier"):
+        assert any(f".{agent}." in k for k in lora)
+    assert any(not torch.equal(after_sft[k], after_rl[k]) for k in lora)
     records = _records(cfg.run_dir)
     assert all(math.isfinite(r["agent/Verifier/kl_ref"]) for r in records)
     assert any(r["agent/Solver/grad_norm"] > 0 for r in records)
+    cfg.trainer.total_steps = 3  # resume restores the SFT-trained base and the adapters
+    Trainer(cfg).fit(resume=True)
+    assert [r["step"] for r in _records(cfg.run_dir)] == [1, 2, 3]

@@ -117,6 +117,9 @@ class SFTConfig(_Strict):
     lr: float = Field(3e-3, gt=0.0)
     warmup_steps: int = Field(20, ge=0)
     teacher: dict[str, Any] = Field(default_factory=dict)
+    train_base: bool = Field(False, description=(
+        "with LoRA policies: SFT trains the base weights too (a tiny model built from config starts "
+        "random), then freezes them for RL"))
     filter_agents: list[str] = Field(default_factory=list, description=(
         "rejection-sampled SFT: drop these agents' demonstrations whose own answer scores incorrect "
         "(they still appear as context in later prompts)"))

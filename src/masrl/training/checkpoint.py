@@ -47,8 +47,15 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
+def saved_parameter_names(policy: Any) -> set[str]:
+    """Trainable parameters, plus the frozen base when SFT trained it (``policy.base_trained``)."""
+    full = getattr(policy, "base_trained", False)
+    return {n for n, p in policy.model.named_parameters() if full or p.requires_grad}
+
+
+def trainable_state(policy: Any) -> dict[str, torch.Tensor]:
+    names = saved_parameter_names(policy)
+    return {n: p.detach().contiguous().clone() for n, p in policy.model.named_parameters() if n in names}
 
 
 def optimizer_to_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -107,7 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
             continue
         pdir = tmp / "policies" / name
         pdir.mkdir(parents=True)
-        save_file(trainable_state(policy.model), str(pdir / "model.safetensors"))
+        save_file(trainable_state(policy), str(pdir / "model.safetensors"))
         tensors, meta = optimizer_to_tensors(policy.optimizer)
         save_file(tensors, str(pdir / "optimizer.safetensors"))
         (pdir / "optimizer.json").write_text(json.dumps(meta))
@@ -180,7 +187,7 @@ def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: 
         if not pdir.is_dir():
             raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
         weights = load_file(str(pdir / "model.safetensors"))
-        expected = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+        expected = saved_parameter_names(policy)
         if set(weights) != expected:
             missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
             raise CheckpointError(f"{path}: policy {name!r} weights do not fit the model "

@@ -22,6 +22,7 @@ class Policy:
     ref_model: torch.nn.Module | None = None
     agents: list[str] = field(default_factory=list)
     adapter_of: dict[str, str] = field(default_factory=dict)  # agent -> LoRA adapter (per-agent adapters)
+    base_trained: bool = False  # SFT trained the base under the adapters: checkpoints keep it too
 
     def adapter(self, agent: str) -> str | None:
         return self.adapter_of.get(agent)

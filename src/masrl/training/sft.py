@@ -59,10 +59,15 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
     for r in rows:
         by_policy[r.policy].append(r)
     rng = random.Random(seed)
-    optims = {}
-    for name, prows in by_policy.items():
-        params = policies[name].trainable_parameters()
-        optims[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    optims, unfrozen = {}, {}
+    for name in by_policy:
+        policy = policies[name]
+        if cfg.train_base and policy.cfg.lora is not None:  # cold start of the base under the adapters
+            unfrozen[name] = [p for p in policy.model.parameters() if not p.requires_grad]
+            for p in unfrozen[name]:
+                p.requires_grad_(True)
+            policy.base_trained = True
+        optims[name] = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
     last: dict[str, float] = {}
     for step in range(cfg.steps):
         warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
@@ -88,4 +93,7 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             last[f"sft/{name}/loss"] = loss_sum
         if on_step is not None:
             on_step(step, last)
+    for params in unfrozen.values():
+        for p in params:
+            p.requires_grad_(False)
     return last

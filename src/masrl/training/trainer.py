@@ -64,6 +64,8 @@ class Trainer:
             name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
                                agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
             for name, pcfg in cfg.policies.items()}
+        for name, policy in self.policies.items():  # so that resume/eval expect the SFT-trained base
+            policy.base_trained = bool(cfg.sft.train_base and cfg.sft.steps and policy.cfg.lora is not None)
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
