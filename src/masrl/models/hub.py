@@ -112,8 +112,11 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, trust_re
     kwargs = dict(model_kwargs)
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
+    if _offline():  # honour HF_HUB_OFFLINE set after huggingface_hub was imported: no network retries
+        kwargs.setdefault("local_files_only", True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                  local_files_only=kwargs.get("local_files_only", False))
         model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # noqa: BLE001 - one clear line for every cause
         if is_local:
