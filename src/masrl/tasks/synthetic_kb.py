@@ -169,21 +169,34 @@ class SyntheticKBTeacher:
     agent gives the gold answer. Works with any prompt template that shows passage text.
     """
 
-    def __init__(self, seed: int = 0, *, think: bool = False, **sizes):
+    def __init__(self, seed: int = 0, *, think: bool = False, answer_noise: float = 0.0,
+                 verifier_noise: float = 0.0, **sizes):
         kb = generate_kb(seed, **sizes)
         self.passages = {p.id: p for p in kb.passages}
         self.think = think
+        # imperfect demonstrations (cold start): a wrong entity from the prompt as the answer,
+        # a flipped sufficiency verdict
+        self.answer_noise = answer_noise
+        self.verifier_noise = verifier_noise
+        self.rng = random.Random(seed + 7919)
+        self.names = sorted({p.title for p in kb.passages})
 
     def reply(self, agent: str, prompt: str, task: Task) -> str:
         gold = [self.passages[pid] for pid in task.meta.get("gold_passages", []) if pid in self.passages]
         missing = [p for p in gold if p.text not in prompt]
         if agent == "Verifier":
             verdict = "no" if missing else "yes"
+            if self.rng.random() < self.verifier_noise:
+                verdict = "yes" if verdict == "no" else "no"
             thought = "<think>need more</think>" if missing else "<think>enough</think>"
             return (thought if self.think else "") + f"<verify>{verdict}</verify>"
         if agent == "Search":
             query = missing[0].title if missing else str(task.meta.get("subject", task.question))
             return (f"<think>find {query}</think>" if self.think else "") + f"<search>{query}</search>"
         if agent == "Answer":
-            return (f"<think>it is {task.answer[0]}</think>" if self.think else "") + f"<answer>{task.answer[0]}</answer>"
+            answer = task.answer[0]
+            if self.rng.random() < self.answer_noise:
+                seen = [n for n in self.names if n in prompt and n != answer and n != task.meta.get("subject")]
+                answer = self.rng.choice(seen or self.names)
+            return (f"<think>it is {answer}</think>" if self.think else "") + f"<answer>{answer}</answer>"
         raise ValueError(f"SyntheticKBTeacher has no reply for agent {agent!r}")
