@@ -106,3 +106,14 @@ def test_isolated_lora_policies_train_in_one_mixed_step(tiny_cfg, tmp_path):
     cfg.trainer.total_steps = 3  # resume restores the SFT-trained base and the adapters
     Trainer(cfg).fit(resume=True)
     assert [r["step"] for r in _records(cfg.run_dir)] == [1, 2, 3]
+
+
+def test_per_role_monitoring_metrics_are_logged(tiny_cfg):
+    cfg = config_from_dict(tiny_cfg(**{"monitoring.kl_to_base": True}))
+    Trainer(cfg).fit()
+    records = _records(cfg.run_dir)
+    for agent in ("Solver", "Verifier"):
+        for metric in ("chi2_drift", "token_concentration", "perplexity", "hedge_rate", "kl_ref", "length_p95"):
+            assert math.isfinite(records[-1][f"agent/{agent}/{metric}"]), (agent, metric)
+    assert records[0]["agent/Solver/chi2_drift"] == 0.0  # step 0 is the reference
+    assert "agent/Verifier/verdict_accuracy" in records[-1]

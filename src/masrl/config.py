@@ -154,6 +154,25 @@ class EvalConfig(_Strict):
                                      description="USD per 1M generated tokens, by policy (cost estimate)")
 
 
+class SpikeConfig(_Strict):
+    """Gradient-spike detector: robust z-score of each policy's and role's grad norm (docs/monitoring.md)."""
+
+    action: Literal["log", "skip", "scale"] = "log"
+    window: int = Field(50, ge=2)
+    threshold: float = Field(6.0, gt=0.0)
+    min_history: int = Field(10, ge=1)
+
+
+class MonitoringConfig(_Strict):
+    drift: bool = True
+    kl_to_base: bool = Field(False, description=(
+        "log agent/<a>/kl_ref (k3 to the reference: the initial model, or the base without adapters) "
+        "even when algorithm.loss.kl_coef is 0; costs one extra no-grad forward per micro-batch"))
+    spike: SpikeConfig = Field(default_factory=SpikeConfig)
+    capture_threshold: float = Field(0.8, gt=0.0, lt=1.0, description="role-capture: grad-mass share")
+    capture_patience: int = Field(10, ge=1, description="role-capture: consecutive steps")
+
+
 class LoggingConfig(_Strict):
     tensorboard: bool = True
     progress: bool = True
@@ -173,6 +192,7 @@ class RunConfig(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
     @model_validator(mode="after")
     def _mapping_is_complete(self):

@@ -22,8 +22,10 @@ import torch
 
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
-from masrl.evaluation.runner import repeat_tasks, summarize_episodes
+from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
+from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
+from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import make_call, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_task_source
@@ -59,7 +61,7 @@ class Trainer:
             raise ValueError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                              f"{self.spec.name} uses {sorted(self.spec.prompts)}")
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
-        kl = cfg.algorithm.loss.kl_coef > 0
+        kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
         self.policies: dict[str, Policy] = {
             name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
                                agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
@@ -67,6 +69,11 @@ class Trainer:
         for name, policy in self.policies.items():  # so that resume/eval expect the SFT-trained base
             policy.base_trained = bool(cfg.sft.train_base and cfg.sft.steps and policy.cfg.lora is not None)
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
+        mon = cfg.monitoring
+        self.drift = RoleDriftTracker() if mon.drift else None
+        self.spikes = SpikeDetector(window=mon.spike.window, threshold=mon.spike.threshold,
+                                    min_history=mon.spike.min_history, action=mon.spike.action)
+        self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
@@ -109,8 +116,26 @@ class Trainer:
         for name, policy in self.policies.items():
             if policy.cfg.trainable and rows.get(name):
                 metrics.update(update_policy(policy, rows[name], self.cfg.algorithm, self.cfg.trainer,
-                                             step=self.step, seed=self.cfg.seed))
+                                             step=self.step, seed=self.cfg.seed, guard=self.spikes.guard,
+                                             track_kl=self.cfg.monitoring.kl_to_base))
         return metrics
+
+    def monitor(self, episodes, turns, metrics: dict[str, float]) -> None:
+        """Per-role instruments: drift vs step 0, verdict accuracy, role grad spikes, role capture."""
+        if self.drift is not None:
+            metrics.update(self.drift.update(turns, self.step))
+        metrics.update({k: v for k, v in agent_facts(episodes).items() if k.endswith(("accuracy", "precision",
+                                                                                       "recall"))})
+        for agent in self.cfg.agents:
+            norm = metrics.get(f"agent/{agent}/grad_norm")
+            if norm is not None and self.spikes.check(f"agent/{agent}", norm, self.step).is_spike:
+                metrics[f"agent/{agent}/grad_spike"] = 1.0
+        for policy in self.policies.values():
+            if len(policy.agents) > 1:
+                norms = {a: metrics[f"agent/{a}/grad_norm"] for a in policy.agents
+                         if f"agent/{a}/grad_norm" in metrics}
+                for event in self.capture.update(self.step, norms):
+                    metrics[f"agent/{event.role}/role_capture"] = 1.0
 
     def evaluate(self, label: str) -> dict[str, float]:
         ecfg = self.cfg.eval
@@ -160,6 +185,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
+        self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
         trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/update_seconds": t_update,
@@ -181,6 +207,10 @@ class Trainer:
             state = ckpt.load_checkpoint(path, self.policies)
             ckpt.set_rng_state(state["rng"])
             self.history = state.get("history", {})
+            if self.drift is not None and "drift" in state:
+                self.drift.load_state_dict(state["drift"])
+            if "spikes" in state:
+                self.spikes.load_state_dict(state["spikes"])
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
@@ -217,7 +247,9 @@ class Trainer:
         return report
 
     def save(self, step: int) -> Path:
-        return ckpt.save_checkpoint(self.run_dir, step, self.policies, {"history": self.history},
+        state = {"history": self.history, "spikes": self.spikes.state_dict(),
+                 **({"drift": self.drift.state_dict()} if self.drift is not None else {})}
+        return ckpt.save_checkpoint(self.run_dir, step, self.policies, state,
                                     keep=self.cfg.trainer.keep_checkpoints)
 
 

@@ -124,7 +124,8 @@ GradGuard = Callable[[str, float, int], "tuple[str, float] | None"]
 
 
 def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
-                  *, step: int, seed: int, guard: GradGuard | None = None) -> dict[str, float]:
+                  *, step: int, seed: int, guard: GradGuard | None = None,
+                  track_kl: bool = False) -> dict[str, float]:
     """Train ``policy`` on ``rows``; returns ``policy/<name>/...`` and ``agent/<a>/...`` metrics."""
     assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
     lc = algo.loss
@@ -171,10 +172,12 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                     if lc.entropy_coef:
                         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
                                                                  norm_length=norm_length)
-                    if lc.kl_coef:
+                    if lc.kl_coef or track_kl:
                         ref = reference_logprobs(policy, batch)
-                        kl = kl_penalty(logprobs, ref, lc.kl_kind)
-                        loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length)
+                        kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
+                        if lc.kl_coef:
+                            loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg,
+                                                                norm_length=norm_length)
                         _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
                     weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
                               else len(chunk) / max(total_rows, 1))
