@@ -174,3 +174,16 @@ def test_normalize_number():
     assert normalize_number("1,2") is None
     assert normalize_number("x") is None
     assert normalize_number(3.0) == "3"
+
+
+def test_last_number_fallback_only_when_asked():
+    from masrl.tasks.math_reward import math_score
+    from masrl.types import Task
+
+    task = Task("t", "q", "1200")
+    text = "Step 1: 1,000 + 200 = 1,200.\nThe final answer is 1,200."
+    assert math_score(task, text)["pred"] is None  # strict by default: no box, no answer
+    scored = math_score(task, text, fallback="last_number")
+    assert scored["correct"] and scored["pred"] == "1200"
+    assert math_score(task, "\\boxed{7} and later 1200", fallback="last_number")["pred"] == "7"  # a box wins
+    assert math_score(task, "no digits here", fallback="last_number")["pred"] is None

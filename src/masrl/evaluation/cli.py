@@ -7,17 +7,19 @@ from pathlib import Path
 from masrl.config import ConfigError, load_config
 
 
-def load_bench_tasks(name: str, source, limit: int | None, strict: bool):
-    """'test' is the task source's held-out split; otherwise a math or QA benchmark name, or a file."""
+def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
+    """``(tasks, score)``: 'test' is the task source's held-out split; otherwise a math or QA benchmark
+    name, or a QA file; each is scored by its kind's reward (math-verify or EM)."""
     if name == "test":
-        return source.test[:limit] if limit else source.test
+        return (source.test[:limit] if limit else source.test), source.score
     from masrl.tasks.math_data import BENCHMARKS, load_benchmark
     from masrl.tasks.qa import QA_DATASETS, load_qa
+    from masrl.tasks.registry import _math_score, _qa_score
 
     if name in BENCHMARKS:
-        return load_benchmark(name, limit=limit, strict=strict)
+        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
     if name in QA_DATASETS or Path(name).is_file():
-        return load_qa(name, limit=limit, strict=strict)
+        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
     known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
     raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")
 
@@ -55,11 +57,11 @@ def run_eval(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
     for bench in [b.strip() for b in args.bench.split(",") if b.strip()]:
-        tasks = load_bench_tasks(bench, trainer.source, args.limit or cfg.eval.limit, args.strict)
+        tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, args.limit or cfg.eval.limit, args.strict)
         if not tasks:
             raise ConfigError(f"--bench {bench}: no tasks loaded")
         rep, groups = repeat_tasks(tasks, n)
-        episodes = trainer.rollout(rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed)
+        episodes = trainer.rollout(rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed, score=score)
         summary = summarize_episodes(episodes, ks, bench=bench)
         tokens = {}
         for e in episodes:

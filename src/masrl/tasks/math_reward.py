@@ -273,14 +273,26 @@ def is_equiv(gold: str, pred: str) -> tuple[bool, str]:
         return False, f"error: {type(e).__name__}"
 
 
-def extract_prediction(text: Any) -> str | None:
-    r"""Last ``\boxed{}`` content of ``text`` (after the last ``</think>`` when present)."""
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_prediction(text: Any, fallback: str = "none") -> str | None:
+    r"""Last ``\boxed{}`` content of ``text`` (after the last ``</think>`` when present).
+
+    ``fallback="last_number"``: with no box, the last number of the text (the lenient
+    extraction GSM8K harnesses use for small models that do not box); ``"none"`` (default):
+    no box, no prediction.
+    """
     if not isinstance(text, str):
         return None
     idx = text.rfind(_THINK_END)
     if idx != -1:
         text = text[idx + len(_THINK_END):]
-    return extract_boxed(text)
+    boxed = extract_boxed(text)
+    if boxed is None and fallback == "last_number":
+        numbers = _LAST_NUMBER.findall(text[-2000:])
+        return numbers[-1].rstrip(".,").replace(",", "") if numbers else None
+    return boxed
 
 
 def _gold_text(answer: Any) -> str | None:
@@ -298,14 +310,15 @@ def _gold_text(answer: Any) -> str | None:
     return s or None
 
 
-def math_score(task: Task, answer_text: str | None) -> dict:
+def math_score(task: Task, answer_text: str | None, fallback: str = "none") -> dict:
     r"""Score a response: ``{"reward": 1.0|0.0, "correct": bool, "pred": str|None, "reason": str}``.
 
-    ``answer_text`` is the full model response; the answer is the last ``\boxed{}``.
+    ``answer_text`` is the full model response; the answer is the last ``\boxed{}`` (or, with
+    ``fallback="last_number"``, the last number when nothing is boxed).
     Never raises: any failure gives ``correct=False`` with the cause in ``reason``.
     """
     try:
-        pred = extract_prediction(answer_text)
+        pred = extract_prediction(answer_text, fallback)
         if pred is None:
             reason = "no_answer" if not isinstance(answer_text, str) or not answer_text.strip() else "no_boxed"
             return {"reward": 0.0, "correct": False, "pred": None, "reason": reason}

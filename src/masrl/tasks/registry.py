@@ -24,26 +24,36 @@ class TaskSource:
 
 def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.arithmetic import ArithmeticConfig, ArithmeticTeacher, make_arithmetic_tasks
-    from masrl.tasks.math_reward import math_score
 
     try:
-        acfg = ArithmeticConfig(**cfg.params)
+        acfg = ArithmeticConfig(**{k: v for k, v in cfg.params.items() if k != "answer_fallback"})
     except TypeError as e:
         raise ValueError(f"task.params for arithmetic: {e}; known: {sorted(ArithmeticConfig.__dataclass_fields__)}")
     train, test = make_arithmetic_tasks(acfg)
     teacher = ArithmeticTeacher(**sft_teacher)
-    return TaskSource("arithmetic", train, test, math_score, teacher.reply)
+    return TaskSource("arithmetic", train, test, _math_score(cfg), teacher.reply)
+
+
+def _math_score(cfg: TaskConfig):
+    """math_score, with ``task.params.answer_fallback: last_number`` for models that do not box."""
+    from functools import partial
+
+    from masrl.tasks.math_reward import math_score
+
+    fallback = cfg.params.get("answer_fallback", "none")
+    if fallback not in ("none", "last_number"):
+        raise ValueError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
+    return partial(math_score, fallback=fallback) if fallback != "none" else math_score
 
 
 def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.math_data import load_benchmark
-    from masrl.tasks.math_reward import math_score
 
     train_name = cfg.params.get("train", cfg.name)
     test_name = cfg.params.get("test", cfg.name)
     train = load_benchmark(train_name, limit=cfg.train_limit)
     test = load_benchmark(test_name, limit=cfg.test_limit)
-    return TaskSource(cfg.name, train, test, math_score)
+    return TaskSource(cfg.name, train, test, _math_score(cfg))
 
 
 def _qa_score(cfg: TaskConfig):

@@ -80,12 +80,14 @@ class Trainer:
         self.logger: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ stages
-    def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0) -> list[Episode]:
+    def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
+                score=None) -> list[Episode]:
         for i, policy in enumerate(self.policies.values()):
             policy.engine.reseed(seed + i)
         call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
         return run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
-                            score=self.source.score, prompts=self.cfg.workflow.prompts, params=self.params,
+                            score=score or self.source.score, prompts=self.cfg.workflow.prompts,
+                            params=self.params,
                             format_penalty=self.cfg.algorithm.format_penalty)
 
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
@@ -191,7 +193,8 @@ class Trainer:
         metrics.update({"perf/rollout_seconds": t_rollout, "perf/update_seconds": t_update,
                         "perf/step_seconds": time.perf_counter() - t0,
                         "perf/rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
-                        "perf/train_tokens_per_s": trained / max(t_update, 1e-9)})
+                        "perf/train_tokens_per_s": trained / max(t_update, 1e-9),
+                        "perf/rss_mib": _rss_mib()})
         return metrics
 
     def fit(self, resume: bool = False, overwrite: bool = False) -> dict:
@@ -346,6 +349,13 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _rss_mib() -> float:
+    """Resident memory of this process now (MiB), to watch for growth over long runs."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 def _atomic_write(path: Path, text: str) -> None:
