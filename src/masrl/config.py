@@ -49,6 +49,7 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.01, ge=0.0)
     grad_clip: Optional[float] = Field(1.0, gt=0.0)
     eps: float = 1e-8
+    fused: bool = Field(False, description="torch's fused AdamW kernel (much faster steps for large models)")
 
 
 class LoraConfig(_Strict):

@@ -103,11 +103,15 @@ class TransformersEngine:
         top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
         budget = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
         max_new = int(budget.max())
-        input_ids, attention = input_ids.to(device), attention.to(device)
+        # the mask for prompt + every decode step, allocated once (sliced per step)
+        full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
+        input_ids = input_ids.to(device)
+        attention = full_mask[:, :width]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        eos = self.eos.to(device)
+        eos = self.eos  # tokens are compared on the CPU
 
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                    logits_to_keep=1)  # the prompt's last position only: no vocabulary-sized prefill logits
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_pos = positions[:, -1] + 1
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long)
@@ -122,13 +126,13 @@ class TransformersEngine:
             tokens_out[active, step] = tok[active]
             logps_out[active, step] = lp[active]
             n_emitted += active.long()
-            hit_eos = torch.isin(tok, eos.cpu()) & active
+            hit_eos = torch.isin(tok, eos) & active
             stopped |= hit_eos
             done |= hit_eos | (n_emitted >= budget)
             if bool(done.all()):
                 break
             feed = torch.where(done, torch.full_like(tok, self.pad_token_id), tok).to(device)
-            attention = torch.cat([attention, torch.ones((batch, 1), dtype=attention.dtype, device=device)], 1)
+            attention = full_mask[:, :width + step + 1]
             out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=next_pos[:, None],
                         past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1, :]

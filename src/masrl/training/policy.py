@@ -81,7 +81,8 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     if cfg.trainable:
         o = cfg.optim
         policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
-                                             weight_decay=o.weight_decay, eps=o.eps)
+                                             weight_decay=o.weight_decay, eps=o.eps,
+                                             **({"fused": True} if o.fused else {}))
     if kl and cfg.lora is None:
         policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return policy

@@ -1,0 +1,457 @@
+"""Where one masrl RL step spends its time, and what the speed levers are worth (issue #7).
+
+``profile`` (default): one ``Trainer.train_step()`` of the quickstart (tiny model, SFT skipped,
+after one warm-up step) under cProfile (top Python functions by own time) and torch.profiler
+(top aten ops by self CPU time), rollout and update separately.
+
+``levers``: micro-benchmarks of changes masrl could make, each variant timed alternately
+(A B A B ..., median of ``--reps``) in one process; nothing in masrl is modified (variants are
+built here, outside masrl):
+
+* ``prefill``  : rollout prefill with logits for every prompt position (what the engine does now)
+                 vs ``logits_to_keep=1`` (only the last position is used);
+* ``adamw``    : ``torch.optim.AdamW`` default (for-loop/foreach) vs ``fused=True`` on the model's params;
+* ``bf16``     : one training forward+backward in float32 vs under ``torch.autocast("cpu", bfloat16)``
+                 (float32 master weights) vs bfloat16 weights;
+* ``logits``   : training forward+backward with ``logits_to_keep`` = response+1 (masrl) vs logits on
+                 every position, and a no-grad forward alone (the pass that reusing the rollout
+                 logprobs as "old" logprobs saves);
+* ``kvcache``  : transformers ``generate`` with the dynamic KV cache vs ``cache_implementation="static"``
+                 (SmolLM2 and tiny);
+* ``bucketing``: the quickstart update with length-bucketed micro-batches (masrl) vs the same token
+                 budget filled in arrival order, with the padding overhead of each;
+* ``decode``   : the masrl engine's time per decode step vs the model forward alone (sampling and
+                 bookkeeping overhead per step), tiny model; bare forwards under inference_mode vs no_grad;
+* ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
+                 slow (~40 s of compilation), only with ``--levers compile``.
+
+    python benchmarks/profile_step.py                     # profile the quickstart step
+    python benchmarks/profile_step.py --section levers    # prefill, adamw, bf16, kvcache, decode on SmolLM2/tiny
+    python benchmarks/profile_step.py --section levers --levers compile
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _benchutil import (REPO, RESULTS, command_line, fmt, fmt_table, machine_info, machine_line,  # noqa: E402
+                        set_threads, write_json)
+from quickstart_throughput import BASE_OVERRIDES  # noqa: E402
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+# ----------------------------------------------------------------------------- profile
+
+def profile_quickstart(a) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from masrl.config import load_config
+    from masrl.training.trainer import Trainer
+
+    cfg = load_config(REPO / "examples" / "quickstart.yaml", BASE_OVERRIDES + [f"trainer.threads={a.threads}"] + a.override)
+    trainer = Trainer(cfg, progress=False)
+    trainer.train_step()  # warm-up
+    trainer.step += 1
+
+    # cProfile over one whole step
+    pr = cProfile.Profile()
+    pr.enable()
+    m = trainer.train_step()
+    pr.disable()
+    trainer.step += 1
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(a.top)
+    cprof = s.getvalue()
+    perf = {k: v for k, v in m.items() if k.startswith("perf/")}
+
+    # torch.profiler, rollout and update separately (wrapping the two stage methods)
+    tables = {}
+    inner_rollout, inner_update = trainer.rollout, trainer.update
+
+    def wrap(name, fn):
+        def run(*args, **kw):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = fn(*args, **kw)
+            tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top)
+            ka = prof.key_averages()
+            total = sum(e.self_cpu_time_total for e in ka)
+            tables[name + "_shares"] = {e.key: e.self_cpu_time_total / total for e in
+                                        sorted(ka, key=lambda e: -e.self_cpu_time_total)[:a.top]}
+            return out
+        return run
+
+    trainer.rollout, trainer.update = wrap("rollout", inner_rollout), wrap("update", inner_update)
+    m2 = trainer.train_step()
+    return {"perf_cprofile_step": perf, "perf_torchprof_step": {k: v for k, v in m2.items() if k.startswith("perf/")},
+            "cprofile_top": cprof, "torch_rollout": tables["rollout"], "torch_update": tables["update"],
+            "rollout_op_shares": tables["rollout_shares"], "update_op_shares": tables["update_shares"],
+            "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- levers
+
+def ab(variants: dict, reps: int) -> dict:
+    """Time every variant alternately ``reps`` times (after one untimed call each)."""
+    for fn in variants.values():
+        fn()
+    times = {k: [] for k in variants}
+    for _ in range(reps):
+        for k, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    base = next(iter(variants))
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "times": v,
+                "ratio_to_first": statistics.median(v) / statistics.median(times[base])} for k, v in times.items()}
+
+
+def load_smollm2(dtype=None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from masrl.models.smollm import smollm2_path
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path()), dtype=dtype or torch.float32)
+
+
+def lever_prefill(a, model):
+    import torch
+
+    x = torch.randint(10, 40000, (a.rows, a.prompt_len))
+    model.eval()
+
+    def run(keep):
+        def f():
+            with torch.inference_mode():
+                model(input_ids=x, use_cache=True, logits_to_keep=keep)
+        return f
+
+    return {"what": f"SmolLM2 prefill of {a.rows} x {a.prompt_len} prompt tokens",
+            "results": ab({"logits for all positions (engine now)": run(0), "logits_to_keep=1": run(1)}, a.reps)}
+
+
+def lever_adamw(a, model):
+    import torch
+
+    params = [p for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opts = {"AdamW default": torch.optim.AdamW(params, lr=1e-7),
+            "AdamW foreach=True": torch.optim.AdamW(params, lr=1e-7, foreach=True),
+            "AdamW fused=True": torch.optim.AdamW(params, lr=1e-7, fused=True)}
+    res = ab({k: o.step for k, o in opts.items()}, a.reps)
+    for p in params:
+        p.grad = None
+    return {"what": f"one optimizer step over SmolLM2's {sum(p.numel() for p in params) / 1e6:.1f}M parameters",
+            "results": res}
+
+
+def lever_bf16(a, model):
+    import torch
+
+    model.train()
+    mb = load_smollm2(torch.bfloat16).train()
+    width = a.prompt_len + a.response_len
+    x = torch.randint(10, 40000, (a.rows, width))
+
+    def step(mod, ctx):
+        def f():
+            with ctx():
+                out = mod(input_ids=x, use_cache=False, logits_to_keep=a.response_len + 1)
+            out.logits.float().logsumexp(-1).mean().backward()
+            mod.zero_grad(set_to_none=True)
+        return f
+
+    res = ab({"float32": step(model, contextlib.nullcontext),
+              "autocast bfloat16 (float32 weights)": step(model, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+              "bfloat16 weights": step(mb, contextlib.nullcontext)}, a.reps)
+    model.eval()
+    return {"what": f"SmolLM2 training forward+backward, {a.rows} rows x {width} tokens "
+                    f"(LM head on the last {a.response_len + 1})", "results": res}
+
+
+def lever_logits(a, model):
+    """Training forward+backward with the LM head on the scored positions only vs on every position;
+    and a forward-only (no-grad) pass: what recomputing "old" logprobs would cost if rollout logprobs
+    were not reused."""
+    import torch
+
+    model.train()
+    width = a.prompt_len + a.response_len
+    x = torch.randint(10, 40000, (a.rows, width))
+    tgt = x[:, -a.response_len:]
+
+    def train(keep):
+        def f():
+            out = model(input_ids=x, use_cache=False, logits_to_keep=keep)
+            logits = out.logits[:, -(a.response_len + 1):-1].float()
+            lp = logits.gather(-1, tgt[..., None]).squeeze(-1) - logits.logsumexp(-1)
+            (-lp.mean()).backward()
+            model.zero_grad(set_to_none=True)
+        return f
+
+    def forward_only():
+        with torch.no_grad():
+            out = model(input_ids=x, use_cache=False, logits_to_keep=a.response_len + 1)
+            logits = out.logits[:, :-1].float()
+            logits.gather(-1, tgt[..., None]).squeeze(-1) - logits.logsumexp(-1)
+
+    res = ab({f"fwd+bwd, logits_to_keep={a.response_len + 1} (masrl)": train(a.response_len + 1),
+              "fwd+bwd, logits for all positions": train(0),
+              "no-grad forward only (an old-logprob pass)": forward_only}, a.reps)
+    model.eval()
+    return {"what": f"SmolLM2, {a.rows} rows x {width} tokens, {a.response_len} response tokens", "results": res}
+
+
+def lever_bucketing(a):
+    """Update on the rows of a real quickstart step: length-bucketed micro-batches (masrl) vs the same
+    token budget filled in arrival order (no sorting), plus the padding each leaves."""
+    import masrl.training.update as upd
+    from masrl.config import load_config
+    from masrl.training.trainer import Trainer
+
+    cfg = load_config(REPO / "examples" / "quickstart.yaml", BASE_OVERRIDES + [f"trainer.threads={a.threads}"])
+    trainer = Trainer(cfg, progress=False)
+    captured = {}
+    inner = trainer.update
+
+    def capture(turns, adv):
+        captured["args"] = (turns, adv)
+        return inner(turns, adv)
+
+    trainer.update = capture
+    trainer.train_step()
+    trainer.update = inner
+    sorted_chunks = upd.micro_batches
+
+    def arrival_order(rows, budget):
+        chunks, cur, width = [], [], 0
+        for r in rows:
+            w = max(width, r.length)
+            if cur and (len(cur) + 1) * w > budget:
+                chunks.append(cur)
+                cur, w = [], r.length
+            cur.append(r)
+            width = w
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def padding(chunker):
+        rows = [r for r in _rows(trainer, *captured["args"])]
+        real = sum(r.length for r in rows)
+        padded = 0
+        for agent in sorted({r.agent for r in rows}):
+            for c in chunker([r for r in rows if r.agent == agent], cfg.trainer.micro_batch_tokens):
+                padded += len(c) * max(r.length for r in c)
+        return padded / real - 1
+
+    def run(chunker):
+        def f():
+            upd.micro_batches = chunker
+            try:
+                inner(*captured["args"])
+            finally:
+                upd.micro_batches = sorted_chunks
+        return f
+
+    res = ab({"length-bucketed (masrl)": run(sorted_chunks), "arrival order, same token budget": run(arrival_order)},
+             a.reps)
+    res["length-bucketed (masrl)"]["padding_overhead"] = padding(sorted_chunks)
+    res["arrival order, same token budget"]["padding_overhead"] = padding(arrival_order)
+    return {"what": f"quickstart update (tiny), micro_batch_tokens={cfg.trainer.micro_batch_tokens}", "results": res}
+
+
+def _rows(trainer, turns, advantages):
+    from masrl.training.update import Row
+
+    for t, adv in zip(turns, advantages.tolist()):
+        if t.response_ids:
+            yield Row(t.agent, t.prompt_ids, t.response_ids, t.logprobs, adv, t.info.get("temperature", 1.0),
+                      policy=t.policy)
+
+
+def lever_kvcache(a, model):
+    import torch
+
+    model.eval()
+    x = torch.randint(10, 40000, (a.rows, a.prompt_len))
+    kw = dict(attention_mask=torch.ones_like(x), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+              max_new_tokens=a.response_len, min_new_tokens=a.response_len, pad_token_id=2)
+
+    def gen(ci):
+        def f():
+            torch.manual_seed(0)
+            model.generate(x, cache_implementation=ci, **kw)
+        return f
+
+    res = ab({"SmolLM2, dynamic cache": gen(None), "SmolLM2, static cache": gen("static")}, a.reps)
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {}, seed=0).eval()
+    xt = torch.randint(4, 100, (128, 60))
+    kwt = dict(attention_mask=torch.ones_like(xt), do_sample=True, top_k=0, max_new_tokens=40, min_new_tokens=40,
+               pad_token_id=tok.pad_token_id)
+
+    def gen_tiny(ci):
+        def f():
+            torch.manual_seed(0)
+            tiny.generate(xt, cache_implementation=ci, **kwt)
+        return f
+
+    res.update(ab({"tiny 128 x 60 prompt, 40 new, dynamic cache": gen_tiny(None),
+                   "tiny 128 x 60 prompt, 40 new, static cache": gen_tiny("static")}, a.reps))
+    return {"what": f"transformers generate: SmolLM2 {a.rows} rows x {a.prompt_len} prompt, {a.response_len} "
+                    "new tokens; tiny 128 rows x 60 prompt, 40 new tokens (time ratios within each model)",
+            "results": res}
+
+
+def lever_decode(a):
+    """masrl engine time per decode step vs the bare model forward per step (tiny model)."""
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, {}, seed=0).eval()
+    engine = TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=tok.pad_token_id)  # never stops
+    rows, new = 128, 40
+    prompt = tok("Q 12+13-4\nS ", add_special_tokens=False)["input_ids"]
+    reqs = [GenRequest(prompt, 1.0, 1.0, new) for _ in range(rows)]
+    x = torch.tensor([prompt] * rows)
+
+    def bare():
+        with torch.inference_mode():
+            out = model(input_ids=x, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            for _ in range(new - 1):
+                out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+
+    def bare_no_grad():
+        with torch.no_grad():
+            out = model(input_ids=x, use_cache=True)
+            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            for _ in range(new - 1):
+                out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+
+    def hf_generate():
+        model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                       max_new_tokens=new, min_new_tokens=new, pad_token_id=tok.pad_token_id)
+
+    res = ab({"masrl engine (sampling, logprobs, masks)": lambda: engine.generate(reqs),
+              "bare model forwards (greedy argmax), inference_mode": bare,
+              "bare model forwards (greedy argmax), no_grad": bare_no_grad,
+              "transformers generate (sampling)": hf_generate}, a.reps)
+    for v in res.values():
+        v["ms_per_step"] = 1000 * v["median_s"] / new
+    return {"what": f"tiny model, {rows} rows, {len(prompt)} prompt tokens, {new} decode steps", "results": res}
+
+
+def lever_compile(a):
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, {}, seed=0).train()
+    x = torch.randint(4, 100, (64, 60))
+
+    def step(mod):
+        def f():
+            out = mod(input_ids=x, use_cache=False, logits_to_keep=41)
+            out.logits.float().logsumexp(-1).mean().backward()
+            mod.zero_grad(set_to_none=True)
+        return f
+
+    t = time.perf_counter()
+    compiled = torch.compile(model, dynamic=False)
+    step(compiled)()
+    compile_s = time.perf_counter() - t
+    res = ab({"eager": step(model), "torch.compile (one fixed shape)": step(compiled)}, a.reps)
+    return {"what": "tiny model training forward+backward, 64 rows x 60 tokens", "compile_seconds": compile_s,
+            "results": res}
+
+
+def run_levers(a) -> dict:
+    out = {}
+    wanted = a.levers
+    big = None
+    if any(k in wanted for k in ("prefill", "adamw", "bf16", "kvcache", "logits")):
+        big = load_smollm2()
+    for name in wanted:
+        t = time.perf_counter()
+        if name == "decode":
+            out[name] = lever_decode(a)
+        elif name == "compile":
+            out[name] = lever_compile(a)
+        elif name == "bucketing":
+            out[name] = lever_bucketing(a)
+        else:
+            out[name] = {"prefill": lever_prefill, "adamw": lever_adamw, "bf16": lever_bf16,
+                         "kvcache": lever_kvcache, "logits": lever_logits}[name](a, big)
+        print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
+        extra = {"decode": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens")}
+        rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
+                ([fmt(v[extra[name][0]])] if name in extra else [])
+                for k, v in out[name]["results"].items()]
+        header = ["variant", "median s", "min s", "time vs first"] + ([extra[name][1]] if name in extra else [])
+        print(fmt_table(header, rows))
+        if "compile_seconds" in out[name]:
+            print(f"\ncompilation + first call: {out[name]['compile_seconds']:.1f} s")
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--section", choices=["profile", "levers", "both"], default="profile")
+    ap.add_argument("--levers", nargs="+",
+                    default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
+                    choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile"])
+    ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=8, help="SmolLM2 levers: rows")
+    ap.add_argument("--prompt-len", type=int, default=90, help="SmolLM2 levers: prompt tokens")
+    ap.add_argument("--response-len", type=int, default=32, help="SmolLM2 levers: response tokens")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    set_threads(a.threads)
+    info = machine_info(a.threads)
+    print(f"command: {command_line()}")
+    print(f"machine: {machine_line(info)}", flush=True)
+    res = {"command": command_line(), "machine": info}
+    if a.section in ("profile", "both"):
+        p = profile_quickstart(a)
+        res["profile"] = p
+        print("\n### quickstart train_step (tiny model, 128 episodes, SFT skipped), perf metrics of the profiled step\n")
+        print(fmt_table(["metric", "value"], [[k, fmt(v)] for k, v in p["perf_cprofile_step"].items()]))
+        print("\n### cProfile, top functions by own time (one whole train_step)\n")
+        print("```\n" + "\n".join(p["cprofile_top"].strip().splitlines()[:a.top + 8]) + "\n```")
+        for stage in ("rollout", "update"):
+            print(f"\n### torch.profiler, {stage} stage, top ops by self CPU time\n")
+            print("```\n" + p[f"torch_{stage}"].strip() + "\n```")
+    if a.section in ("levers", "both"):
+        print("\n### levers (alternated A/B timings, median of --reps)")
+        res["levers"] = run_levers(a)
+    path = RESULTS / f"profile_step_{a.section}.json"
+    write_json(path, res)
+    print(f"\nwritten {path}")
+
+
+if __name__ == "__main__":
+    main()

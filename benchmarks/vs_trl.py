@@ -1,0 +1,352 @@
+"""masrl vs TRL ``GRPOTrainer``: seconds per single-agent GRPO step on CPU, same workload (issue #7).
+
+Both sides train the *same* model (same weights, same tokenizer, loaded from the same folder) on
+the same prompts with the same step shape and hyper-parameters:
+
+* prompts: the synthetic arithmetic train split (``masrl.tasks.arithmetic.make_arithmetic_tasks``),
+  rendered with the Solver template of masrl's ``single`` workflow and sent as one *conversational*
+  user message (both sides apply the tokenizer's chat template with ``add_generation_prompt``);
+  tiny model: the quickstart's terse template ``"Q {question}\\nS "``; SmolLM2: masrl's default
+  Solver template;
+* one step = B prompts x G samples; temperature 1.0, top_p 1.0, no top-k, ``--max-new-tokens``;
+* loss: PPO-clip with eps 0.2 (both sides), token-mean aggregation (TRL ``loss_type="dapo"``),
+  advantages = group-normalised reward (masrl ``estimator: grpo``, TRL ``scale_rewards="group"``),
+  no KL (``beta=0``), one optimizer step per batch (TRL ``num_iterations=1``,
+  ``steps_per_generation=1``, no gradient accumulation), AdamW lr ``--lr``, weight decay 0,
+  grad clip 1.0, constant lr, float32 everywhere (TRL: ``bf16=False``, ``gradient_checkpointing=False``);
+* reward: ``masrl.tasks.math_reward.math_score`` on the completion (masrl ``format_penalty: 0``);
+* no vLLM, no logging, no saving, no evaluation.
+
+Timing. masrl: ``Trainer.train_step()`` (wall time, plus its ``perf/rollout_seconds`` and
+``perf/update_seconds``). TRL: a ``TrainerCallback`` timing ``on_step_begin`` -> ``on_step_end``
+(one optimizer step); the rollout part is the time spent in ``_generate_and_score_completions``
+(generation + reward + advantages; wrapped, not changed), the update part is the rest. The first
+``--warmup`` steps of every run are dropped. Generated tokens are the completion tokens including
+the stop token; training tokens are prompt + completion tokens of the step (no padding).
+
+Repeat r runs both frameworks with seed ``--seed + r``. Every run is its own subprocess (peak RSS = ``ru_maxrss`` of that process, loading included);
+runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hits both.
+
+    python benchmarks/vs_trl.py                         # both models, default sizes
+    python benchmarks/vs_trl.py --model tiny --steps 5 --repeats 3
+    python benchmarks/vs_trl.py --model smollm2 --B 2 --G 4 --max-new-tokens 64
+
+Writes ``benchmarks/results/vs_trl_<model>.json`` and prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _benchutil import (RESULTS, command_line, fmt, fmt_table, machine_info, machine_line,  # noqa: E402
+                        peak_rss_mib, run_worker, set_threads, spread, write_json)
+
+TINY_ARCH = {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 384}
+TASK_PARAMS = {"train_size": 2000, "test_size": 200, "min_terms": 2, "max_terms": 3, "max_operand": 30}
+TERSE_SOLVER = "Q {question}\n{context}S "
+
+DEFAULTS = {  # per model: B, G, max new tokens, lr, steps, warmup, repeats
+    "tiny": {"B": 8, "G": 8, "max_new_tokens": 40, "lr": 1e-4, "steps": 5, "warmup": 1, "repeats": 3},
+    "smollm2": {"B": 2, "G": 4, "max_new_tokens": 64, "lr": 1e-6, "steps": 2, "warmup": 1, "repeats": 2},
+}
+
+
+# ----------------------------------------------------------------------------- shared setup
+
+def solver_template(model: str) -> str:
+    if model == "tiny":
+        return TERSE_SOLVER
+    from masrl.workflows.study import SINGLE_PROMPTS
+
+    return SINGLE_PROMPTS["Solver"]
+
+
+def prepare_tiny_folder(folder: Path) -> Path:
+    """The quickstart-sized tiny Llama (seed 0) + char tokenizer, saved so both frameworks load it by path."""
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TINY_ARCH, seed=0)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def model_folder(model: str, tmp: Path) -> Path:
+    if model == "tiny":
+        return prepare_tiny_folder(tmp / "tiny")
+    from masrl.models.smollm import smollm2_path
+
+    return Path(smollm2_path())
+
+
+# ----------------------------------------------------------------------------- workers
+
+def warm_reward() -> None:
+    """Import math-verify's LaTeX parser before timing (its first use imports sympy/antlr: ~0.5 s)."""
+    from masrl.tasks.math_reward import math_score
+    from masrl.types import Task
+
+    math_score(Task("warm", "1/2", "1/2"), "\\boxed{\\frac{2}{4}}")
+
+
+def worker_masrl(a) -> dict:
+    from masrl.config import config_from_dict
+    from masrl.training.trainer import Trainer
+
+    cfg = config_from_dict({
+        "name": "bench-vs-trl", "seed": a.seed, "output_dir": str(Path(tempfile.gettempdir()) / "masrl-bench-unused"),
+        "task": {"name": "arithmetic", "params": TASK_PARAMS},
+        "workflow": {"name": "single", "prompts": {"Solver": solver_template(a.model)}},
+        "agents": {"Solver": {"policy": "policy", "temperature": 1.0, "top_p": 1.0,
+                              "max_new_tokens": a.max_new_tokens}},
+        "policies": {"policy": {"model": a.model_path, "dtype": "float32",
+                                "optim": {"lr": a.lr, "weight_decay": 0.0, "grad_clip": 1.0}}},
+        "algorithm": {"estimator": "grpo", "format_penalty": 0.0,
+                      "loss": {"loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean"}},
+        "sft": {"steps": 0},
+        "trainer": {"total_steps": a.warmup + a.steps, "batch_size": a.B, "group_size": a.G,
+                    "threads": a.threads},
+        "eval": {"before_after": False},
+        "logging": {"tensorboard": False, "progress": False, "plots": False},
+    })
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, progress=False)
+    load_s = time.perf_counter() - t0
+    warm_reward()
+    stats = trainer.scheduler.stats
+    steps = []
+    for i in range(a.warmup + a.steps):
+        tokens_before, gen_before = stats.generated_tokens, stats.generate_seconds
+        t = time.perf_counter()
+        m = trainer.train_step()
+        wall = time.perf_counter() - t
+        trainer.step += 1
+        trained = m["perf/train_tokens_per_s"] * m["perf/update_seconds"]  # prompt + response tokens
+        steps.append({"step_s": wall, "rollout_s": m["perf/rollout_seconds"], "update_s": m["perf/update_seconds"],
+                      "generate_s": stats.generate_seconds - gen_before,
+                      "generated_tokens": stats.generated_tokens - tokens_before, "trained_tokens": round(trained),
+                      "reward": m["team/reward"], "warmup": i < a.warmup})
+    return {"framework": "masrl", "load_s": load_s, "steps": steps}
+
+
+def worker_trl(a) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from masrl.tasks.arithmetic import ArithmeticConfig, make_arithmetic_tasks
+    from masrl.tasks.math_reward import math_score
+    from masrl.types import Task
+    from masrl.workflows.base import render
+
+    train, _ = make_arithmetic_tasks(ArithmeticConfig(**TASK_PARAMS))
+    template = solver_template(a.model)
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": render(template, context="", question=t.question)}],
+                               "task_id": t.id, "question": t.question, "answer": t.answer} for t in train])
+    counters = {"generated": 0, "prompt": 0}
+
+    def correctness(prompts, completions, completion_ids, task_id, question, answer, **_):
+        counters["generated"] += sum(len(c) for c in completion_ids)
+        out = []
+        for c, i, q, ans in zip(completions, task_id, question, answer):
+            text = c[-1]["content"] if isinstance(c, list) else c
+            out.append(float(math_score(Task(i, q, ans), text)["reward"]))
+        return out
+
+    tokenizer = AutoTokenizer.from_pretrained(a.model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    out_dir = tempfile.mkdtemp(prefix="trl-bench-")
+    args = GRPOConfig(
+        output_dir=out_dir, seed=a.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        model_init_kwargs={"dtype": torch.float32},
+        per_device_train_batch_size=a.B * a.G, gradient_accumulation_steps=1, num_generations=a.G,
+        steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        optim="adamw_torch", max_steps=a.warmup + a.steps, use_vllm=False,
+        report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
+        disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
+    )
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=a.model_path, reward_funcs=correctness, args=args, train_dataset=data,
+                          processing_class=tokenizer)
+    load_s = time.perf_counter() - t0
+    set_threads(a.threads)  # after TRL/accelerate set up, in case they touched the thread count
+    warm_reward()
+
+    phase = {"rollout_s": 0.0, "generate_s": 0.0, "prompt_tokens": 0, "completion_tokens": 0}
+    inner = trainer._generate_and_score_completions
+    model_generate = trainer.model.generate  # what unwrap_model_for_generation hands back on one CPU process
+
+    def timed_model_generate(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return model_generate(*args, **kwargs)
+        finally:
+            phase["generate_s"] += time.perf_counter() - t
+
+    trainer.model.generate = timed_model_generate
+
+    def timed_generate_and_score(inputs):
+        t = time.perf_counter()
+        out = inner(inputs)
+        phase["rollout_s"] += time.perf_counter() - t
+        phase["prompt_tokens"] += int(out["prompt_mask"].sum())
+        phase["completion_tokens"] += int(out["completion_mask"].sum())
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
+    steps: list[dict] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            phase.update(rollout_s=0.0, generate_s=0.0, prompt_tokens=0, completion_tokens=0)
+            counters["generated"] = 0
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            wall = time.perf_counter() - self.t
+            steps.append({"step_s": wall, "rollout_s": phase["rollout_s"], "update_s": wall - phase["rollout_s"],
+                          "generate_s": phase["generate_s"], "generated_tokens": counters["generated"],
+                          "trained_tokens": phase["prompt_tokens"] + phase["completion_tokens"],
+                          "warmup": len(steps) < a.warmup})
+
+    trainer.add_callback(StepTimer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    if not steps or any(s["generate_s"] <= 0 for s in steps):
+        raise RuntimeError("the generation timer saw no model.generate call: TRL's generation path changed")
+    return {"framework": "trl", "load_s": load_s, "steps": steps}
+
+
+def worker_main(a) -> None:
+    set_threads(a.threads)
+    result = worker_masrl(a) if a.worker == "masrl" else worker_trl(a)
+    import torch
+
+    result.update(peak_rss_mib=peak_rss_mib(), threads=torch.get_num_threads())
+    Path(a.worker_json).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------- driver
+
+def summarize_run(run: dict) -> dict:
+    timed = [s for s in run["steps"] if not s["warmup"]]
+    med = lambda k: spread([s[k] for s in timed])["median"]  # noqa: E731
+    gen = sum(s["generated_tokens"] for s in timed)
+    trained = sum(s["trained_tokens"] for s in timed)
+    return {"step_s": med("step_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
+            "generate_s": med("generate_s"),
+            "gen_tok_s": gen / max(sum(s["generate_s"] for s in timed), 1e-9),
+            "rollout_tok_s": gen / max(sum(s["rollout_s"] for s in timed), 1e-9),
+            "train_tok_s": trained / max(sum(s["update_s"] for s in timed), 1e-9),
+            "gen_tokens_per_step": gen / max(len(timed), 1), "train_tokens_per_step": trained / max(len(timed), 1),
+            "peak_rss_mib": run["peak_rss_mib"], "load_s": run["load_s"]}
+
+
+METRICS = [("step_s", "s / step", "lower is better"), ("rollout_s", "rollout s / step", "lower is better"),
+           ("update_s", "update s / step", "lower is better"),
+           ("generate_s", "generation s / step (engine only)", "lower is better"),
+           ("gen_tok_s", "generated tok/s (engine only)", "higher is better"),
+           ("rollout_tok_s", "generated tok/s (whole rollout phase)", "higher is better"),
+           ("train_tok_s", "training tok/s", "higher is better"),
+           ("gen_tokens_per_step", "generated tokens / step", "workload: should be ~1"),
+           ("train_tokens_per_step", "training tokens / step", "workload: should be ~1"),
+           ("peak_rss_mib", "peak RSS MiB", "lower is better")]
+
+
+def run_model(model: str, a, tmp: Path) -> dict:
+    d = DEFAULTS[model]
+    p = {k: (getattr(a, k) if getattr(a, k) is not None else d[k])
+         for k in ("B", "G", "max_new_tokens", "lr", "steps", "warmup", "repeats")}
+    folder = model_folder(model, tmp)
+    worker_args = ["--model", model, "--model-path", str(folder), "--B", str(p["B"]), "--G", str(p["G"]),
+                   "--max-new-tokens", str(p["max_new_tokens"]), "--lr", str(p["lr"]), "--steps", str(p["steps"]),
+                   "--warmup", str(p["warmup"]), "--threads", str(a.threads)]
+    runs = {"masrl": [], "trl": []}
+    order = ["masrl", "trl"] if not a.trl_first else ["trl", "masrl"]
+    print(f"\n## {model}: B={p['B']} G={p['G']} max_new_tokens={p['max_new_tokens']} lr={p['lr']} "
+          f"steps={p['steps']} (+{p['warmup']} warmup) repeats={p['repeats']}", flush=True)
+    for rep in range(p["repeats"]):
+        for fw in order:
+            t = time.perf_counter()
+            # repeat r uses seed + r on both sides: the pair (masrl r, TRL r) shares prompts-sampling seed and
+            # time slot; different repeats sample different completions (EOS timing varies the workload)
+            run = run_worker(Path(__file__), ["--worker", fw, *worker_args, "--seed", str(a.seed + rep)])
+            run["summary"] = summarize_run(run)
+            runs[fw].append(run)
+            s = run["summary"]
+            print(f"  run {rep + 1}/{p['repeats']} {fw:5s}: {s['step_s']:.3f} s/step (rollout {s['rollout_s']:.3f}, "
+                  f"update {s['update_s']:.3f}), {s['gen_tokens_per_step']:.0f} gen tok/step, "
+                  f"peak RSS {s['peak_rss_mib']:.0f} MiB [{time.perf_counter() - t:.0f}s]", flush=True)
+    table = {}
+    for key, _, _ in METRICS:
+        m = [r["summary"][key] for r in runs["masrl"]]
+        t = [r["summary"][key] for r in runs["trl"]]
+        ratios = [x / y for x, y in zip(m, t) if y]  # run i of masrl vs run i of TRL (adjacent in time)
+        table[key] = {"masrl": spread(m), "trl": spread(t), "ratio": spread(ratios)}
+    return {"model": model, "model_path": str(folder) if model != "tiny" else "tiny (quickstart size, seed 0)",
+            "params": p, "threads": a.threads, "runs": runs, "table": table}
+
+
+def report(res: dict) -> str:
+    rows = []
+    for key, label, note in METRICS:
+        t = res["table"][key]
+        r = t["ratio"]
+        rows.append([label, fmt(t["masrl"]["median"]), fmt(t["trl"]["median"]),
+                     f"{fmt(r['median'])} ({fmt(r['min'])}-{fmt(r['max'])})", note])
+    p = res["params"]
+    head = (f"### {res['model']}: B={p['B']} prompts x G={p['G']}, max_new_tokens={p['max_new_tokens']}, "
+            f"{p['steps']} timed steps per run (+{p['warmup']} warm-up), {p['repeats']} runs each (alternated)\n\n")
+    return head + fmt_table(["metric (median over runs)", "masrl", "TRL", "masrl/TRL median (min-max)", ""], rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per run (default per model)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per framework, alternated (default per model)")
+    ap.add_argument("--B", type=int, default=None, help="prompts per step")
+    ap.add_argument("--G", type=int, default=None, help="samples per prompt (group size)")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trl-first", action="store_true", help="alternate T M T M instead of M T M T")
+    # internal: one measured run
+    ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--worker-json", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker_main(a)
+
+    info = machine_info(a.threads)
+    print(f"command: {command_line()}")
+    print(f"machine: {machine_line(info)}")
+    models = ["tiny", "smollm2"] if a.model == "both" else [a.model]
+    with tempfile.TemporaryDirectory(prefix="masrl-vs-trl-") as tmp:
+        for model in models:
+            res = run_model(model, a, Path(tmp))
+            res.update(command=command_line(), machine=info)
+            path = RESULTS / f"vs_trl_{model}.json"
+            write_json(path, res)
+            print()
+            print(report(res))
+            print(f"\nwritten {path}")
+
+
+if __name__ == "__main__":
+    main()
