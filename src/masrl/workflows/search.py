@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import re
 from dataclasses import dataclass, field
 
 from masrl.tasks.retrieval import Passage, format_passages, resolve_retriever
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
+from masrl.workflows.base import render as fill  # one-pass {field} filling
 from masrl.workflows.parsing import extract_tag, parse_choice
 
 CONTEXT_PROMPT = """You are a member of a team of agents answering a question with the help of a search engine.
@@ -92,14 +92,6 @@ class SearchStep:
     step: int
     query: str | None
     passages: list[Passage] = field(default_factory=list)
-
-
-def fill(template: str, **fields: object) -> str:
-    """Replace ``{name}`` for the given names in one pass (inserted text is never re-scanned)."""
-    if not fields:
-        return template
-    pattern = re.compile(r"\{(" + "|".join(map(re.escape, fields)) + r")\}")
-    return pattern.sub(lambda m: str(fields[m.group(1)]), template)
 
 
 def render_history(team: Team, history: list[SearchStep], history_length: int, doc_format: str) -> str:
