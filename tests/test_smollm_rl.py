@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import yaml
 
 from masrl.cli import main
 from masrl.config import load_config

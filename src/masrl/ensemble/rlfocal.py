@@ -330,7 +330,6 @@ def _train_rl_focal(data: EnsembleData, split: Split, cfg: RLFocalConfig, seeds:
     sizes_t = torch.from_numpy(sizes_np).float()
     pow2 = (2 ** torch.arange(N)).long()
     full_mask = n_masks - 1
-    qidx = torch.arange(Q)
 
     def reward_of(c: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
         pen = cfg.alpha * size / N
