@@ -33,3 +33,20 @@ def test_eval_unknown_bench_is_a_clear_error(tmp_path, tiny_cfg, capsys):
     cfg_path.write_text(yaml.safe_dump(tiny_cfg()))
     assert main(["eval", str(cfg_path), "--bench", "nosuchbench", "--out", str(tmp_path / "o")]) == 2
     assert "unknown benchmark 'nosuchbench'" in capsys.readouterr().err
+
+
+def test_periodic_eval_covers_extra_benches(tiny_cfg, tmp_path):
+    """eval.every + eval.benches: the training loop logs eval/<bench>/... with the same code as masrl eval."""
+    from masrl.paths import data_dir
+
+    if not (data_dir() / "math" / "gsm8k_test.jsonl").is_file():
+        import pytest
+
+        pytest.skip("GSM8K data not found (MASRL_DATA_DIR)")
+    data = tiny_cfg(**{"trainer.total_steps": 2, "eval.every": 1, "eval.benches": ["gsm8k"], "eval.limit": 2})
+    cfg = config_from_dict(data)
+    Trainer(cfg).fit()
+    records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all("eval/gsm8k/pass@2" in r and "eval/test/avg@n" in r for r in evals)

@@ -140,14 +140,24 @@ class Trainer:
                     metrics[f"agent/{event.role}/role_capture"] = 1.0
 
     def evaluate(self, label: str) -> dict[str, float]:
+        """The held-out split and every ``eval.benches`` benchmark (same code as ``masrl eval``).
+
+        Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's.
+        """
+        from masrl.evaluation.cli import load_bench_tasks
+
         ecfg = self.cfg.eval
-        tasks = self.source.test[:ecfg.limit] if ecfg.limit else self.source.test
-        rep, groups = repeat_tasks(tasks, ecfg.n)
-        episodes = self.rollout(rep, groups, temperature=ecfg.temperature, seed=_step_seed(self.cfg.seed, 0, 99))
-        summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n])
-        self.history[label] = summary
-        self._last_eval_episodes = episodes
-        return summary
+        out: dict[str, float] = {}
+        for bench in ["test", *ecfg.benches]:
+            tasks, score = load_bench_tasks(bench, self.source, self.cfg.task, ecfg.limit, False)
+            rep, groups = repeat_tasks(tasks, ecfg.n)
+            episodes = self.rollout(rep, groups, temperature=ecfg.temperature,
+                                    seed=_step_seed(self.cfg.seed, 0, 99), score=score)
+            summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n], bench=bench)
+            if bench == "test":
+                self.history[label] = summary
+            out.update({f"eval/{bench}/{k}": v for k, v in summary.items()})
+        return out
 
     # ------------------------------------------------------------------ loop
     def sft(self) -> None:
@@ -223,8 +233,7 @@ class Trainer:
             if not resume:
                 self.sft()
                 if cfg.eval.before_after and self.source.test:
-                    summary = self.evaluate("sft")
-                    self.logger.log(0, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+                    self.logger.log(0, self.evaluate("sft"), phase="eval")
                 self.save(0)
             self.step = start_step
             progress = _Progress(self.show_progress, "RL", cfg.trainer.total_steps, completed=start_step)
@@ -234,14 +243,12 @@ class Trainer:
                 self.logger.log(self.step, metrics)
                 progress.advance(_progress_text(metrics, self.cfg.agents))
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.trainer.total_steps:
-                    summary = self.evaluate(f"step_{self.step}")
-                    self.logger.log(self.step, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+                    self.logger.log(self.step, self.evaluate(f"step_{self.step}"), phase="eval")
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
                     self.save(self.step)
             progress.close()
             if cfg.eval.before_after and self.source.test:
-                summary = self.evaluate("final")
-                self.logger.log(self.step, {f"eval/test/{k}": v for k, v in summary.items()}, phase="eval")
+                self.logger.log(self.step, self.evaluate("final"), phase="eval")
             if not cfg.trainer.save_every or self.step % cfg.trainer.save_every:
                 self.save(self.step)
         finally:
