@@ -198,6 +198,19 @@ def _require_box(turn: Turn) -> str | None:
     return answer
 
 
+def _require_answer(team: Team, turn: Turn) -> str | None:
+    """``answer_format: boxed`` (math) needs ``\\boxed{}``; ``code`` needs a fenced code block."""
+    fmt = _choice_param(team, "answer_format", ("boxed", "code"))
+    if fmt == "boxed":
+        return _require_box(turn)
+    from masrl.tasks.code.extract import extract_code
+
+    has_block = isinstance(turn.text, str) and "```" in turn.text
+    turn.valid = has_block
+    turn.info["answer"] = extract_code(turn.text) if has_block else None
+    return turn.info["answer"]
+
+
 def _check_params(team: Team) -> None:
     """Unknown parameter names are an error (a typo must not silently fall back to a default)."""
     unknown = sorted(set(team.params) - set(team.spec.params))
@@ -253,7 +266,7 @@ def _numbered(team: Team, template: str, texts: list[str], **extra: Any) -> str:
 
 @register_workflow("eval_opt", agents=("Generator", "Evaluator"), prompts=EVAL_OPT_PROMPTS,
                    params={"max_iterations": 3, "invalid_verdict": "incorrect", "evaluate_final": True,
-                           "judge_verdicts": True})
+                           "judge_verdicts": True, "answer_format": "boxed"})
 async def eval_opt(task: Task, team: Team) -> Episode:
     """Eval-Opt: Generator solves, Evaluator says Correct/Incorrect; on Incorrect the Generator revises.
 
@@ -283,7 +296,7 @@ async def eval_opt(task: Task, team: Team) -> Episode:
                                  feedback=feedback, history=history, question=task.question)
         generator = await team.call("Generator", prompt)
         generator.info.update(slot=0, iteration=iteration + 1)
-        answers.append(_require_box(generator))
+        answers.append(_require_answer(team, generator))
         solution = generator.text
         history += f"Attempt {iteration + 1}:\n{solution}\n\n"
         if iteration == max_iterations - 1 and not evaluate_final:
@@ -411,14 +424,15 @@ async def proposers_summarizer(task: Task, team: Team) -> Episode:
                        majority_answer=proposals[majority] if majority is not None else None, **info)
 
 
-@register_workflow("single", agents=("Solver",), prompts=SINGLE_PROMPTS, params={})
+@register_workflow("single", agents=("Solver",), prompts=SINGLE_PROMPTS, params={"answer_format": "boxed"})
 async def single(task: Task, team: Team) -> Episode:
     """Single-agent baseline: one Solver turn, same prompt as the math solver-verifier's Solver.
 
-    A turn without ``\\boxed{}`` is invalid. Final answer: the Solver text.
+    A turn without ``\\boxed{}`` (or, with ``answer_format: code``, without a fenced code block)
+    is invalid. Final answer: the Solver text.
     """
     _check_params(team)
     solver = await team.call("Solver", team.render("Solver", context="", question=task.question))
     solver.info["slot"] = 0
-    _require_box(solver)
+    _require_answer(team, solver)
     return team.finish(solver.text)
