@@ -117,3 +117,19 @@ def test_per_role_monitoring_metrics_are_logged(tiny_cfg):
             assert math.isfinite(records[-1][f"agent/{agent}/{metric}"]), (agent, metric)
     assert records[0]["agent/Solver/chi2_drift"] == 0.0  # step 0 is the reference
     assert "agent/Verifier/verdict_accuracy" in records[-1]
+
+
+def test_group_by_slot_separates_parallel_same_role_agents(tiny_cfg):
+    from masrl.types import Turn
+
+    trainer = Trainer(config_from_dict(tiny_cfg(**{"algorithm.group_by": "slot"})))
+    turns = [Turn("Solver", "shared", [], [1], [0.0], "", info={"slot": s}) for s in (0, 1, 0, 1)]
+    keys = [(0, 0), (0, 0), (0, 1), (0, 1)]
+    for i, t in enumerate(turns):
+        t.turn_index = i % 2
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    by_slot = trainer.advantages(turns, keys, scores)
+    assert by_slot[1] == 0 and by_slot[3] == 0  # slot 1 scored 0 in both episodes: no signal
+    trainer.cfg.algorithm.group_by = "agent"
+    pooled = trainer.advantages(turns, keys, scores)
+    assert pooled[1] < 0  # pooled with slot 0's success, slot 1's failure is below the mean

@@ -107,6 +107,8 @@ class AlgorithmConfig(_Strict):
     unbiased_std: bool = True
     singleton: Literal["zero", "raw"] = "zero"
     format_penalty: float = 0.1
+    group_by: Literal["agent", "slot"] = Field("agent", description=(
+        "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

@@ -1,4 +1,4 @@
-"""The training loop. One RL step reads like the data path in docs/design.md:
+"""The training loop. One RL step reads like the data path (docs/training.md):
 
 1. sample B tasks, each repeated G times (a group);
 2. run every episode's workflow concurrently, agent calls batched per policy;
@@ -103,7 +103,11 @@ class Trainer:
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
         a = self.cfg.algorithm
-        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=[t.agent for t in turns],
+        if a.group_by == "slot":  # parallel same-role agents (voting generators...) normalised per slot
+            agent_ids = [f"{t.agent}#{t.info.get('slot', 0)}" for t in turns]
+        else:  # per role: parallel same-role agents pooled
+            agent_ids = [t.agent for t in turns]
+        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=agent_ids,
                                   episode_ids=[k[1] for k in keys], estimator=a.estimator,
                                   turn_index=[t.turn_index for t in turns], eps=a.eps,
                                   unbiased_std=a.unbiased_std, singleton=a.singleton)
