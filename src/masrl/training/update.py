@@ -156,8 +156,8 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
             agent_norms: dict[str, float] = {}
             finite = True
             # one unit per agent (its part of the gradient is measured by differencing), or one mixed unit
-            units = [minibatch] if routed else [[r for r in minibatch if r.agent == a] for a in agents]
-            for unit in units:
+            units = [(None, minibatch)] if routed else [(a, [r for r in minibatch if r.agent == a]) for a in agents]
+            for unit_agent, unit in units:
                 unit = [r for r in unit if r.response_ids]
                 for chunk in micro_batches(unit, trainer.micro_batch_tokens):
                     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
@@ -168,7 +168,7 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                     loss, stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
                                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length)
-                    entropy = entropy_from_logits(logits)
+                    entropy = entropy_from_logits(logits if lc.entropy_coef else logits.detach())
                     if lc.entropy_coef:
                         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
                                                                  norm_length=norm_length)
@@ -191,9 +191,9 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                         metrics[key].append(float(value))
                 if not finite:
                     break
-                if before is not None:
+                if before is not None and unit:
                     now = _grad_list(params)
-                    agent_norms[unit[0].agent if unit else "?"] = _norm([a - b for a, b in zip(now, before)])
+                    agent_norms[unit_agent] = _norm([a - b for a, b in zip(now, before)])
                     before = [g.detach().clone() for g in now]
             if finite and routed and trainer.per_agent_grad_norm:
                 from masrl.models.lora import adapter_parameters
