@@ -29,7 +29,7 @@ def _cmd_train(args) -> int:
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
     trainer = Trainer(cfg, run_dir=run_dir)
     report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
-    table = format_before_after(trainer.history)
+    table = format_before_after(trainer.history, cfg)
     if table:
         print(table)
     print(f"run folder: {run_dir}  (report.md, metrics.jsonl, plots/, checkpoints/)")

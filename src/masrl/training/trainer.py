@@ -394,7 +394,7 @@ def write_report(trainer: Trainer) -> dict:
         lines.append("| stage | " + " | ".join(keys) + " |")
         lines.append("|---|" + "---|" * len(keys))
         for label, summary in rows:
-            stage = {"sft": "after SFT", "final": "after RL"}.get(label, label)
+            stage = {"sft": _start_label(cfg), "final": "after RL"}.get(label, label)
             lines.append(f"| {stage} | " + " | ".join(f"{100 * summary.get(k, float('nan')):.1f}%" for k in keys) + " |")
     _atomic_write(run_dir / "report.json", json.dumps(report, indent=1, default=float))
     _atomic_write(run_dir / "report.md", "\n".join(lines) + "\n")
@@ -406,12 +406,16 @@ def write_report(trainer: Trainer) -> dict:
     return report
 
 
-def format_before_after(history: dict) -> str:
+def _start_label(cfg: RunConfig) -> str:
+    return "after SFT" if cfg.sft.steps else "before RL"
+
+
+def format_before_after(history: dict, cfg: RunConfig) -> str:
     if "sft" not in history or "final" not in history:
         return ""
     keys = [k for k in history["final"] if k.startswith(("avg@", "pass@"))]
     out = ["held-out team accuracy:", f"{'stage':<10}" + "".join(f"{k:>10}" for k in keys)]
-    for label, name in (("sft", "after SFT"), ("final", "after RL")):
+    for label, name in (("sft", _start_label(cfg)), ("final", "after RL")):
         out.append(f"{name:<10}" + "".join(f"{100 * history[label][k]:>9.1f}%" for k in keys))
     return "\n".join(out)
 
