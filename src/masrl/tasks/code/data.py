@@ -188,6 +188,21 @@ def _mbpp_row(obj: dict, show_tests: bool) -> tuple[str, dict, dict]:
     return question, answer, meta
 
 
+def _json_objects(p: Path, strict: bool):
+    """``(file:line, object)`` for each JSON-object row; malformed rows are reported and skipped."""
+    for lineno, line in _rows(p):
+        where = f"{p}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
+            continue
+        if not isinstance(obj, dict):
+            _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
+            continue
+        yield where, obj
+
+
 def load_mbpp(path: str | Path | None = None, split: str = "test", limit: int | None = None,
               strict: bool = False, *, show_tests: bool = False) -> list[Task]:
     """MBPP tasks of one standard split (``prompt``/``test``/``validation``/``train``/``all``)."""
@@ -199,16 +214,7 @@ def load_mbpp(path: str | Path | None = None, split: str = "test", limit: int | 
     if limit is not None and limit <= 0:
         return tasks
     seen: set[int] = set()
-    for lineno, line in _rows(p):
-        where = f"{p}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
-            continue
-        if not isinstance(obj, dict):
-            _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
-            continue
+    for where, obj in _json_objects(p, strict):
         tid = obj.get("task_id")
         if isinstance(tid, str) and tid.strip().isdigit():
             tid = int(tid)
@@ -260,16 +266,7 @@ def load_humaneval(path: str | Path | None = None, split: str = "test", limit: i
     if limit is not None and limit <= 0:
         return tasks
     seen: set[str] = set()
-    for lineno, line in _rows(p):
-        where = f"{p}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
-            continue
-        if not isinstance(obj, dict):
-            _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
-            continue
+    for where, obj in _json_objects(p, strict):
         try:
             tid, question, answer, meta = _humaneval_row(obj)
         except _BadRow as e:
