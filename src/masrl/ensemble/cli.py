@@ -1,4 +1,4 @@
-"""``masrl ensemble`` commands: ``select``, ``compare``, ``rl-focal``.
+"""``masrl ensemble`` commands: ``select``, ``compare``, ``rl-focal``, ``collect``.
 
 The lead's ``masrl.cli`` calls :func:`register` on its subparsers and then ``args.func(args)``.
 Bad input prints one ``masrl ensemble: error: ...`` line on stderr and returns exit code 2.
@@ -35,13 +35,13 @@ def _selector_opts(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``ensemble`` command (with ``select``, ``compare``, ``rl-focal``) to ``subparsers``."""
+    """Add the ``ensemble`` command (with ``select``, ``compare``, ``rl-focal``, ``collect``) to ``subparsers``."""
     from masrl.ensemble.selectors import SELECTORS
 
     ens = subparsers.add_parser("ensemble", help="LLM-ensemble selection and RL-Focal on per-model predictions",
                                 description="Proposer selection and RL-Focal on per-model prediction files.")
     ens.set_defaults(func=lambda args: (ens.print_help(sys.stderr), 2)[1])
-    sub = ens.add_subparsers(dest="ensemble_cmd", metavar="{select,compare,rl-focal}")
+    sub = ens.add_subparsers(dest="ensemble_cmd", metavar="{select,compare,rl-focal,collect}")
 
     p = sub.add_parser("select", help="run one selector", description="Run one selector and report its subset, "
                        "selection-set and test accuracy and cost in combiner calls.")
@@ -75,6 +75,26 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-fusion", action="store_true")
     p.add_argument("--global", dest="global_", action="store_true", help="one Decider for all tasks pooled")
     p.set_defaults(func=_guard(cmd_rlfocal))
+
+    p = sub.add_parser("collect", help="run your proposers -> summarizer team on a benchmark and write a "
+                       "predictions JSONL (one model per proposer)",
+                       description="Run the configured team (built as `masrl eval` builds it) on benchmark tasks "
+                       "and write each proposer's answer and correctness as an ensemble predictions file. "
+                       "The workflow must record episode.info['proposals'] (e.g. proposers_summarizer).")
+    p.add_argument("config", help="YAML run config (the one given to masrl train / masrl eval)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. workflow.params.n_proposers=5")
+    p.add_argument("--bench", required=True, help="comma-separated benchmarks; 'test' = the task's held-out split; "
+                                                  "each becomes one `task` of the file")
+    p.add_argument("--limit", type=int, default=None, help="tasks per benchmark (default: eval.limit)")
+    p.add_argument("--out", default=None, help="output JSONL (default: RUN_DIR/ensemble/<bench>.jsonl with "
+                                               "--checkpoint, else runs/ensemble/<bench>.jsonl)")
+    p.add_argument("--checkpoint", default=None, help="RUN_DIR or RUN_DIR/checkpoints/step_N: the trained weights")
+    p.add_argument("--n-samples", type=int, default=1, help="episodes per task, one row each (id suffix #j)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: eval.temperature, else each agent's)")
+    p.add_argument("--strict", action="store_true", help="fail on malformed benchmark rows instead of skipping them")
+    p.set_defaults(func=_guard(_cmd_collect))
     return ens
 
 
@@ -226,6 +246,12 @@ def cmd_rlfocal(args) -> int:
                        out / f"rlfocal_{name}.json")
         print(f"wrote {out}/rlfocal_{name}.md and .json")
     return 0
+
+
+def _cmd_collect(args) -> int:
+    from masrl.ensemble.collect import cmd_collect
+
+    return cmd_collect(args)
 
 
 def main(argv: list[str] | None = None) -> int:
