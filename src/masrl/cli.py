@@ -27,8 +27,8 @@ def _cmd_train(args) -> int:
             raise ConfigError("masrl train: give a config file (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
-    trainer = Trainer(cfg, run_dir=run_dir)
-    report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
+    with Trainer(cfg, run_dir=run_dir) as trainer:
+        report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history, cfg)
     if table:
         print(table)
@@ -121,6 +121,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("masrl: interrupted", file=sys.stderr)
         return 130
+    except ImportError as e:  # an optional extra (ray, vllm) that the config asks for
+        if "pip install" not in str(e):
+            raise
+        print(f"masrl: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a worker group failed (Ray): one line naming policy, worker and step
+        from masrl.runtime import WorkerGroupError
+
+        if not isinstance(e, WorkerGroupError):
+            raise
+        print(f"masrl: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

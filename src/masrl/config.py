@@ -176,6 +176,48 @@ class MonitoringConfig(_Strict):
     capture_patience: int = Field(10, ge=1, description="role-capture: consecutive steps")
 
 
+class PlacementConfig(_Strict):
+    """Where one policy's worker group runs (Ray runtime; docs/scaling.md). Unset keys inherit ``runtime``."""
+
+    placement: Optional[Literal["colocated", "dedicated"]] = None
+    workers: Optional[int] = Field(None, gt=0)
+    cpus_per_worker: Optional[float] = Field(None, gt=0.0)
+    gpus_per_worker: Optional[float] = Field(None, ge=0.0)
+    offload: Optional[bool] = None
+
+
+class RuntimeConfig(_Strict):
+    """How policies are run: in this process (``local``) or as Ray worker groups (``ray``).
+
+    With Ray, each policy is a group of ``workers`` actors (data-parallel ranks; rollout requests
+    and training rows are sharded across them, gradients all-reduced with torch.distributed).
+    ``colocated`` policies share one resource pool of ``workers`` bundles (the Dr. MAS default: each
+    bundle's devices are time-sliced between the policies, idle ones offloaded to CPU when
+    ``offload``); a ``dedicated`` policy gets a pool of its own.
+    """
+
+    kind: Literal["local", "ray"] = "local"
+    address: Optional[str] = Field(None, description="existing Ray cluster ('auto', 'ray://host:10001'); "
+                                                     "None starts a local one")
+    num_cpus: Optional[int] = Field(None, gt=0, description="CPUs of a local Ray cluster")
+    num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray cluster")
+    dashboard: bool = False
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend inside a "
+                                                                          "worker group (auto: nccl on CUDA)")
+    placement: Literal["colocated", "dedicated"] = "colocated"
+    workers: int = Field(1, gt=0, description="data-parallel actors per policy")
+    cpus_per_worker: float = Field(1.0, gt=0.0)
+    gpus_per_worker: float = Field(0.0, ge=0.0)
+    offload: bool = Field(True, description="colocated: move idle policies' weights and optimizer state to CPU")
+    policies: dict[str, PlacementConfig] = Field(default_factory=dict, description="per-policy overrides")
+
+    def for_policy(self, name: str) -> PlacementConfig:
+        """The effective placement of policy ``name`` (its overrides over the runtime defaults)."""
+        own = self.policies.get(name, PlacementConfig())
+        return PlacementConfig(**{k: (getattr(own, k) if getattr(own, k) is not None else getattr(self, k))
+                                  for k in PlacementConfig.model_fields})
+
+
 class LoggingConfig(_Strict):
     tensorboard: bool = True
     progress: bool = True
@@ -196,6 +238,19 @@ class RunConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _runtime_names_policies(self):
+        unknown = sorted(set(self.runtime.policies) - set(self.policies))
+        if unknown:
+            raise ValueError(f"runtime.policies names unknown policies {unknown}; declared: {sorted(self.policies)}")
+        colocated = {n: self.runtime.for_policy(n).workers for n in self.policies
+                     if self.runtime.for_policy(n).placement == "colocated"}
+        if len(set(colocated.values())) > 1:
+            raise ValueError(f"colocated policies share one resource pool and need the same number of workers; "
+                             f"got {colocated}: make them equal or set placement: dedicated")
+        return self
 
     @model_validator(mode="after")
     def _mapping_is_complete(self):

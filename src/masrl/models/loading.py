@@ -43,3 +43,28 @@ def load_model_and_tokenizer(cfg: PolicyConfig, seed: int = 0):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_tokenizer(cfg: PolicyConfig):
+    """The policy's tokenizer alone (what a driver needs when the model lives in remote workers)."""
+    if cfg.model == "tiny":
+        tokenizer = build_char_tokenizer(cfg.tiny.get("extra_tokens"))
+    else:
+        from transformers import AutoTokenizer
+
+        from masrl.models.hub import resolve_model_source
+
+        name = cfg.tokenizer or cfg.model
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(name),
+                                                      trust_remote_code=cfg.trust_remote_code)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"policy tokenizer {name!r}: {e}") from None
+        except Exception as e:  # one clear line
+            raise ModelLoadError(f"policy tokenizer {name!r}: {type(e).__name__}: "
+                                 f"{(str(e).strip().splitlines() or [''])[0]}") from e
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelLoadError(f"tokenizer of {(cfg.tokenizer or cfg.model)!r} has no chat template")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -84,16 +84,21 @@ class RolloutScheduler:
         for policy, request, future in pending:
             by_policy[policy].append((request, future))
         self.stats.flushes += 1
+        start = time.perf_counter()
+        # remote engines (Ray worker groups) generate concurrently: submit every policy's batch first
+        handles = {policy: self.engines[policy].submit([r for r, _ in items])
+                   for policy, items in by_policy.items() if hasattr(self.engines[policy], "submit")}
         for policy, items in by_policy.items():
-            start = time.perf_counter()
-            results = self.engines[policy].generate([r for r, _ in items])
-            self.stats.generate_seconds += time.perf_counter() - start
+            engine = self.engines[policy]
+            results = (engine.collect(handles[policy]) if policy in handles
+                       else engine.generate([r for r, _ in items]))
             self.stats.engine_calls += 1
             self.stats.requests += len(items)
             self.stats.batch_sizes.append(len(items))
             for (_, future), result in zip(items, results):
                 self.stats.generated_tokens += len(result.response_ids)
                 future.set_result(result)
+        self.stats.generate_seconds += time.perf_counter() - start
 
 
 EngineFactory = Callable[[str], Engine]

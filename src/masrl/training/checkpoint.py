@@ -114,8 +114,8 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
             continue
         pdir = tmp / "policies" / name
         pdir.mkdir(parents=True)
-        save_file(trainable_state(policy), str(pdir / "model.safetensors"))
-        tensors, meta = optimizer_to_tensors(policy.optimizer)
+        weights, tensors, meta = policy_state(policy)
+        save_file(weights, str(pdir / "model.safetensors"))
         save_file(tensors, str(pdir / "optimizer.safetensors"))
         (pdir / "optimizer.json").write_text(json.dumps(meta))
         files += [pdir / "model.safetensors", pdir / "optimizer.safetensors", pdir / "optimizer.json"]
@@ -187,16 +187,34 @@ def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: 
         if not pdir.is_dir():
             raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
         weights = load_file(str(pdir / "model.safetensors"))
-        expected = saved_parameter_names(policy)
-        if set(weights) != expected:
-            missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
-            raise CheckpointError(f"{path}: policy {name!r} weights do not fit the model "
-                                  f"(missing {missing}, unexpected {extra})")
-        with torch.no_grad():
-            params = dict(policy.model.named_parameters())
-            for n, t in weights.items():
-                params[n].copy_(t)
+        opt_tensors, meta = None, None
         if load_optimizer and policy.optimizer is not None:
             meta = json.loads((pdir / "optimizer.json").read_text())
-            optimizer_from_tensors(policy.optimizer, load_file(str(pdir / "optimizer.safetensors")), meta)
+            opt_tensors = load_file(str(pdir / "optimizer.safetensors"))
+        restore_policy(policy, weights, opt_tensors, meta, where=f"{path}: policy {name!r}")
     return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+def policy_state(policy: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(weights, optimizer tensors, optimizer metadata) of a policy, local or remote (Ray worker group)."""
+    if hasattr(policy, "checkpoint_state"):
+        return policy.checkpoint_state()
+    tensors, meta = optimizer_to_tensors(policy.optimizer)
+    return trainable_state(policy), tensors, meta
+
+
+def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors: Mapping[str, torch.Tensor] | None,
+                   opt_meta: dict | None, where: str = "checkpoint") -> None:
+    """Copy saved weights (and optimizer state) into a policy; names must fit its model exactly."""
+    if hasattr(policy, "restore_state"):
+        return policy.restore_state(weights, opt_tensors, opt_meta, where)
+    expected = saved_parameter_names(policy)
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        raise CheckpointError(f"{where} weights do not fit the model (missing {missing}, unexpected {extra})")
+    with torch.no_grad():
+        params = dict(policy.model.named_parameters())
+        for n, t in weights.items():
+            params[n].copy_(t)
+    if opt_tensors is not None and policy.optimizer is not None:
+        optimizer_from_tensors(policy.optimizer, opt_tensors, opt_meta)

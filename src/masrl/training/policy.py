@@ -11,25 +11,17 @@ from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.engine import TransformersEngine
 
 
-@dataclass
-class Policy:
-    name: str
-    cfg: PolicyConfig
-    model: torch.nn.Module
+class PolicyText:
+    """Prompt/response encoding shared by local policies and remote ones (Ray worker groups).
+
+    Needs ``tokenizer``, ``adapter_of`` and ``max_positions``.
+    """
+
     tokenizer: object
-    engine: TransformersEngine
-    optimizer: torch.optim.Optimizer | None = None
-    ref_model: torch.nn.Module | None = None
-    agents: list[str] = field(default_factory=list)
-    adapter_of: dict[str, str] = field(default_factory=dict)  # agent -> LoRA adapter (per-agent adapters)
-    base_trained: bool = False  # SFT trained the base under the adapters: checkpoints keep it too
+    adapter_of: dict
 
     def adapter(self, agent: str) -> str | None:
         return self.adapter_of.get(agent)
-
-    @property
-    def max_positions(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 4096))
 
     def encode_prompt(self, text: str, system_prompt: str | None = None) -> list[int]:
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
@@ -47,6 +39,24 @@ class Policy:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass
+class Policy(PolicyText):
+    name: str
+    cfg: PolicyConfig
+    model: torch.nn.Module
+    tokenizer: object
+    engine: TransformersEngine
+    optimizer: torch.optim.Optimizer | None = None
+    ref_model: torch.nn.Module | None = None
+    agents: list[str] = field(default_factory=list)
+    adapter_of: dict[str, str] = field(default_factory=dict)  # agent -> LoRA adapter (per-agent adapters)
+    base_trained: bool = False  # SFT trained the base under the adapters: checkpoints keep it too
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 4096))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

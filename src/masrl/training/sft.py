@@ -12,6 +12,7 @@ import torch
 
 from masrl.config import AgentConfig, SFTConfig
 from masrl.tasks.registry import Teacher
+from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 from masrl.training.update import Row, micro_batches, pack_rows, response_logits, token_logprobs
 from masrl.types import Task, Turn
@@ -53,12 +54,17 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
 
 
 def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,
-            micro_batch_tokens: int, on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
-    """Token-mean cross-entropy on response tokens, per policy, AdamW + warmup/cosine."""
+            micro_batch_tokens: int, on_step: Callable[[int, dict], None] | None = None,
+            dp: DataParallel | None = None) -> dict[str, float]:
+    """Token-mean cross-entropy on response tokens, per policy, AdamW + warmup/cosine.
+
+    ``dp``: one rank of a data-parallel group: every rank draws the same batch, trains on its
+    share and the gradients are all-reduced before clipping (masrl.training.distributed).
+    """
     by_policy: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
         by_policy[r.policy].append(r)
-    rng = random.Random(seed)
+    rngs = {name: random.Random(seed) for name in by_policy}  # per policy: same batches in any runtime
     optims, unfrozen = {}, {}
     for name in by_policy:
         policy = policies[name]
@@ -78,16 +84,24 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             opt = optims[name]
             for group in opt.param_groups:
                 group["lr"] = cfg.lr * warm * (0.1 + 0.9 * decay)
-            batch_rows = [prows[rng.randrange(len(prows))] for _ in range(cfg.batch_size)]
+            batch_rows = [prows[rngs[name].randrange(len(prows))] for _ in range(cfg.batch_size)]
             total = sum(len(r.response_ids) for r in batch_rows)
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
-            for chunk in micro_batches(batch_rows, micro_batch_tokens):
+            for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id))
                 logp = token_logprobs(response_logits(policy.model, batch), batch.targets)
                 nll = -(logp * batch.response_mask).sum() / total
                 nll.backward()
                 loss_sum += float(nll.detach())
+            if dp is not None:
+                params = policy.trainable_parameters()
+                grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in params]
+                loss = torch.tensor([loss_sum])
+                dp.all_reduce_([*grads, loss])
+                for q, g in zip(params, grads):
+                    q.grad = g
+                loss_sum = float(loss)
             torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), 1.0)
             opt.step()
             last[f"sft/{name}/loss"] = loss_sum

@@ -30,9 +30,10 @@ from masrl.rollout.runner import make_call, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_task_source
 from masrl.training import checkpoint as ckpt
-from masrl.training.policy import Policy, build_policy
-from masrl.training.sft import collect_demonstrations, run_sft
-from masrl.training.update import Row, update_policy
+from masrl.runtime import WorkerGroupError, make_runtime
+from masrl.training.policy import Policy
+from masrl.training.sft import collect_demonstrations
+from masrl.training.update import Row
 from masrl.types import Episode, Turn
 from masrl.workflows.base import get_workflow
 
@@ -61,13 +62,8 @@ class Trainer:
             raise ValueError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                              f"{self.spec.name} uses {sorted(self.spec.prompts)}")
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
-        kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
-        self.policies: dict[str, Policy] = {
-            name: build_policy(name, pcfg, seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
-                               agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
-            for name, pcfg in cfg.policies.items()}
-        for name, policy in self.policies.items():  # so that resume/eval expect the SFT-trained base
-            policy.base_trained = bool(cfg.sft.train_base and cfg.sft.steps and policy.cfg.lora is not None)
+        self.runtime = make_runtime(cfg)  # local (this process) or Ray worker groups
+        self.policies: dict[str, Policy] = self.runtime.build_policies()
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
         mon = cfg.monitoring
         self.drift = RoleDriftTracker() if mon.drift else None
@@ -118,13 +114,9 @@ class Trainer:
             if t.response_ids:
                 rows[t.policy].append(Row(t.agent, t.prompt_ids, t.response_ids, t.logprobs, adv,
                                           t.info.get("temperature", 1.0), policy=t.policy))
-        metrics = {}
-        for name, policy in self.policies.items():
-            if policy.cfg.trainable and rows.get(name):
-                metrics.update(update_policy(policy, rows[name], self.cfg.algorithm, self.cfg.trainer,
-                                             step=self.step, seed=self.cfg.seed, guard=self.spikes.guard,
-                                             track_kl=self.cfg.monitoring.kl_to_base))
-        return metrics
+        rows = {name: rows[name] for name, policy in self.policies.items() if policy.cfg.trainable and rows.get(name)}
+        return self.runtime.update(self.policies, rows, step=self.step, guard=self.spikes.guard,
+                                   track_kl=self.cfg.monitoring.kl_to_base)
 
     def monitor(self, episodes, turns, metrics: dict[str, float]) -> None:
         """Per-role instruments: drift vs step 0, verdict accuracy, role grad spikes, role capture."""
@@ -183,17 +175,18 @@ class Trainer:
             if step % 10 == 0 or step == cfg.sft.steps - 1:
                 self.logger.log(step, m, phase="sft")
 
-        run_sft(self.policies, rows, cfg.sft, seed=cfg.seed, micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-                on_step=on_step)
+        self.runtime.sft(self.policies, rows, on_step=on_step)
         progress.close()
 
     def train_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
+        self.runtime.step = self.step
         rng = random.Random(_step_seed(cfg.seed, self.step, 1))
         batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
         tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
         tokens_before = self.scheduler.stats.generated_tokens
         episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2))
+        self.runtime.phase_end()
         t_rollout = time.perf_counter() - t0
         turns, keys, scores = self.score_turns(episodes)
         advantages = self.advantages(turns, keys, scores)
@@ -228,6 +221,7 @@ class Trainer:
                 self.drift.load_state_dict(state["drift"])
             if "spikes" in state:
                 self.spikes.load_state_dict(state["spikes"])
+                self.runtime.load_spike_state(state["spikes"])
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
@@ -255,13 +249,26 @@ class Trainer:
                 self.logger.log(self.step, self.evaluate("final"), phase="eval")
             if not cfg.trainer.save_every or self.step % cfg.trainer.save_every:
                 self.save(self.step)
+        except WorkerGroupError as e:
+            raise WorkerGroupError(f"{e}; the run can go on from its last checkpoint: "
+                                   f"masrl train --resume {self.run_dir}") from e
         finally:
             self.logger.close()
         report = write_report(self)
         return report
 
+    def close(self) -> None:
+        """Release the runtime's workers (Ray actors, placement groups); a no-op for the local runtime."""
+        self.runtime.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def save(self, step: int) -> Path:
-        state = {"history": self.history, "spikes": self.spikes.state_dict(),
+        state = {"history": self.history, "spikes": self.runtime.spike_state(self.spikes.state_dict()),
                  **({"drift": self.drift.state_dict()} if self.drift is not None else {})}
         return ckpt.save_checkpoint(self.run_dir, step, self.policies, state,
                                     keep=self.cfg.trainer.keep_checkpoints)

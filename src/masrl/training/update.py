@@ -21,6 +21,7 @@ import torch
 
 from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss
 from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 
 
@@ -125,8 +126,42 @@ GradGuard = Callable[[str, float, int], "tuple[str, float] | None"]
 
 def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
                   *, step: int, seed: int, guard: GradGuard | None = None,
-                  track_kl: bool = False) -> dict[str, float]:
-    """Train ``policy`` on ``rows``; returns ``policy/<name>/...`` and ``agent/<a>/...`` metrics."""
+                  track_kl: bool = False, dp: DataParallel | None = None) -> dict[str, float]:
+    """Train ``policy`` on ``rows``; returns ``policy/<name>/...`` and ``agent/<a>/...`` metrics.
+
+    ``dp``: this process is one rank of a data-parallel group (masrl.training.distributed); every
+    rank passes all ``rows`` and trains on its share of each minibatch.
+    """
+    raw = update_policy_raw(policy, rows, algo, trainer, step=step, seed=seed, guard=guard, track_kl=track_kl,
+                            dp=dp)
+    return summarize_update(raw, policy, rows)
+
+
+# metrics every rank of a data-parallel group computes identically (from the all-reduced gradient)
+GLOBAL_METRICS = ("grad_norm", "grad_share", "_skipped", "grad_spike")
+
+
+def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence[Row]) -> dict[str, float]:
+    """Average the per-micro-batch (or per-minibatch) values of :func:`update_policy_raw`."""
+    out = {}
+    for key, values in raw.items():
+        if not values:
+            continue
+        name = key if key.startswith(("agent/", "policy/")) else f"policy/{policy.name}/{key}"
+        if key.endswith(("_skipped", "grad_spike")):
+            out[name] = float(sum(values))
+        else:
+            out[name] = sum(values) / len(values)
+    out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
+    out[f"policy/{policy.name}/rows"] = float(len(rows))
+    out[f"policy/{policy.name}/tokens"] = float(sum(len(r.response_ids) for r in rows))
+    return out
+
+
+def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
+                      *, step: int, seed: int, guard: GradGuard | None = None, track_kl: bool = False,
+                      dp: DataParallel | None = None) -> dict[str, list[float]]:
+    """:func:`update_policy` before averaging: every metric's list of values (mergeable across ranks)."""
     assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
     lc = algo.loss
     params = policy.trainable_parameters()
@@ -153,13 +188,15 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                 continue
             policy.optimizer.zero_grad(set_to_none=True)
             before = [torch.zeros_like(p) for p in params] if per_agent_norms and not routed else None
+            summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None
             agent_norms: dict[str, float] = {}
             finite = True
             # one unit per agent (its part of the gradient is measured by differencing), or one mixed unit
             units = [(None, minibatch)] if routed else [(a, [r for r in minibatch if r.agent == a]) for a in agents]
             for unit_agent, unit in units:
                 unit = [r for r in unit if r.response_ids]
-                for chunk in micro_batches(unit, trainer.micro_batch_tokens):
+                mine = dp.shard(unit) if dp else unit
+                for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
                     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
                     batch = pack_rows(chunk, pad, device)
                     with _routing(policy, chunk):
@@ -189,12 +226,27 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
                     metrics["pg_loss"].append(float(loss.detach()))
                     for key, value in stats.items():
                         metrics[key].append(float(value))
-                if not finite:
+                if not finite and dp is None:
                     break
-                if before is not None and unit:
+                if before is not None and unit:  # ranks agree on `unit` (the whole minibatch's), so on collectives
                     now = _grad_list(params)
-                    agent_norms[unit_agent] = _norm([a - b for a, b in zip(now, before)])
+                    delta = [a - b for a, b in zip(now, before)]
+                    if dp is not None:  # the agent's all-reduced gradient, summed into the step's gradient
+                        dp.all_reduce_(delta)
+                        for acc, d in zip(summed, delta):
+                            acc.add_(d)
+                    agent_norms[unit_agent] = _norm(delta)
                     before = [g.detach().clone() for g in now]
+            if dp is not None:
+                finite = dp.all_true(finite)
+                if summed is not None:
+                    for p, g in zip(params, summed):
+                        p.grad = g
+                else:
+                    grads = _grad_list(params)
+                    dp.all_reduce_(grads)
+                    for p, g in zip(params, grads):
+                        p.grad = g
             if finite and routed and trainer.per_agent_grad_norm:
                 from masrl.models.lora import adapter_parameters
 
@@ -234,17 +286,7 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
             if not agent_norms:
                 for agent in agents:
                     metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
-    out = {}
-    for key, values in metrics.items():
-        name = key if key.startswith(("agent/", "policy/")) else f"policy/{policy.name}/{key}"
-        if key.endswith(("_skipped", "grad_spike")):
-            out[name] = float(sum(values))
-        else:
-            out[name] = sum(values) / len(values)
-    out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
-    out[f"policy/{policy.name}/rows"] = float(len(rows))
-    out[f"policy/{policy.name}/tokens"] = float(sum(len(r.response_ids) for r in rows))
-    return out
+    return dict(metrics)
 
 
 def _routing(policy: Policy, chunk: Sequence[Row]):

@@ -1,0 +1,66 @@
+"""The local runtime: every policy in this process (the default)."""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+from masrl.training.policy import Policy, build_policy
+from masrl.training.sft import run_sft
+from masrl.training.update import Row, update_policy
+
+
+class WorkerGroupError(RuntimeError):
+    """A policy's worker failed; the message names the policy, the worker and the step."""
+
+
+def policy_build_args(cfg) -> dict[str, dict]:
+    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes)."""
+    kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
+    return {name: dict(seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
+                       agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
+            for name in cfg.policies}
+
+
+def base_trained(cfg, name: str) -> bool:
+    """SFT trains the base under LoRA adapters (sft.train_base): checkpoints then keep the base too."""
+    pcfg = cfg.policies[name]
+    return bool(cfg.sft.train_base and cfg.sft.steps and pcfg.lora is not None)
+
+
+class LocalRuntime:
+    kind = "local"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.step = 0
+
+    def build_policies(self) -> dict[str, Policy]:
+        policies = {}
+        for name, kwargs in policy_build_args(self.cfg).items():
+            policies[name] = build_policy(name, self.cfg.policies[name], **kwargs)
+            policies[name].base_trained = base_trained(self.cfg, name)
+        return policies
+
+    def update(self, policies: Mapping[str, Policy], rows: Mapping[str, Sequence[Row]], *, step: int,
+               guard=None, track_kl: bool = False) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for name, prows in rows.items():
+            metrics.update(update_policy(policies[name], prows, self.cfg.algorithm, self.cfg.trainer, step=step,
+                                         seed=self.cfg.seed, guard=guard, track_kl=track_kl))
+        return metrics
+
+    def sft(self, policies: Mapping[str, Policy], rows: Sequence[Row],
+            on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
+        return run_sft(policies, rows, self.cfg.sft, seed=self.cfg.seed,
+                       micro_batch_tokens=self.cfg.trainer.micro_batch_tokens, on_step=on_step)
+
+    def phase_end(self) -> None:
+        """Between rollout and training (colocated offload in the Ray runtime)."""
+
+    def spike_state(self, driver_state: dict) -> dict:
+        return driver_state
+
+    def load_spike_state(self, state: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,145 @@
+"""One rank of a policy's worker group: a full replica that generates and trains.
+
+A plain class (no Ray import): :mod:`masrl.runtime.ray_runtime` wraps it with ``ray.remote``.
+Everything that crosses the process boundary is plain data — lists, dicts, numbers and
+tensors — never pickled instances of masrl classes: requests and rows are dicts, configs are
+their JSON dumps, checkpoints are name→tensor maps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import socket
+from typing import Any
+
+import torch
+
+from masrl.config import AlgorithmConfig, PolicyConfig, SFTConfig, TrainerConfig
+from masrl.monitoring.spike import SpikeDetector
+from masrl.rollout.engine import GenRequest
+from masrl.training.distributed import DataParallel, init_process_group
+from masrl.training.policy import build_policy
+from masrl.training.sft import run_sft
+from masrl.training.update import Row, update_policy_raw
+
+
+def _move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device) -> None:
+    for state in opt.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+class PolicyWorker:
+    def __init__(self, name: str, policy_cfg: dict, build: dict, *, rank: int, world: int, threads: int,
+                 device: str, base_trained: bool, spike: dict, offload: bool):
+        torch.set_num_threads(max(1, threads))
+        torch.manual_seed(build["seed"])
+        self.name, self.rank, self.world = name, rank, world
+        self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **build)
+        self.policy.base_trained = base_trained
+        self.device = torch.device(device)
+        self.offload_enabled = offload and self.device.type != "cpu"
+        self.on_device = False
+        self.onload()
+        self.dp = DataParallel(rank, world)
+        self.spikes = SpikeDetector(**spike)
+
+    # -------------------------------------------------------------- group
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, free port) of this worker's node, for rank 0 to host the process group."""
+        host = socket.gethostbyname(socket.gethostname())
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, s.getsockname()[1]
+
+    def join_group(self, address: str, port: int, backend: str) -> None:
+        self.dp = init_process_group(self.rank, self.world, address, port, backend)
+        self.dp.broadcast_parameters(self.policy.model)
+
+    def info(self) -> dict[str, Any]:
+        return {"max_positions": self.policy.max_positions, "adapter_of": dict(self.policy.adapter_of),
+                "parameters": sum(p.numel() for p in self.policy.model.parameters())}
+
+    # -------------------------------------------------------------- placement
+    def onload(self) -> None:
+        if self.on_device:
+            return
+        self.policy.model.to(self.device)
+        if self.policy.ref_model is not None:
+            self.policy.ref_model.to(self.device)
+        if self.policy.optimizer is not None:
+            _move_optimizer_state(self.policy.optimizer, self.device)
+        self.on_device = True
+
+    def offload(self) -> None:
+        """Weights and optimizer state to CPU (colocated policies take turns on the devices)."""
+        if not self.offload_enabled or not self.on_device:
+            return
+        self.policy.model.to("cpu")
+        if self.policy.ref_model is not None:
+            self.policy.ref_model.to("cpu")
+        if self.policy.optimizer is not None:
+            _move_optimizer_state(self.policy.optimizer, "cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.on_device = False
+
+    # -------------------------------------------------------------- rollout
+    def reseed(self, seed: int) -> None:
+        self.policy.engine.reseed(seed)
+
+    def generate(self, requests: list[dict]) -> list[dict]:
+        self.onload()
+        results = self.policy.engine.generate([GenRequest(**r) for r in requests])
+        return [dataclasses.asdict(r) for r in results]
+
+    # -------------------------------------------------------------- training
+    def update(self, rows: list[dict], algo: dict, trainer: dict, step: int, seed: int,
+               track_kl: bool) -> dict[str, list[float]]:
+        self.onload()
+        return update_policy_raw(self.policy, [Row(**r) for r in rows], AlgorithmConfig.model_validate(algo),
+                                 TrainerConfig.model_validate(trainer), step=step, seed=seed,
+                                 guard=self.spikes.guard, track_kl=track_kl, dp=self.dp)
+
+    def lr(self) -> float:
+        return float(self.policy.optimizer.param_groups[0]["lr"])
+
+    def sft(self, rows: list[dict], sft: dict, seed: int, micro_batch_tokens: int) -> list[dict[str, float]]:
+        self.onload()
+        steps: list[dict[str, float]] = []
+        run_sft({self.name: self.policy}, [Row(**r) for r in rows], SFTConfig.model_validate(sft), seed=seed,
+                micro_batch_tokens=micro_batch_tokens, on_step=lambda step, m: steps.append(dict(m)), dp=self.dp)
+        return steps
+
+    # -------------------------------------------------------------- state
+    def checkpoint_state(self):
+        from masrl.training.checkpoint import optimizer_to_tensors, trainable_state
+
+        weights = {k: v.cpu() for k, v in trainable_state(self.policy).items()}
+        tensors, meta = optimizer_to_tensors(self.policy.optimizer)
+        return weights, {k: v.cpu() for k, v in tensors.items()}, meta
+
+    def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
+        from masrl.training.checkpoint import restore_policy
+
+        restore_policy(self.policy, weights, opt_tensors, opt_meta, where)
+        self.on_device = False
+        self.onload()
+
+    def spike_state(self) -> dict:
+        return self.spikes.state_dict()
+
+    def load_spike_state(self, state: dict) -> None:
+        self.spikes.load_state_dict(state)
+
+    def parameter_digest(self) -> str:
+        """sha256 of every parameter's bytes: equal digests = bitwise-identical replicas."""
+        h = hashlib.sha256()
+        for n, p in sorted(self.policy.model.named_parameters()):
+            h.update(n.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.policy.model.named_parameters()}
