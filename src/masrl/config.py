@@ -74,6 +74,9 @@ class PolicyConfig(_Strict):
     lora: Optional[LoraConfig] = None
     optim: OptimConfig = Field(default_factory=OptimConfig)
     init_seed: Optional[int] = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
+        "extra arguments of the tokenizer's chat template (Qwen3: {enable_thinking: false})"))
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (memory for time)")
 
     @model_validator(mode="after")
     def _tiny_has_its_own_tokenizer(self):
@@ -101,6 +104,19 @@ class LossConfig(_Strict):
     entropy_coef: float = 0.0
 
 
+class RolloutISConfig(_Strict):
+    """Truncated importance sampling between the trainer's and the rollout engine's log-probs.
+
+    With a separate rollout engine (vLLM) the trainer recomputes the old log-probs and each
+    token's loss is weighted by ``min(exp(logp_old - logp_rollout), cap)`` (docs/scaling.md).
+    """
+
+    enabled: bool = False
+    cap: float = Field(2.0, gt=0.0)
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mode: Literal["truncate", "mask"] = "truncate"
+
+
 class AlgorithmConfig(_Strict):
     estimator: str = "drmas"
     eps: float = 1e-6
@@ -110,6 +126,21 @@ class AlgorithmConfig(_Strict):
     group_by: Literal["agent", "slot"] = Field("agent", description=(
         "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
     loss: LossConfig = Field(default_factory=LossConfig)
+    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+
+
+class RolloutConfig(_Strict):
+    """The rollout engine: ``transformers`` (in-process, any device) or ``vllm`` (CUDA; docs/scaling.md)."""
+
+    engine: Literal["transformers", "vllm"] = "transformers"
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    enable_sleep_mode: bool = True
+    sleep_level: Literal[0, 1, 2] = Field(1, description="release vLLM memory during updates (0: never)")
+    max_model_len: Optional[int] = Field(None, gt=0)
+    enforce_eager: bool = False
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="None: the policy's")
+    max_loras: int = Field(4, gt=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed on to vllm.LLM")
 
 
 class SFTConfig(_Strict):
@@ -239,6 +270,7 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _runtime_names_policies(self):

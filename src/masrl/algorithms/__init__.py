@@ -1,4 +1,5 @@
-"""Pure tensor functions for RL on multi-agent turns: advantage estimators and policy losses.
+"""Pure tensor functions for RL on multi-agent turns: advantage estimators, policy losses and
+rollout correction (importance weights between the rollout engine and the trainer).
 
 No model code lives here. Estimators are registered by name in ``ADVANTAGE_ESTIMATORS``
 (add your own with ``@register_advantage("name")``); see docs/algorithms.md.
@@ -22,12 +23,15 @@ from masrl.algorithms.losses import (
     kl_penalty,
     policy_loss,
 )
+from masrl.algorithms.rollout_correction import IS_LEVELS, IS_MODES, truncated_is_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
     "AdvantageEstimator",
     "AdvantageGroups",
+    "IS_LEVELS",
+    "IS_MODES",
     "KL_KINDS",
     "POLICY_LOSSES",
     "SINGLETON_MODES",
@@ -39,4 +43,5 @@ __all__ = [
     "kl_penalty",
     "policy_loss",
     "register_advantage",
+    "truncated_is_weights",
 ]

@@ -86,6 +86,21 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(shifted, dim=-1) - (probs * finite).sum(-1)
 
 
+def entropy_from_logsumexp(logits: Tensor, lse: Tensor) -> Tensor:
+    """:func:`entropy_from_logits` given ``lse = logsumexp(logits, -1)`` (already computed for the
+    log-probs): H = lse - sum_v p_v z_v with p = exp(z - lse). Two passes over the vocabulary instead
+    of about ten, and no vocabulary-sized temporaries besides p (the sum is a batched dot product).
+    Meant for the no-grad entropy metric; equals :func:`entropy_from_logits` up to float rounding
+    (``tests/test_losses.py``), -inf logits included.
+    """
+    probs = torch.exp(logits - lse.unsqueeze(-1))
+    weighted = torch.matmul(probs.unsqueeze(-2), logits.unsqueeze(-1)).reshape(lse.shape)
+    if bool(torch.isnan(weighted).any()):  # 0 * -inf at masked (-inf) logits, where p = 0: drop those terms
+        finite = logits.masked_fill(torch.isneginf(logits), 0.0)
+        weighted = torch.matmul(probs.unsqueeze(-2), finite.unsqueeze(-1)).reshape(lse.shape)
+    return lse - weighted
+
+
 # --------------------------------------------------------------------------- ratios
 
 
@@ -126,6 +141,7 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_length: float | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss on response tokens; gradients flow only through ``logprobs``.
 
@@ -133,6 +149,8 @@ def policy_loss(
         L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))
     and with ``dual_clip`` c > 1, for A < 0: L = min(L, -c A). Reduced by ``agg``
     (see :func:`agg_loss`). ``advantages`` is [B] (one per row) or [B, T].
+    ``is_weights`` [B, T] (optional, detached): rollout-correction weights that multiply each
+    token's L before aggregation (:func:`masrl.algorithms.rollout_correction.truncated_is_weights`).
 
     Stats (python floats, over valid tokens): ``clipfrac`` (clipped branch active),
     ``clipfrac_high`` (A > 0, ρ > 1 + clip_high), ``clipfrac_low`` (A < 0, ρ < 1 - clip_low),
@@ -166,6 +184,11 @@ def policy_loss(
     token_loss = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         token_loss = torch.where(advantages < 0, torch.minimum(token_loss, -dual_clip * advantages), token_loss)
+    if is_weights is not None:
+        if tuple(is_weights.shape) != tuple(logprobs.shape):
+            raise ValueError(f"is_weights shape {tuple(is_weights.shape)} differs from logprobs shape "
+                             f"{tuple(logprobs.shape)}")
+        token_loss = token_loss * torch.where(valid, is_weights.detach().to(token_loss.dtype), zero)
     loss_value = agg_loss(token_loss, valid, agg, norm_length=norm_length)
 
     with torch.no_grad():

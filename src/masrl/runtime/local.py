@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
-from masrl.training.policy import Policy, build_policy
+from masrl.training.policy import Policy, after_update, before_update, build_policy
 from masrl.training.sft import run_sft
 from masrl.training.update import Row, update_policy
 
@@ -12,11 +12,13 @@ class WorkerGroupError(RuntimeError):
     """A policy's worker failed; the message names the policy, the worker and the step."""
 
 
-def policy_build_args(cfg) -> dict[str, dict]:
-    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes)."""
+def policy_build_args(cfg, run_dir) -> dict[str, dict]:
+    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes; plain data)."""
     kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
     return {name: dict(seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
-                       agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name])
+                       agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name],
+                       device=cfg.trainer.device, rollout=cfg.rollout.model_dump(mode="json"),
+                       workdir=str(run_dir / "vllm"))
             for name in cfg.policies}
 
 
@@ -29,13 +31,13 @@ def base_trained(cfg, name: str) -> bool:
 class LocalRuntime:
     kind = "local"
 
-    def __init__(self, cfg):
-        self.cfg = cfg
+    def __init__(self, cfg, run_dir=None):
+        self.cfg, self.run_dir = cfg, run_dir if run_dir is not None else cfg.run_dir
         self.step = 0
 
     def build_policies(self) -> dict[str, Policy]:
         policies = {}
-        for name, kwargs in policy_build_args(self.cfg).items():
+        for name, kwargs in policy_build_args(self.cfg, self.run_dir).items():
             policies[name] = build_policy(name, self.cfg.policies[name], **kwargs)
             policies[name].base_trained = base_trained(self.cfg, name)
         return policies
@@ -44,14 +46,19 @@ class LocalRuntime:
                guard=None, track_kl: bool = False) -> dict[str, float]:
         metrics: dict[str, float] = {}
         for name, prows in rows.items():
+            before_update(policies[name], self.cfg.rollout)
             metrics.update(update_policy(policies[name], prows, self.cfg.algorithm, self.cfg.trainer, step=step,
                                          seed=self.cfg.seed, guard=guard, track_kl=track_kl))
+            after_update(policies[name])
         return metrics
 
     def sft(self, policies: Mapping[str, Policy], rows: Sequence[Row],
             on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
-        return run_sft(policies, rows, self.cfg.sft, seed=self.cfg.seed,
+        last = run_sft(policies, rows, self.cfg.sft, seed=self.cfg.seed,
                        micro_batch_tokens=self.cfg.trainer.micro_batch_tokens, on_step=on_step)
+        for policy in policies.values():
+            after_update(policy)
+        return last
 
     def phase_end(self) -> None:
         """Between rollout and training (colocated offload in the Ray runtime)."""

@@ -123,9 +123,10 @@ class RayPolicy(PolicyText):
 class RayRuntime:
     kind = "ray"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, run_dir=None):
         ray = _import_ray()
         self.cfg, self.step = cfg, 0
+        self.run_dir = run_dir if run_dir is not None else cfg.run_dir
         rc = cfg.runtime
         self.started_ray = False
         if not ray.is_initialized():
@@ -176,13 +177,14 @@ class RayRuntime:
         spike = {"window": mon.window, "threshold": mon.threshold, "min_history": mon.min_history,
                  "action": mon.action}
         policies: dict[str, RayPolicy] = {}
-        for name, build in policy_build_args(cfg).items():
+        for name, build in policy_build_args(cfg, self.run_dir).items():
             place = placements[name]
             share = len(colocated) if name in colocated else 1
             pool = shared_pool if name in colocated else self._pool(place.workers, place.cpus_per_worker,
                                                                      place.gpus_per_worker)
             cpus, gpus = place.cpus_per_worker / share, place.gpus_per_worker / share
             device = "cuda" if gpus > 0 else cfg.trainer.device
+            build["device"] = "cpu"  # the worker moves it to `device` (and off it when offloading)
             threads = cfg.trainer.threads or max(1, int(cpus))
             actors = [remote_cls.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from masrl.config import AlgorithmConfig, PolicyConfig, SFTConfig, TrainerConfig
+from masrl.config import AlgorithmConfig, PolicyConfig, RolloutConfig, SFTConfig, TrainerConfig
 from masrl.monitoring.spike import SpikeDetector
 from masrl.rollout.engine import GenRequest
 from masrl.training.distributed import DataParallel, init_process_group
-from masrl.training.policy import build_policy
+from masrl.training.policy import after_update, before_update, build_policy
 from masrl.training.sft import run_sft
 from masrl.training.update import Row, update_policy_raw
 
@@ -37,6 +37,7 @@ class PolicyWorker:
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
         self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **build)
+        self.rollout = RolloutConfig.model_validate(build["rollout"])
         self.policy.base_trained = base_trained
         self.device = torch.device(device)
         self.offload_enabled = offload and self.device.type != "cpu"
@@ -98,9 +99,12 @@ class PolicyWorker:
     def update(self, rows: list[dict], algo: dict, trainer: dict, step: int, seed: int,
                track_kl: bool) -> dict[str, list[float]]:
         self.onload()
-        return update_policy_raw(self.policy, [Row(**r) for r in rows], AlgorithmConfig.model_validate(algo),
-                                 TrainerConfig.model_validate(trainer), step=step, seed=seed,
-                                 guard=self.spikes.guard, track_kl=track_kl, dp=self.dp)
+        before_update(self.policy, self.rollout)
+        raw = update_policy_raw(self.policy, [Row(**r) for r in rows], AlgorithmConfig.model_validate(algo),
+                                TrainerConfig.model_validate(trainer), step=step, seed=seed,
+                                guard=self.spikes.guard, track_kl=track_kl, dp=self.dp)
+        after_update(self.policy)
+        return raw
 
     def lr(self) -> float:
         return float(self.policy.optimizer.param_groups[0]["lr"])
@@ -110,6 +114,7 @@ class PolicyWorker:
         steps: list[dict[str, float]] = []
         run_sft({self.name: self.policy}, [Row(**r) for r in rows], SFTConfig.model_validate(sft), seed=seed,
                 micro_batch_tokens=micro_batch_tokens, on_step=lambda step, m: steps.append(dict(m)), dp=self.dp)
+        after_update(self.policy)
         return steps
 
     # -------------------------------------------------------------- state

@@ -218,3 +218,6 @@ def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors
             params[n].copy_(t)
     if opt_tensors is not None and policy.optimizer is not None:
         optimizer_from_tensors(policy.optimizer, opt_tensors, opt_meta)
+    from masrl.training.policy import after_update
+
+    after_update(policy)  # a separate rollout engine (vLLM) serves the restored weights

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from masrl.config import PolicyConfig
+from masrl.config import PolicyConfig, RolloutConfig
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.engine import TransformersEngine
 
@@ -19,6 +20,7 @@ class PolicyText:
 
     tokenizer: object
     adapter_of: dict
+    cfg: PolicyConfig
 
     def adapter(self, agent: str) -> str | None:
         return self.adapter_of.get(agent)
@@ -26,7 +28,8 @@ class PolicyText:
     def encode_prompt(self, text: str, system_prompt: str | None = None) -> list[int]:
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                    [{"role": "user", "content": text}]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **self.cfg.chat_template_kwargs)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
     def encode_response(self, text: str) -> list[int]:
@@ -63,8 +66,18 @@ class Policy(PolicyText):
 
 
 def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
-                 kl: bool = False, agents: list[str] | None = None) -> Policy:
+                 kl: bool = False, agents: list[str] | None = None, device: str = "cpu",
+                 rollout: RolloutConfig | dict | None = None, workdir: str | Path | None = None) -> Policy:
+    """A policy on ``device`` with its optimizer and rollout engine (``rollout.engine``: transformers or vllm;
+    a model built in memory is written under ``workdir`` for vLLM to load)."""
     model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
+    if cfg.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device)
     agents = list(agents or [])
     adapter_of: dict[str, str] = {}
     if cfg.lora is not None:
@@ -84,8 +97,12 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
         eos_ids.add(gen_eos)
     elif isinstance(gen_eos, (list, tuple)):
         eos_ids.update(int(e) for e in gen_eos)
-    engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
-                                max_batch_size=max_rollout_batch, seed=seed)
+    rollout = RolloutConfig.model_validate(rollout) if isinstance(rollout, dict) else rollout
+    if rollout is not None and rollout.engine == "vllm":
+        engine = _vllm_engine(name, cfg, rollout, model, tokenizer, sorted(eos_ids), seed, workdir)
+    else:
+        engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
+                                    max_batch_size=max_rollout_batch, seed=seed)
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:
@@ -96,3 +113,51 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     if kl and cfg.lora is None:
         policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return policy
+
+
+def _vllm_engine(name: str, cfg: PolicyConfig, rollout: RolloutConfig, model, tokenizer, eos_ids: list[int],
+                 seed: int, workdir: str | Path | None):
+    from masrl.rollout.vllm_engine import VLLMEngine, save_for_vllm
+
+    if cfg.model == "tiny":  # built in memory: vLLM loads it from a folder
+        if workdir is None:
+            raise ValueError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
+        source = save_for_vllm(model, tokenizer, Path(workdir) / name)
+    else:
+        from masrl.models.hub import resolve_model_source
+
+        source = resolve_model_source(cfg.model)
+    lora = cfg.lora
+    rank = next((r for r in (8, 16, 32, 64, 128, 256, 512) if lora is not None and r >= lora.r), 16)
+    engine = VLLMEngine(source, dtype=rollout.dtype or cfg.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                        enable_sleep_mode=rollout.enable_sleep_mode and rollout.sleep_level > 0,
+                        eos_token_ids=eos_ids, seed=seed, max_model_len=rollout.max_model_len,
+                        enable_lora=lora is not None, max_loras=rollout.max_loras, max_lora_rank=rank,
+                        enforce_eager=rollout.enforce_eager, tokenizer=str(Path(workdir) / name) if cfg.model == "tiny"
+                        else (cfg.tokenizer and str(cfg.tokenizer)), trust_remote_code=cfg.trust_remote_code,
+                        **rollout.kwargs)
+    if lora is not None:
+        engine.sync_adapters(model)
+        if not lora.per_agent:
+            engine.default_adapter = name
+    return engine
+
+
+def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
+    """A separate rollout engine (vLLM) releases its GPU memory while the trainer updates."""
+    engine = policy.engine
+    if rollout is not None and rollout.sleep_level and getattr(engine, "enable_sleep_mode", False):
+        engine.sleep(rollout.sleep_level)
+
+
+def after_update(policy: Policy) -> None:
+    """A separate rollout engine (vLLM) gets the new weights in place (no reload from disk)."""
+    engine = policy.engine
+    if not hasattr(engine, "sync_weights"):
+        return  # TransformersEngine shares the trainer's model
+    from masrl.rollout.vllm_engine import hf_named_tensors
+
+    if policy.cfg.lora is None or policy.base_trained or getattr(engine, "weights_stale", False):
+        engine.sync_weights(hf_named_tensors(policy.model))
+    if policy.cfg.lora is not None:
+        engine.sync_adapters(policy.model)

@@ -62,7 +62,7 @@ class Trainer:
             raise ValueError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                              f"{self.spec.name} uses {sorted(self.spec.prompts)}")
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
-        self.runtime = make_runtime(cfg)  # local (this process) or Ray worker groups
+        self.runtime = make_runtime(cfg, self.run_dir)  # local (this process) or Ray worker groups
         self.policies: dict[str, Policy] = self.runtime.build_policies()
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
         mon = cfg.monitoring

@@ -11,6 +11,7 @@ agent's gradient is its adapter's gradient.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 from collections import defaultdict
@@ -19,8 +20,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss
+from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss, truncated_is_weights
 from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.rollout.engine import TransformersEngine
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 
@@ -36,6 +38,7 @@ class Row:
     advantage: float
     temperature: float = 1.0
     policy: str = ""
+    rollout_logprobs: list[float] | None = None  # the engine's, when old_logprobs were recomputed by the trainer
 
     @property
     def length(self) -> int:
@@ -52,6 +55,7 @@ class PackedBatch:
     old_logprobs: torch.Tensor    # [n, R]
     advantages: torch.Tensor      # [n]
     temperature: torch.Tensor     # [n]
+    rollout_logprobs: torch.Tensor | None = None  # [n, R] when the rows carry them
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +83,15 @@ def pack_rows(rows: Sequence[Row], pad_token_id: int, device: str | torch.device
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
     temp = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in rows], dtype=torch.float32)
-    to = lambda t: t.to(device)  # noqa: E731
-    return PackedBatch(to(input_ids), to(attention), to(positions), to(targets), to(mask), to(old), to(adv), to(temp))
+    rollout = None
+    if any(r.rollout_logprobs is not None for r in rows):
+        rollout = torch.zeros((n, resp), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            if r.rollout_logprobs:
+                rollout[i, resp - len(r.rollout_logprobs):] = torch.tensor(r.rollout_logprobs, dtype=torch.float32)
+    to = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    return PackedBatch(to(input_ids), to(attention), to(positions), to(targets), to(mask), to(old), to(adv), to(temp),
+                       to(rollout))
 
 
 def response_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -176,6 +187,13 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
     norm_length = max(len(r.response_ids) for r in rows)
 
     routed = bool(policy.adapter_of)  # per-agent LoRA adapters: mixed batches, rows routed by agent
+    # A separate rollout engine (vLLM) computes other log-probs than the trainer: the PPO "old" log-probs
+    # are the trainer's, and with rollout_is the engine's give the importance weights (docs/scaling.md).
+    ris = algo.rollout_is
+    recompute = ris.enabled or not isinstance(policy.engine, TransformersEngine)
+    single_pass = trainer.epochs == 1 and min(trainer.minibatches, len(rows)) == 1
+    if recompute and not single_pass:  # the pre-update policy's log-probs, before the first step
+        rows = with_trainer_logprobs(policy, rows, trainer)
     for epoch in range(trainer.epochs):
         order = list(rows)
         rng.shuffle(order)
@@ -202,9 +220,19 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                     with _routing(policy, chunk):
                         logits = response_logits(model, batch)
                     logprobs = token_logprobs(logits, batch.targets)
-                    loss, stats = policy_loss(logprobs, batch.old_logprobs, batch.advantages, batch.response_mask,
+                    old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
+                    if recompute and single_pass:  # nothing has changed the policy yet: its own log-probs are old
+                        old, engine_logprobs = logprobs.detach(), batch.old_logprobs
+                    is_weights = None
+                    if ris.enabled:
+                        is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
+                                                                    cap=ris.cap, level=ris.level, mode=ris.mode)
+                        for key, value in is_stats.items():
+                            metrics[f"rollout_is/{key}"].append(float(value))
+                    loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
-                                              dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length)
+                                              dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
+                                              is_weights=is_weights)
                     entropy = entropy_from_logits(logits if lc.entropy_coef else logits.detach())
                     if lc.entropy_coef:
                         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
@@ -287,6 +315,28 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                 for agent in agents:
                     metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
     return dict(metrics)
+
+
+@torch.no_grad()
+def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerConfig) -> list[Row]:
+    """Copies of ``rows`` whose ``old_logprobs`` are the trainer's (the engine's move to ``rollout_logprobs``)."""
+    model = policy.model
+    was_training = model.training
+    model.eval()
+    out = {id(r): r for r in rows}
+    try:
+        for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
+            chunk.sort(key=lambda r: r.agent)
+            batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), trainer.device)
+            with _routing(policy, chunk):
+                logp = token_logprobs(response_logits(model, batch), batch.targets).float().cpu()
+            width = batch.targets.shape[1]
+            for i, r in enumerate(chunk):
+                out[id(r)] = dataclasses.replace(r, old_logprobs=logp[i, width - len(r.response_ids):].tolist(),
+                                                 rollout_logprobs=list(r.old_logprobs))
+    finally:
+        model.train(was_training)
+    return [out[id(r)] for r in rows]
 
 
 def _routing(policy: Policy, chunk: Sequence[Row]):

@@ -1,0 +1,39 @@
+"""Policy options: gradient checkpointing (same gradients, recomputed activations), chat-template kwargs."""
+import torch
+
+from masrl.config import PolicyConfig
+from masrl.training.policy import build_policy
+from masrl.training.update import Row, pack_rows, response_logits, token_logprobs
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 128}
+
+
+def _grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+    policy = build_policy("p", PolicyConfig(tiny=TINY, gradient_checkpointing=checkpointing), seed=0,
+                          max_rollout_batch=8)
+    assert getattr(policy.model, "is_activation_checkpointing", None) == checkpointing
+    rows = [Row("A", [5, 6, 7, 8], [9, 10, 11], [0.0] * 3, 1.0), Row("A", [5, 6], [12, 13], [0.0] * 2, -1.0)]
+    batch = pack_rows(rows, int(policy.tokenizer.pad_token_id))
+    policy.model.train()
+    logp = token_logprobs(response_logits(policy.model, batch), batch.targets)
+    (-(logp * batch.response_mask * batch.advantages[:, None]).sum()).backward()
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    plain, checkpointed = _grads(False), _grads(True)
+    assert set(plain) == set(checkpointed) and len(plain) > 5
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    ids = {}
+    for kwargs in ({}, {"enable_thinking": False}):
+        policy = build_policy("p", PolicyConfig(tiny=TINY, chat_template_kwargs=kwargs), seed=0, max_rollout_batch=8)
+        policy.tokenizer.chat_template = template
+        ids[bool(kwargs)] = policy.decode(policy.encode_prompt("hi"))
+    assert ids[False] == "hi" and ids[True] == "/no_think hi"
