@@ -131,3 +131,25 @@ def test_runtime_config_errors(tiny_cfg):
     d = _two_policy_team(tiny_cfg, **{"runtime.policies": {"solver": {"workers": 2, "placement": "dedicated"}}})
     cfg = config_from_dict(d)
     assert cfg.runtime.for_policy("solver").workers == 2 and cfg.runtime.for_policy("verifier").workers == 1
+
+
+def test_ray_run_resumes_from_its_checkpoint_like_an_uninterrupted_local_run(tiny_cfg, tmp_path):
+    """Stop a Ray run after step 2, resume it to step 3: the same metrics as 3 uninterrupted local steps
+    (checkpoints are written from rank 0's state and loaded into every worker, spike state included)."""
+    over = {**QUIET, "sft.steps": 4, "eval.before_after": False, "trainer.save_every": 1}
+    full = config_from_dict(tiny_cfg(**over, **{"trainer.total_steps": 3, "output_dir": str(tmp_path / "full")}))
+    with Trainer(full, progress=False) as trainer:
+        trainer.fit()
+    part = config_from_dict(tiny_cfg(**over, **{"trainer.total_steps": 2, "runtime.kind": "ray",
+                                                "output_dir": str(tmp_path / "part")}))
+    with Trainer(part, progress=False) as trainer:
+        trainer.fit()
+    part.trainer.total_steps = 3
+    with Trainer(part, progress=False) as trainer:
+        trainer.fit(resume=True)
+    a = {m["step"]: m for m in _metrics(tmp_path / "full") if m.get("phase") == "train"}
+    b = {m["step"]: m for m in _metrics(tmp_path / "part") if m.get("phase") == "train"}
+    assert sorted(b) == [1, 2, 3]
+    for key, value in a[3].items():
+        if key.startswith(("team/", "agent/", "policy/")):
+            assert b[3][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
