@@ -44,10 +44,14 @@ class _Group:
         ray = _import_ray()
         from ray.exceptions import RayActorError, RayTaskError
 
-        out = []
-        for rank, ref in enumerate(refs):
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:  # the first failure surfaces at once (its peers may be blocked in a collective)
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
             try:
-                out.append(ray.get(ref))
+                results[rank] = ray.get(ready[0])
             except RayTaskError as e:
                 cause = getattr(e, "cause", None)
                 if isinstance(cause, (ValueError, KeyError, FileNotFoundError)) or \
@@ -59,7 +63,7 @@ class _Group:
             except RayActorError as e:
                 raise WorkerGroupError(f"policy {self.name!r}: worker {rank} died during {what} at step "
                                        f"{self.runtime.step} ({type(e).__name__})") from e
-        return out
+        return [results[rank] for rank in range(len(refs))]
 
     def all(self, method: str, *args, what: str | None = None, **kwargs) -> list:
         return self.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], what or method)
