@@ -362,6 +362,57 @@ def lever_decode(a):
     return {"what": f"tiny model, {rows} rows, {len(prompt)} prompt tokens, {new} decode steps", "results": res}
 
 
+def lever_prealloc(a):
+    """Decode with the engine's preallocated KV cache (written in place) vs transformers' growing cache
+    (``torch.cat`` per layer per step); tiny model, 128 rows, short and long generations. Same outputs."""
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, {}, seed=0).eval()
+    prompt = tok("Q 12+13-4\nS ", add_special_tokens=False)["input_ids"]
+    variants = {}
+    for new in (40, 160):
+        reqs = [GenRequest(prompt, 1.0, 1.0, new) for _ in range(128)]
+        for pre in (False, True):
+            engine = TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=tok.pad_token_id,
+                                        preallocate_cache=pre)
+            variants[f"{new} new tokens, {'preallocated' if pre else 'growing (torch.cat)'} cache"] = \
+                (lambda e, r: lambda: e.generate(r))(engine, reqs)
+    return {"what": "tiny model, 128 rows, masrl engine (never stops); compare within each length",
+            "results": ab(variants, a.reps)}
+
+
+def lever_rollout_bf16(a, model):
+    """SmolLM2 decoding with the engine in float32 vs under bf16 autocast (weights cast once per batch)."""
+    import torch
+
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    g = torch.Generator().manual_seed(0)
+    reqs = [GenRequest(torch.randint(10, 40000, (a.prompt_len,), generator=g).tolist(), 1.0, 1.0, a.response_len)
+            for _ in range(a.rows)]
+    engines = {"float32": TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2),
+               "autocast bfloat16": TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2,
+                                                       autocast="bfloat16")}
+    res = ab({k: (lambda e: lambda: e.generate(reqs))(e) for k, e in engines.items()}, a.reps)
+    return {"what": f"SmolLM2 engine, {a.rows} rows x {a.prompt_len} prompt tokens, {a.response_len} new tokens",
+            "results": res}
+
+
+def lever_entropy(a):
+    """The entropy metric: entropy_from_logits vs entropy_from_logsumexp reusing the log-probs' logsumexp."""
+    import torch
+
+    from masrl.algorithms.losses import entropy_from_logits, entropy_from_logsumexp
+
+    z = torch.randn(a.rows, a.response_len, 49152, generator=torch.Generator().manual_seed(0)) * 3
+    lse = torch.logsumexp(z, -1)
+    res = ab({"entropy_from_logits": lambda: entropy_from_logits(z),
+              "entropy_from_logsumexp (lse reused)": lambda: entropy_from_logsumexp(z, lse)}, a.reps)
+    return {"what": f"entropy of {a.rows} x {a.response_len} x 49152 float32 logits", "results": res}
+
+
 def lever_compile(a):
     import torch
 
@@ -391,7 +442,7 @@ def run_levers(a) -> dict:
     out = {}
     wanted = a.levers
     big = None
-    if any(k in wanted for k in ("prefill", "adamw", "bf16", "kvcache", "logits")):
+    if any(k in wanted for k in ("prefill", "adamw", "bf16", "kvcache", "logits", "rollout_bf16")):
         big = load_smollm2()
     for name in wanted:
         t = time.perf_counter()
@@ -401,8 +452,13 @@ def run_levers(a) -> dict:
             out[name] = lever_compile(a)
         elif name == "bucketing":
             out[name] = lever_bucketing(a)
+        elif name == "prealloc":
+            out[name] = lever_prealloc(a)
+        elif name == "entropy":
+            out[name] = lever_entropy(a)
         else:
             out[name] = {"prefill": lever_prefill, "adamw": lever_adamw, "bf16": lever_bf16,
+                         "rollout_bf16": lever_rollout_bf16,
                          "kvcache": lever_kvcache, "logits": lever_logits}[name](a, big)
         print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
         extra = {"decode": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens")}
@@ -421,7 +477,8 @@ def main(argv=None) -> None:
     ap.add_argument("--section", choices=["profile", "levers", "both"], default="profile")
     ap.add_argument("--levers", nargs="+",
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
-                    choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile"])
+                    choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
+                             "prealloc", "rollout_bf16", "entropy"])
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

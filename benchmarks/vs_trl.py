@@ -30,6 +30,13 @@ runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hit
     python benchmarks/vs_trl.py                         # both models, default sizes
     python benchmarks/vs_trl.py --model tiny --steps 5 --repeats 3
     python benchmarks/vs_trl.py --model smollm2 --B 2 --G 4 --max-new-tokens 64
+    python benchmarks/vs_trl.py --model smollm2 --max-new-tokens 32 --steps 1 --repeats 1 \
+        --autocast bfloat16 --rollout-autocast --fused-adamw       # masrl's fast settings (TRL: float32)
+
+Defaults compare float32 with float32. ``--autocast bfloat16`` (masrl ``trainer.autocast``),
+``--rollout-autocast`` (the engine decodes under it too), ``--fused-adamw`` and
+``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. Besides wall time,
+every step records its process CPU time (``cpu_s``), which other jobs on a shared machine inflate less.
 
 Writes ``benchmarks/results/vs_trl_<model>.json`` and prints a markdown table.
 """
@@ -107,29 +114,35 @@ def worker_masrl(a) -> dict:
         "agents": {"Solver": {"policy": "policy", "temperature": 1.0, "top_p": 1.0,
                               "max_new_tokens": a.max_new_tokens}},
         "policies": {"policy": {"model": a.model_path, "dtype": "float32",
-                                "optim": {"lr": a.lr, "weight_decay": 0.0, "grad_clip": 1.0}}},
+                                "optim": {"lr": a.lr, "weight_decay": 0.0, "grad_clip": 1.0,
+                                          "fused": a.fused_adamw}}},
         "algorithm": {"estimator": "grpo", "format_penalty": 0.0,
                       "loss": {"loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean"}},
         "sft": {"steps": 0},
         "trainer": {"total_steps": a.warmup + a.steps, "batch_size": a.B, "group_size": a.G,
-                    "threads": a.threads},
+                    "threads": a.threads, "autocast": a.autocast,
+                    **({"micro_batch_tokens": a.micro_batch_tokens} if a.micro_batch_tokens else {})},
         "eval": {"before_after": False},
         "logging": {"tensorboard": False, "progress": False, "plots": False},
     })
     t0 = time.perf_counter()
     trainer = Trainer(cfg, progress=False)
+    if a.rollout_autocast:  # the engine decodes under the same autocast as the update
+        for policy in trainer.policies.values():
+            policy.engine.autocast = a.autocast
     load_s = time.perf_counter() - t0
     warm_reward()
     stats = trainer.scheduler.stats
     steps = []
     for i in range(a.warmup + a.steps):
         tokens_before, gen_before = stats.generated_tokens, stats.generate_seconds
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         m = trainer.train_step()
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
         trainer.step += 1
         trained = m["perf/train_tokens_per_s"] * m["perf/update_seconds"]  # prompt + response tokens
-        steps.append({"step_s": wall, "rollout_s": m["perf/rollout_seconds"], "update_s": m["perf/update_seconds"],
+        steps.append({"step_s": wall, "cpu_s": cpu, "rollout_s": m["perf/rollout_seconds"],
+                      "update_s": m["perf/update_seconds"],
                       "generate_s": stats.generate_seconds - gen_before,
                       "generated_tokens": stats.generated_tokens - tokens_before, "trained_tokens": round(trained),
                       "reward": m["team/reward"], "warmup": i < a.warmup})
@@ -166,7 +179,7 @@ def worker_trl(a) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     out_dir = tempfile.mkdtemp(prefix="trl-bench-")
     args = GRPOConfig(
-        output_dir=out_dir, seed=a.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        output_dir=out_dir, seed=a.seed, use_cpu=True, bf16=a.trl_bf16, fp16=False, gradient_checkpointing=False,
         model_init_kwargs={"dtype": torch.float32},
         per_device_train_batch_size=a.B * a.G, gradient_accumulation_steps=1, num_generations=a.G,
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new_tokens,
@@ -211,11 +224,12 @@ def worker_trl(a) -> dict:
         def on_step_begin(self, args, state, control, **kw):
             phase.update(rollout_s=0.0, generate_s=0.0, prompt_tokens=0, completion_tokens=0)
             counters["generated"] = 0
-            self.t = time.perf_counter()
+            self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
-            wall = time.perf_counter() - self.t
-            steps.append({"step_s": wall, "rollout_s": phase["rollout_s"], "update_s": wall - phase["rollout_s"],
+            wall, cpu = time.perf_counter() - self.t, time.process_time() - self.c
+            steps.append({"step_s": wall, "cpu_s": cpu, "rollout_s": phase["rollout_s"],
+                          "update_s": wall - phase["rollout_s"],
                           "generate_s": phase["generate_s"], "generated_tokens": counters["generated"],
                           "trained_tokens": phase["prompt_tokens"] + phase["completion_tokens"],
                           "warmup": len(steps) < a.warmup})
@@ -245,7 +259,7 @@ def summarize_run(run: dict) -> dict:
     med = lambda k: spread([s[k] for s in timed])["median"]  # noqa: E731
     gen = sum(s["generated_tokens"] for s in timed)
     trained = sum(s["trained_tokens"] for s in timed)
-    return {"step_s": med("step_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
+    return {"step_s": med("step_s"), "cpu_s": med("cpu_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
             "generate_s": med("generate_s"),
             "gen_tok_s": gen / max(sum(s["generate_s"] for s in timed), 1e-9),
             "rollout_tok_s": gen / max(sum(s["rollout_s"] for s in timed), 1e-9),
@@ -254,7 +268,9 @@ def summarize_run(run: dict) -> dict:
             "peak_rss_mib": run["peak_rss_mib"], "load_s": run["load_s"]}
 
 
-METRICS = [("step_s", "s / step", "lower is better"), ("rollout_s", "rollout s / step", "lower is better"),
+METRICS = [("step_s", "s / step", "lower is better"),
+           ("cpu_s", "process CPU s / step", "lower is better; robust to time-slicing on a loaded machine"),
+           ("rollout_s", "rollout s / step", "lower is better"),
            ("update_s", "update s / step", "lower is better"),
            ("generate_s", "generation s / step (engine only)", "lower is better"),
            ("gen_tok_s", "generated tok/s (engine only)", "higher is better"),
@@ -273,6 +289,10 @@ def run_model(model: str, a, tmp: Path) -> dict:
     worker_args = ["--model", model, "--model-path", str(folder), "--B", str(p["B"]), "--G", str(p["G"]),
                    "--max-new-tokens", str(p["max_new_tokens"]), "--lr", str(p["lr"]), "--steps", str(p["steps"]),
                    "--warmup", str(p["warmup"]), "--threads", str(a.threads)]
+    worker_args += (["--autocast", a.autocast] if a.autocast else []) + \
+        (["--rollout-autocast"] if a.rollout_autocast else []) + (["--fused-adamw"] if a.fused_adamw else []) + \
+        (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
+        (["--trl-bf16"] if a.trl_bf16 else [])
     runs = {"masrl": [], "trl": []}
     order = ["masrl", "trl"] if not a.trl_first else ["trl", "masrl"]
     print(f"\n## {model}: B={p['B']} G={p['G']} max_new_tokens={p['max_new_tokens']} lr={p['lr']} "
@@ -286,7 +306,8 @@ def run_model(model: str, a, tmp: Path) -> dict:
             run["summary"] = summarize_run(run)
             runs[fw].append(run)
             s = run["summary"]
-            print(f"  run {rep + 1}/{p['repeats']} {fw:5s}: {s['step_s']:.3f} s/step (rollout {s['rollout_s']:.3f}, "
+            print(f"  run {rep + 1}/{p['repeats']} {fw:5s}: {s['step_s']:.3f} s/step (cpu {s['cpu_s']:.3f}, "
+                  f"rollout {s['rollout_s']:.3f}, "
                   f"update {s['update_s']:.3f}), {s['gen_tokens_per_step']:.0f} gen tok/step, "
                   f"peak RSS {s['peak_rss_mib']:.0f} MiB [{time.perf_counter() - t:.0f}s]", flush=True)
     table = {}
@@ -295,8 +316,11 @@ def run_model(model: str, a, tmp: Path) -> dict:
         t = [r["summary"][key] for r in runs["trl"]]
         ratios = [x / y for x, y in zip(m, t) if y]  # run i of masrl vs run i of TRL (adjacent in time)
         table[key] = {"masrl": spread(m), "trl": spread(t), "ratio": spread(ratios)}
+    settings = {"masrl_autocast": a.autocast, "masrl_rollout_autocast": a.rollout_autocast,
+                "masrl_fused_adamw": a.fused_adamw, "masrl_micro_batch_tokens": a.micro_batch_tokens,
+                "trl_bf16": a.trl_bf16}
     return {"model": model, "model_path": str(folder) if model != "tiny" else "tiny (quickstart size, seed 0)",
-            "params": p, "threads": a.threads, "runs": runs, "table": table}
+            "params": p, "settings": settings, "threads": a.threads, "runs": runs, "table": table}
 
 
 def report(res: dict) -> str:
@@ -308,7 +332,8 @@ def report(res: dict) -> str:
                      f"{fmt(r['median'])} ({fmt(r['min'])}-{fmt(r['max'])})", note])
     p = res["params"]
     head = (f"### {res['model']}: B={p['B']} prompts x G={p['G']}, max_new_tokens={p['max_new_tokens']}, "
-            f"{p['steps']} timed steps per run (+{p['warmup']} warm-up), {p['repeats']} runs each (alternated)\n\n")
+            f"{p['steps']} timed steps per run (+{p['warmup']} warm-up), {p['repeats']} runs each (alternated); "
+            f"settings {res.get('settings')}\n\n")
     return head + fmt_table(["metric (median over runs)", "masrl", "TRL", "masrl/TRL median (min-max)", ""], rows)
 
 
@@ -325,6 +350,13 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-first", action="store_true", help="alternate T M T M instead of M T M T")
+    # masrl speed settings (defaults: masrl's defaults, float32 like TRL)
+    ap.add_argument("--autocast", choices=["bfloat16"], default=None,
+                    help="masrl trainer.autocast (update forward/backward in bf16 autocast, fp32 master weights)")
+    ap.add_argument("--rollout-autocast", action="store_true", help="masrl engine decodes under --autocast too")
+    ap.add_argument("--fused-adamw", action="store_true", help="masrl policies.*.optim.fused: true")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None, help="masrl trainer.micro_batch_tokens")
+    ap.add_argument("--trl-bf16", action="store_true", help="TRL GRPOConfig(bf16=True) (CPU autocast)")
     # internal: one measured run
     ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)

@@ -67,9 +67,11 @@ class Policy(PolicyText):
 
 def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
                  kl: bool = False, agents: list[str] | None = None, device: str = "cpu",
-                 rollout: RolloutConfig | dict | None = None, workdir: str | Path | None = None) -> Policy:
+                 rollout: RolloutConfig | dict | None = None, workdir: str | Path | None = None,
+                 autocast: str | None = None) -> Policy:
     """A policy on ``device`` with its optimizer and rollout engine (``rollout.engine``: transformers or vllm;
-    a model built in memory is written under ``workdir`` for vLLM to load)."""
+    a model built in memory is written under ``workdir`` for vLLM to load; ``autocast``: the in-process
+    engine decodes in that mixed precision, as ``trainer.autocast`` trains)."""
     model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
     if cfg.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
@@ -102,7 +104,7 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
         engine = _vllm_engine(name, cfg, rollout, model, tokenizer, sorted(eos_ids), seed, workdir)
     else:
         engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
-                                    max_batch_size=max_rollout_batch, seed=seed)
+                                    max_batch_size=max_rollout_batch, seed=seed, autocast=autocast)
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss, truncated_is_weights
+from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
 from masrl.rollout.engine import TransformersEngine
 from masrl.training.distributed import DataParallel
@@ -100,11 +101,28 @@ def response_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=batch.position_ids, logits_to_keep=resp + 1, use_cache=False)
     logits = out.logits[:, -(resp + 1):-1, :].float()
+    if bool((batch.temperature == 1.0).all()):  # x / 1.0 == x exactly: skip a logits-sized copy
+        return logits
     return logits / batch.temperature[:, None, None]
+
+
+def autocast(trainer: TrainerConfig):
+    """``trainer.autocast``: a ``torch.autocast`` context for the model forward (float32 master weights,
+    gradients and optimizer; the loss math stays float32), else a no-op context."""
+    if not getattr(trainer, "autocast", None):
+        return contextlib.nullcontext()
+    device_type = torch.device(trainer.device).type
+    return torch.autocast(device_type, dtype=getattr(torch, trainer.autocast))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` and the ``logsumexp`` it used (reused by the entropy metric)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
 
 
 def micro_batches(rows: Sequence[Row], token_budget: int) -> list[list[Row]]:
@@ -190,7 +208,11 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
     # A separate rollout engine (vLLM) computes other log-probs than the trainer: the PPO "old" log-probs
     # are the trainer's, and with rollout_is the engine's give the importance weights (docs/scaling.md).
     ris = algo.rollout_is
-    recompute = ris.enabled or not isinstance(policy.engine, TransformersEngine)
+    # Under trainer.autocast the trainer's low-precision log-probs differ from any engine's (even a bf16
+    # engine's: other kernels, other rounding; ~0.02 mean |diff| on SmolLM2), so they are recomputed
+    # too: free with one epoch and one minibatch (the ratio is then exactly 1 at the first step).
+    recompute = (ris.enabled or not isinstance(policy.engine, TransformersEngine)
+                 or bool(getattr(trainer, "autocast", None)))
     single_pass = trainer.epochs == 1 and min(trainer.minibatches, len(rows)) == 1
     if recompute and not single_pass:  # the pre-update policy's log-probs, before the first step
         rows = with_trainer_logprobs(policy, rows, trainer)
@@ -217,9 +239,9 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                 for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
                     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
                     batch = pack_rows(chunk, pad, device)
-                    with _routing(policy, chunk):
+                    with _routing(policy, chunk), autocast(trainer):
                         logits = response_logits(model, batch)
-                    logprobs = token_logprobs(logits, batch.targets)
+                    logprobs, lse = token_logprobs_lse(logits, batch.targets)
                     old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
                     if recompute and single_pass:  # nothing has changed the policy yet: its own log-probs are old
                         old, engine_logprobs = logprobs.detach(), batch.old_logprobs
@@ -233,12 +255,16 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
                                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
                                               is_weights=is_weights)
-                    entropy = entropy_from_logits(logits if lc.entropy_coef else logits.detach())
                     if lc.entropy_coef:
+                        entropy = entropy_from_logits(logits)
                         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
                                                                  norm_length=norm_length)
+                    else:  # a metric only: no graph, and the log-probs' logsumexp reused
+                        with torch.no_grad():
+                            entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
                     if lc.kl_coef or track_kl:
-                        ref = reference_logprobs(policy, batch)
+                        with autocast(trainer):
+                            ref = reference_logprobs(policy, batch)
                         kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
                         if lc.kl_coef:
                             loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg,
@@ -328,7 +354,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
         for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
             chunk.sort(key=lambda r: r.agent)
             batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), trainer.device)
-            with _routing(policy, chunk):
+            with _routing(policy, chunk), autocast(trainer):
                 logp = token_logprobs(response_logits(model, batch), batch.targets).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
