@@ -60,12 +60,14 @@ def test_gold_answers_forms():
 def test_qa_score_metrics_and_scorefn_signature():
     task = Task("1", "Who?", ["Barack Obama"])
     em = qa_score(task, "barack obama")
-    assert em == {"reward": 1.0, "correct": True, "em": 1.0, "f1": 1.0}
+    assert em == {"reward": 1.0, "correct": True, "em": 1.0, "f1": 1.0, "pred": "barack obama"}
     f1_fn = functools.partial(qa_score, metric="f1")
     partial_credit = f1_fn(task, "Obama")
     assert partial_credit["reward"] == pytest.approx(2 / 3) and partial_credit["correct"] is False
     assert partial_credit["em"] == 0.0
-    assert qa_score(task, None) == {"reward": 0.0, "correct": False, "em": 0.0, "f1": 0.0}
+    assert qa_score(task, None) == {"reward": 0.0, "correct": False, "em": 0.0, "f1": 0.0, "pred": None}
+    # maj@k votes on the normalised prediction: "The Obama." and "obama" are one answer
+    assert qa_score(task, "The Obama.")["pred"] == qa_score(task, "obama")["pred"] == "obama"
     assert qa_score(Task("2", "q", "Paris"), "paris")["correct"]
     assert qa_score(task, "It is Barack Obama", metric="subem")["reward"] == 1.0
     with pytest.raises(ValueError, match="unknown QA metric"):

@@ -120,3 +120,90 @@ def test_teacher_solves_every_task_through_the_workflow():
             assert 1 <= episode.info["num_searches"] <= task.meta["hops"]
             assert all(t.valid for t in episode.turns)
     assert "<think>" in SyntheticKBTeacher(seed=0, think=True).reply("Answer", "", tasks[0])
+
+
+HELD_OUT = dict(n_people=60, n_companies=8, n_cities=6, relations=["lives_in", "works_for"], split_by="person")
+
+
+def test_person_split_holds_out_people_and_their_facts():
+    train, passages = synthetic_kb(seed=0, split="train", **HELD_OUT)
+    test, _ = synthetic_kb(seed=0, split="test", **HELD_OUT)
+    assert {t.meta["relation"] for t in train + test} == {"lives_in", "works_for"}
+    assert len(test) == 2 * 12 and len(train) == 2 * 48   # test_fraction 0.2 of the people, two questions each
+    test_people = {t.meta["subject"] for t in test}
+    assert not test_people & {t.meta["subject"] for t in train}
+    # no training question's gold passage mentions a held-out person (companies are led by training people)
+    by_id = {p.id: p for p in passages}
+    for t in train:
+        for pid in t.meta["gold_passages"]:
+            assert not any(person in by_id[pid].text for person in test_people)
+    # same facts as the question split: only the split and the relations differ
+    kb, default = generate_kb(0, **{**HELD_OUT, "relations": tuple(HELD_OUT["relations"])}), generate_kb(0, 60, 8, 6)
+    assert kb.people == default.people and kb.cities == default.cities
+
+
+def test_bad_relations_or_split_mode_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="relations"):
+        synthetic_kb(seed=0, relations=["lives_in", "born_in"])
+    with pytest.raises(ValueError, match="split_by"):
+        synthetic_kb(seed=0, split_by="company")
+
+
+def test_teacher_noise_picks_the_other_entity_and_guesses_without_evidence():
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher
+
+    train, passages = synthetic_kb(seed=0, split="train", **HELD_OUT)
+    by_id = {p.id: p for p in passages}
+    task = next(t for t in train if t.meta["relation"] == "lives_in")
+    passage = by_id[task.meta["gold_passages"][0]]
+    company = generate_kb(0, 60, 8, 6).people[task.meta["subject"]]["company"]
+    noisy = SyntheticKBTeacher(seed=0, answer_noise=1.0, **HELD_OUT)
+    assert noisy.reply("Answer", f"Q {task.question}\n{passage.text}\nA ", task) == f"<answer>{company}</answer>"
+    clean = SyntheticKBTeacher(seed=0, **HELD_OUT)
+    assert clean.reply("Answer", f"Q {task.question}\n{passage.text}\nA ", task) == f"<answer>{task.answer[0]}</answer>"
+    # without the gold passage in the prompt, the teacher cannot know: it guesses
+    guesses = {clean.reply("Answer", f"Q {task.question}\nA ", task) for _ in range(20)}
+    assert len(guesses) > 1
+
+
+def test_cloze_questions_and_fixed_name_length():
+    sizes = dict(n_people=30, n_companies=5, n_cities=4, question_style="cloze", name_length=5)
+    tasks, passages = synthetic_kb(seed=2, split="all", **sizes)
+    kb = generate_kb(2, **sizes)
+    names = set(kb.people) | set(kb.companies) | set(kb.cities)
+    assert all(re.fullmatch(r"[A-Z][a-z]{4}", n) for n in names)
+    assert len({len(p.text) for p in passages if p.id.split("-")[1] == "person"}) == 1
+    by_relation = {t.meta["relation"]: t for t in tasks}
+    person = by_relation["lives_in"].meta["subject"]
+    assert by_relation["lives_in"].question == f"{person} lives in?"
+    assert by_relation["employer_led_by"].question.startswith("The employer of ")
+    retriever = synthetic_kb_retriever(seed=2, **sizes)
+    one_hop = [t for t in tasks if t.meta["hops"] == 1]
+    top = retriever.search([t.meta["subject"] for t in one_hop], 1)
+    assert all(r[0].id == t.meta["gold_passages"][0] for r, t in zip(top, one_hop))
+    import pytest
+
+    with pytest.raises(ValueError, match="name_length"):
+        synthetic_kb(seed=0, name_length=7)
+    with pytest.raises(ValueError, match="question_style"):
+        synthetic_kb(seed=0, question_style="yoda")
+
+
+def test_teacher_quote_cites_the_sentence_it_answers_from():
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher
+
+    sizes = dict(HELD_OUT, question_style="cloze")
+    train, passages = synthetic_kb(seed=0, split="train", **sizes)
+    by_id = {p.id: p for p in passages}
+    task = next(t for t in train if t.meta["relation"] == "works_for")
+    text = by_id[task.meta["gold_passages"][0]].text
+    prompt = f"Q {task.question}\n<information>{text}</information>\nA "
+    subject, answer = task.meta["subject"], task.answer[0]
+    teacher = SyntheticKBTeacher(seed=0, quote=True, **sizes)
+    assert teacher.reply("Answer", prompt, task) == f"{subject} works for {answer}. <answer>{answer}</answer>"
+    city = generate_kb(0, 60, 8, 6).people[subject]["city"]
+    noisy = SyntheticKBTeacher(seed=0, quote=True, answer_noise=1.0, **sizes)
+    assert noisy.reply("Answer", prompt, task) == f"{subject} lives in {city}. <answer>{city}</answer>"
+    assert teacher.reply("Answer", f"Q {task.question}\nA ", task).startswith("<answer>")  # nothing to cite

@@ -94,7 +94,8 @@ def f1_score(prediction: str | None, golds: Any) -> float:
 
 
 def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
-    """ScoreFn for QA: ``{"reward", "correct", "em", "f1"}``; ``reward`` is the chosen ``metric``.
+    """ScoreFn for QA: ``{"reward", "correct", "em", "f1", "pred"}``; ``reward`` is the chosen ``metric``,
+    ``pred`` the normalised answer (what maj@k votes on).
 
     ``correct`` is exact match whatever the reward metric.
     """
@@ -105,7 +106,8 @@ def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
     reward = {"em": em, "f1": f1}.get(metric)
     if reward is None:
         reward = substring_match(answer, golds)
-    return {"reward": float(reward), "correct": em >= 1.0, "em": em, "f1": f1}
+    pred = normalize_answer(answer) if answer is not None else None  # what maj@k votes on
+    return {"reward": float(reward), "correct": em >= 1.0, "em": em, "f1": f1, "pred": pred}
 
 
 # ----------------------------------------------------------------------------------------------
