@@ -153,3 +153,17 @@ def test_ray_run_resumes_from_its_checkpoint_like_an_uninterrupted_local_run(tin
     for key, value in a[3].items():
         if key.startswith(("team/", "agent/", "policy/")):
             assert b[3][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.timeout(180)
+def test_dead_data_parallel_rank_fails_fast_not_at_the_collective_timeout(tiny_cfg, tmp_path):
+    """Rank 1 of 2 dies: the update raises at once (its peer would otherwise wait in an all-reduce)."""
+    import time
+
+    d = tiny_cfg(**QUIET, **{"runtime.kind": "ray", "runtime.workers": 2, "sft.steps": 0})
+    with Trainer(config_from_dict(d), progress=False) as trainer:
+        ray.kill(trainer.runtime.groups["shared"].actors[1])
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match=r"policy 'shared': worker \d (died|failed) during update"):
+            trainer.runtime.update(trainer.policies, {"shared": _rows()}, step=0)
+        assert time.monotonic() - start < 60
