@@ -20,9 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 from masrl.rollout.engine import GenRequest, GenResult
 from masrl.runtime.local import WorkerGroupError, base_trained, policy_build_args
 from masrl.training.policy import PolicyText
-from masrl.training.update import Row, summarize_update
+from masrl.training.update import GLOBAL_METRICS, Row, summarize_update
 
-GLOBAL_KEYS = ("grad_norm", "grad_share", "_skipped", "grad_spike")
 RANK_SEED_STRIDE = 1_000_003
 
 
@@ -238,7 +237,7 @@ class RayRuntime:
         merged: dict[str, list[float]] = {}
         for rank, raw in enumerate(parts):
             for key, values in raw.items():
-                if rank and key.endswith(GLOBAL_KEYS):
+                if rank and key.endswith(GLOBAL_METRICS):
                     continue  # identical on every rank (computed from the all-reduced gradient)
                 merged.setdefault(key, []).extend(values)
         lr = group.get([group.actors[0].lr.remote()], "update")[0]

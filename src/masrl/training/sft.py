@@ -89,7 +89,7 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
-                batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id))
+                batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
                 logp = token_logprobs(response_logits(policy.model, batch), batch.targets)
                 nll = -(logp * batch.response_mask).sum() / total
                 nll.backward()

@@ -106,12 +106,13 @@ def response_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return logits / batch.temperature[:, None, None]
 
 
-def autocast(trainer: TrainerConfig):
+def autocast(trainer: TrainerConfig, device: str | torch.device | None = None):
     """``trainer.autocast``: a ``torch.autocast`` context for the model forward (float32 master weights,
-    gradients and optimizer; the loss math stays float32), else a no-op context."""
+    gradients and optimizer; the loss math stays float32), else a no-op context. ``device``: where the
+    model is (default ``trainer.device``)."""
     if not getattr(trainer, "autocast", None):
         return contextlib.nullcontext()
-    device_type = torch.device(trainer.device).type
+    device_type = torch.device(device if device is not None else trainer.device).type
     return torch.autocast(device_type, dtype=getattr(torch, trainer.autocast))
 
 
@@ -197,7 +198,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
     model = policy.model
     model.train()
     pad = int(policy.tokenizer.pad_token_id)
-    device = trainer.device
+    device = next(model.parameters()).device  # where the runtime put it (a Ray worker's GPU, or trainer.device)
     agents = sorted({r.agent for r in rows})
     per_agent_norms = trainer.per_agent_grad_norm and len(agents) > 1
     rng = random.Random(seed * 1_000_003 + step)
@@ -239,7 +240,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                 for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
                     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
                     batch = pack_rows(chunk, pad, device)
-                    with _routing(policy, chunk), autocast(trainer):
+                    with _routing(policy, chunk), autocast(trainer, device):
                         logits = response_logits(model, batch)
                     logprobs, lse = token_logprobs_lse(logits, batch.targets)
                     old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
@@ -263,7 +264,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                         with torch.no_grad():
                             entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
                     if lc.kl_coef or track_kl:
-                        with autocast(trainer):
+                        with autocast(trainer, device):
                             ref = reference_logprobs(policy, batch)
                         kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
                         if lc.kl_coef:
@@ -347,14 +348,15 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
 def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerConfig) -> list[Row]:
     """Copies of ``rows`` whose ``old_logprobs`` are the trainer's (the engine's move to ``rollout_logprobs``)."""
     model = policy.model
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out = {id(r): r for r in rows}
     try:
         for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
             chunk.sort(key=lambda r: r.agent)
-            batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), trainer.device)
-            with _routing(policy, chunk), autocast(trainer):
+            batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), device)
+            with _routing(policy, chunk), autocast(trainer, device):
                 logp = token_logprobs(response_logits(model, batch), batch.targets).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
