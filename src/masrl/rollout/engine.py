@@ -139,10 +139,23 @@ class TransformersEngine:
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._device_generators: dict[str, torch.Generator] = {}  # sampling on an accelerator needs its own
         self.tokens_generated = 0
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
+        self.seed = seed
+        self._device_generators.clear()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The CPU generator, or one on ``device`` (seeded alike) when the logits live there."""
+        if device.type == "cpu":
+            return self.generator
+        key = str(device)
+        if key not in self._device_generators:
+            self._device_generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._device_generators[key]
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         out: list[GenResult] = []
@@ -205,6 +218,7 @@ class TransformersEngine:
         eos_limit = is_eos.numel() - 1  # ids past the table (never stop tokens) are clamped onto a False entry
         temperature, top_p = temperature.to(device), top_p.to(device)  # sampling runs where the logits are
         plan = _SamplePlan(temperature, top_p)
+        generator = self._generator(torch.device(device))
         cache = _preallocated_cache(model, width + max_new) if self.preallocate_cache else None
 
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
@@ -219,7 +233,7 @@ class TransformersEngine:
         pad = torch.full((batch,), self.pad_token_id, dtype=torch.long)
         zero = torch.zeros((), dtype=torch.float32)
         for step in range(max_new):
-            tok, lp = _sample(logits, temperature, top_p, self.generator, plan=plan)
+            tok, lp = _sample(logits, temperature, top_p, generator, plan=plan)
             tok, lp = tok.cpu(), lp.cpu()
             active = ~done
             tokens_out[:, step] = torch.where(active, tok, pad)
