@@ -91,3 +91,13 @@ def test_gpu_configs_use_vllm_rollouts_with_is_correction(path):
     assert cfg.rollout.engine == "vllm" and cfg.rollout.enable_sleep_mode and cfg.rollout.sleep_level == 1
     ris = cfg.algorithm.rollout_is
     assert (ris.enabled, ris.cap, ris.level, ris.mode) == (True, 2.0, "token", "truncate")
+
+
+def test_colocated_vllm_engines_must_fit_on_one_device():
+    from masrl.config import ConfigError
+
+    path = ROOT / "examples" / "gpu" / "search_drmas_qwen25_3b.yaml"
+    with pytest.raises(ConfigError, match=r"3 vLLM engines sharing a GPU is 1.20 of its memory"):
+        load_config(path, ["rollout.gpu_memory_utilization=0.4"])
+    cfg = load_config(path, ["rollout.gpu_memory_utilization=0.4", "runtime.placement=dedicated"])
+    assert cfg.rollout.gpu_memory_utilization == 0.4

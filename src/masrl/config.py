@@ -292,6 +292,22 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _vllm_engines_fit_on_a_device(self):
+        """Colocated vLLM engines (all policies in the local runtime) are awake together during rollout."""
+        if self.rollout.engine != "vllm":
+            return self
+        if self.runtime.kind == "ray":
+            sharing = sum(1 for n in self.policies if self.runtime.for_policy(n).placement == "colocated")
+        else:
+            sharing = len(self.policies)
+        total = sharing * self.rollout.gpu_memory_utilization
+        if total > 0.95:
+            raise ValueError(f"rollout.gpu_memory_utilization = {self.rollout.gpu_memory_utilization} for each of "
+                             f"{sharing} vLLM engines sharing a GPU is {total:.2f} of its memory; keep the product "
+                             f"under 0.95 (e.g. {0.9 / sharing:.2f}) or give policies dedicated placement")
+        return self
+
+    @model_validator(mode="after")
     def _mapping_is_complete(self):
         for agent, acfg in self.agents.items():
             if acfg.policy not in self.policies:

@@ -16,7 +16,7 @@ import torch
 
 from masrl.config import AlgorithmConfig, PolicyConfig, RolloutConfig, SFTConfig, TrainerConfig
 from masrl.monitoring.spike import SpikeDetector
-from masrl.rollout.engine import GenRequest
+from masrl.rollout.engine import GenRequest, TransformersEngine
 from masrl.training.distributed import DataParallel, init_process_group
 from masrl.training.policy import after_update, before_update, build_policy
 from masrl.training.sft import run_sft
@@ -91,7 +91,8 @@ class PolicyWorker:
         self.policy.engine.reseed(seed)
 
     def generate(self, requests: list[dict]) -> list[dict]:
-        self.onload()
+        if isinstance(self.policy.engine, TransformersEngine):  # it decodes with the training model
+            self.onload()
         results = self.policy.engine.generate([GenRequest(**r) for r in requests])
         return [dataclasses.asdict(r) for r in results]
 
