@@ -133,3 +133,23 @@ def test_group_by_slot_separates_parallel_same_role_agents(tiny_cfg):
     trainer.cfg.algorithm.group_by = "agent"
     pooled = trainer.advantages(turns, keys, scores)
     assert pooled[1] < 0  # pooled with slot 0's success, slot 1's failure is below the mean
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tiny_cfg, tmp_path):
+    """A crash after step 3 was logged but before its checkpoint: the resumed run redoes step 3, and
+    TensorBoard (which keeps every event file) shows it once; SFT points live in their own run."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = config_from_dict(tiny_cfg(**{"trainer.total_steps": 3, "trainer.save_every": 2, "sft.steps": 12,
+                                       "eval.before_after": False, "logging.plots": False}))
+    Trainer(cfg).fit()
+    shutil.rmtree(cfg.run_dir / "checkpoints" / "step_3")  # as if the process died before saving it
+    Trainer(cfg).fit(resume=True)
+    rl = EventAccumulator(str(cfg.run_dir / "tensorboard"))
+    rl.Reload()
+    assert [e.step for e in rl.Scalars("team/reward")] == [1, 2, 3]
+    sft = EventAccumulator(str(cfg.run_dir / "tensorboard" / "sft"))
+    sft.Reload()
+    assert [e.step for e in sft.Scalars("sft/shared/loss")] == [0, 10, 11]

@@ -20,12 +20,16 @@ class MetricsLogger:
         if resume_from_step is not None and self.path.exists():
             self._truncate_after(resume_from_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = None
+        self._tb = self._tb_sft = None
+        self._tb_dir = Path(run_dir) / "tensorboard"
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                # on resume, TensorBoard hides the points of the steps that are redone (step > checkpoint)
+                purge = resume_from_step + 1 if resume_from_step is not None else None
+                self._tb = SummaryWriter(str(self._tb_dir), purge_step=purge)
+                self._writer = SummaryWriter
             except Exception as e:  # TensorBoard is optional; say so once
                 print(f"[masrl] TensorBoard disabled: {e}")
 
@@ -49,14 +53,20 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
+            writer = self._tb
+            if phase == "sft":  # SFT steps have their own axis: a run of their own, untouched by resume purges
+                if self._tb_sft is None:
+                    self._tb_sft = self._writer(str(self._tb_dir / "sft"))
+                writer = self._tb_sft
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                    writer.add_scalar(k, v, step)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for writer in (self._tb, self._tb_sft):
+            if writer is not None:
+                writer.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
