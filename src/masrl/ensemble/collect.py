@@ -169,30 +169,30 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
     if n_samples < 1:
         raise ValueError(f"--n-samples must be >= 1, got {n_samples}")
     check_workflow(get_workflow(cfg.workflow.name), where)
-    trainer = Trainer(cfg, progress=False)
-    ckpt_path = None
-    if checkpoint:
-        ckpt_path = _resolve_checkpoint(checkpoint)
-        load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
-    rows: list[dict] = []
-    facts: dict[str, Any] = {"models": None, "conflicts": 0, "checkpoint": str(ckpt_path) if ckpt_path else None,
-                             "benches": {}}
-    for bench in benches:
-        tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, limit or cfg.eval.limit, strict)
-        if not tasks:
-            raise ValueError(f"--bench {bench}: no tasks loaded")
-        rep, groups = repeat_tasks(tasks, n_samples)
-        temp = cfg.eval.temperature if temperature is None else temperature
-        episodes = trainer.rollout(rep, groups, temperature=temp, seed=cfg.seed if seed is None else seed,
-                                   score=score)
-        bench_rows, f = episode_rows(episodes, score, bench=_bench_name(bench), n_samples=n_samples, where=where,
-                                     workflow=cfg.workflow.name)
-        if facts["models"] is not None and f["models"] != facts["models"]:
-            raise ValueError(f"--bench {bench}: proposers {f['models']} differ from {facts['models']}")
-        facts["models"] = f["models"]
-        facts["conflicts"] += f["conflicts"]
-        facts["benches"][_bench_name(bench)] = len(tasks)
-        rows.extend(bench_rows)
+    with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the collection
+        ckpt_path = None
+        if checkpoint:
+            ckpt_path = _resolve_checkpoint(checkpoint)
+            load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
+        rows: list[dict] = []
+        facts: dict[str, Any] = {"models": None, "conflicts": 0, "checkpoint": str(ckpt_path) if ckpt_path else None,
+                                 "benches": {}}
+        for bench in benches:
+            tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, limit or cfg.eval.limit, strict)
+            if not tasks:
+                raise ValueError(f"--bench {bench}: no tasks loaded")
+            rep, groups = repeat_tasks(tasks, n_samples)
+            temp = cfg.eval.temperature if temperature is None else temperature
+            episodes = trainer.rollout(rep, groups, temperature=temp, seed=cfg.seed if seed is None else seed,
+                                       score=score)
+            bench_rows, f = episode_rows(episodes, score, bench=_bench_name(bench), n_samples=n_samples, where=where,
+                                         workflow=cfg.workflow.name)
+            if facts["models"] is not None and f["models"] != facts["models"]:
+                raise ValueError(f"--bench {bench}: proposers {f['models']} differ from {facts['models']}")
+            facts["models"] = f["models"]
+            facts["conflicts"] += f["conflicts"]
+            facts["benches"][_bench_name(bench)] = len(tasks)
+            rows.extend(bench_rows)
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate row ids: give each benchmark once in --bench")

@@ -40,15 +40,40 @@ def run_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from masrl.evaluation.runner import repeat_tasks, summarize_episodes
-    from masrl.training.checkpoint import load_checkpoint
     from masrl.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     n = args.n or cfg.eval.n
     ks = [int(k) for k in args.k.split(",")] if args.k else list(cfg.eval.k)
     ks = sorted({k for k in ks if k <= n})
-    trainer = Trainer(cfg, progress=False)
+    with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
+        results, samples, ckpt_path, out = _eval_benches(args, cfg, trainer, n, ks)
+    meta = {"config": str(args.config), "checkpoint": str(ckpt_path) if ckpt_path else None, "n": n, "k": ks}
+    (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    with open(out / "samples.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    metric_keys = ["avg@n", *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]]
+    lines = [f"# masrl eval (n={n})", "", "| bench | tasks | " + " | ".join(metric_keys) + " |",
+             "|---|---|" + "---|" * len(metric_keys)]
+    table = Table(title=f"team accuracy (n={n} samples per task)")
+    for col in ["bench", "tasks", *metric_keys]:
+        table.add_column(col)
+    for bench, s in results.items():
+        cells = [f"{100 * s[k]:.1f}%" if k in s else "-" for k in metric_keys]
+        lines.append(f"| {bench} | {s['n_tasks']} | " + " | ".join(cells) + " |")
+        table.add_row(bench, str(s["n_tasks"]), *cells)
+    (out / "eval.md").write_text("\n".join(lines) + "\n")
+    Console().print(table)
+    print(f"wrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'samples.jsonl'}")
+    return 0
+
+
+def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
+    """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
+    from masrl.evaluation.runner import repeat_tasks, summarize_episodes
+    from masrl.training.checkpoint import load_checkpoint
+
     ckpt_path = None
     if args.checkpoint:
         ckpt_path = _resolve_checkpoint(args.checkpoint)
@@ -78,22 +103,4 @@ def run_eval(args) -> int:
                             "turns": [{"agent": t.agent, "policy": t.policy, "prompt": t.prompt_text,
                                        "response": t.text, "valid": t.valid, "tokens": len(t.response_ids)}
                                       for t in e.turns]})
-    meta = {"config": str(args.config), "checkpoint": str(ckpt_path) if ckpt_path else None, "n": n, "k": ks}
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    with open(out / "samples.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-    metric_keys = ["avg@n", *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]]
-    lines = [f"# masrl eval (n={n})", "", "| bench | tasks | " + " | ".join(metric_keys) + " |",
-             "|---|---|" + "---|" * len(metric_keys)]
-    table = Table(title=f"team accuracy (n={n} samples per task)")
-    for col in ["bench", "tasks", *metric_keys]:
-        table.add_column(col)
-    for bench, s in results.items():
-        cells = [f"{100 * s[k]:.1f}%" if k in s else "-" for k in metric_keys]
-        lines.append(f"| {bench} | {s['n_tasks']} | " + " | ".join(cells) + " |")
-        table.add_row(bench, str(s["n_tasks"]), *cells)
-    (out / "eval.md").write_text("\n".join(lines) + "\n")
-    Console().print(table)
-    print(f"wrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'samples.jsonl'}")
-    return 0
+    return results, samples, ckpt_path, out
