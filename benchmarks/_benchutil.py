@@ -73,6 +73,14 @@ def machine_line(info: dict) -> str:
     return ", ".join(parts)
 
 
+def print_header(threads: int | None = None) -> dict[str, Any]:
+    """Print the command line and the machine line every report starts with; returns the machine info."""
+    info = machine_info(threads)
+    print(f"command: {command_line()}")
+    print(f"machine: {machine_line(info)}", flush=True)
+    return info
+
+
 def peak_rss_mib() -> float:
     """Peak RSS of this process in MiB (Linux reports ``ru_maxrss`` in KiB, macOS in bytes)."""
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

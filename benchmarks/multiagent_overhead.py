@@ -34,8 +34,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (REPO, RESULTS, command_line, current_rss_mib, fmt, fmt_table, machine_info,  # noqa: E402
-                        machine_line, peak_rss_mib, run_worker, set_threads, spread, write_json)
+from _benchutil import (print_header, REPO, RESULTS, command_line, current_rss_mib, fmt, fmt_table,  # noqa: E402
+                        peak_rss_mib, run_worker, set_threads, spread, write_json)
 from quickstart_throughput import BASE_OVERRIDES, measure_steps, summarize  # noqa: E402
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -244,9 +244,7 @@ def main(argv=None) -> None:
     if a.worker:
         return worker_main(a)
 
-    info = machine_info(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(info)}", flush=True)
+    info = print_header(a.threads)
     res = {"command": command_line(), "machine": info}
     if not a.skip_throughput:
         tp = throughput(a)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (REPO, RESULTS, command_line, fmt, fmt_table, machine_info, machine_line,  # noqa: E402
+from _benchutil import (print_header, REPO, RESULTS, command_line, fmt, fmt_table,  # noqa: E402
                         set_threads, write_json)
 from quickstart_throughput import BASE_OVERRIDES  # noqa: E402
 
@@ -488,9 +488,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     set_threads(a.threads)
-    info = machine_info(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(info)}", flush=True)
+    info = print_header(a.threads)
     res = {"command": command_line(), "machine": info}
     if a.section in ("profile", "both"):
         p = profile_quickstart(a)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (REPO, RESULTS, command_line, fmt, fmt_table, machine_info, machine_line,  # noqa: E402
+from _benchutil import (print_header, REPO, RESULTS, command_line, fmt, fmt_table,  # noqa: E402
                         peak_rss_mib, run_worker, set_threads, spread, write_json)
 
 BASE_OVERRIDES = ["sft.steps=0", "eval.before_after=false", "eval.every=0", "trainer.save_every=0",
@@ -110,9 +110,7 @@ def main(argv=None) -> None:
     if a.worker:
         return worker_main(a)
 
-    info = machine_info(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(info)}", flush=True)
+    info = print_header(a.threads)
     args = ["--config", a.config, "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads)]
     for o in a.override:
         args += ["--override", o]

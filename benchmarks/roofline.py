@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (RESULTS, command_line, fmt, fmt_table, machine_info, machine_line,  # noqa: E402
+from _benchutil import (print_header, RESULTS, command_line, fmt, fmt_table,  # noqa: E402
                         peak_rss_mib, run_worker, set_threads, write_json)
 
 SIZES = [256, 512, 1024, 2048]
@@ -137,9 +137,7 @@ def main(argv=None) -> None:
     if a.worker:
         return worker_main(a)
 
-    info = machine_info(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(info)}", flush=True)
+    info = print_header(a.threads)
     common = ["--threads", str(a.threads), "--reps", str(a.reps), "--model", a.model, "--dtype", a.dtype,
               "--B", str(a.B), "--G", str(a.G), "--max-new-tokens", str(a.max_new_tokens),
               "--steps", str(a.steps), "--warmup", str(a.warmup)]
