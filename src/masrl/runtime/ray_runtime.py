@@ -235,13 +235,12 @@ class RayRuntime:
         group = self.groups[policy.name]
         parts = group.get(refs, "update")
         merged: dict[str, list[float]] = {}
-        for rank, raw in enumerate(parts):
+        for rank, (raw, _) in enumerate(parts):
             for key, values in raw.items():
                 if rank and key.endswith(GLOBAL_METRICS):
                     continue  # identical on every rank (computed from the all-reduced gradient)
                 merged.setdefault(key, []).extend(values)
-        lr = group.get([group.actors[0].lr.remote()], "update")[0]
-        return summarize_update(merged, _LrView(policy.name, lr), rows)
+        return summarize_update(merged, _LrView(policy.name, parts[0][1]), rows)
 
     def sft(self, policies: Mapping[str, RayPolicy], rows: Sequence[Row],
             on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:

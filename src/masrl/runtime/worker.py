@@ -98,17 +98,15 @@ class PolicyWorker:
 
     # -------------------------------------------------------------- training
     def update(self, rows: list[dict], algo: dict, trainer: dict, step: int, seed: int,
-               track_kl: bool) -> dict[str, list[float]]:
+               track_kl: bool) -> tuple[dict[str, list[float]], float]:
+        """(per-micro-batch metric values, the optimizer's learning rate)."""
         self.onload()
         before_update(self.policy, self.rollout)
         raw = update_policy_raw(self.policy, [Row(**r) for r in rows], AlgorithmConfig.model_validate(algo),
                                 TrainerConfig.model_validate(trainer), step=step, seed=seed,
                                 guard=self.spikes.guard, track_kl=track_kl, dp=self.dp)
         after_update(self.policy)
-        return raw
-
-    def lr(self) -> float:
-        return float(self.policy.optimizer.param_groups[0]["lr"])
+        return raw, float(self.policy.optimizer.param_groups[0]["lr"])
 
     def sft(self, rows: list[dict], sft: dict, seed: int, micro_batch_tokens: int) -> list[dict[str, float]]:
         self.onload()
