@@ -84,9 +84,9 @@ def test_decode_matches_the_previous_loop():
     eos = [tok.eos_token_id, tok.convert_tokens_to_ids("\n")]  # "\n" stops rows early: exercises the stop path
     for requests in (_mixed_requests(tok), [GenRequest(_mixed_requests(tok)[1].prompt_ids, 1.0, 1.0, 30)] * 8):
         outs = []
-        for preallocate in (True, False, None):
+        for preallocate in (True, False, None):  # prefix reuse off: bitwise (tests/test_prefix_cache.py: on)
             engine = TransformersEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, seed=11,
-                                        preallocate_cache=bool(preallocate))
+                                        preallocate_cache=bool(preallocate), prefix_cache=False)
             outs.append(_reference_decode(engine, model, requests) if preallocate is None
                         else engine.generate(requests))
         new, no_prealloc, reference = outs

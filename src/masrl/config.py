@@ -141,6 +141,11 @@ class RolloutConfig(_Strict):
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="None: the policy's")
     max_loras: int = Field(4, gt=0)
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed on to vllm.LLM")
+    prefix_cache: bool = Field(True, description=(
+        "transformers engine: prefill each distinct prompt of a call once (a GRPO group) and reuse the "
+        "keys/values of earlier rows of the same rollout whose tokens start a new prompt (the next turn "
+        "of an append-only transcript); vLLM has its own prefix caching"))
+    prefix_cache_mib: float = Field(1024.0, gt=0.0, description="memory for the stored keys/values per policy")
 
 
 class SFTConfig(_Strict):

@@ -5,6 +5,11 @@ Each row has its own temperature, top-p and token budget, so agents that share a
 (and have different sampling settings) are generated in one batch. Logprobs are
 ``log_softmax(logits / temperature)`` at the sampled token (top-p does not change them),
 which is what the trainer recomputes, so they can serve as the PPO "old" logprobs.
+
+Prefix caching (``prefix_cache=True``, the default): rows with the same prompt in one call (a GRPO
+group) are prefilled once, and a prompt that starts with the tokens of a row generated earlier in
+the same rollout (a multi-agent workflow's next turn re-reads the conversation so far) reuses that
+row's keys and values and prefills only the new tokens. See :class:`PrefixCache`.
 """
 from __future__ import annotations
 
@@ -73,6 +78,61 @@ class _SamplePlan:
         self.any_top_p = bool((top_p < 1.0).any())
 
 
+class _PreallocatedLayer:
+    """Factory of the preallocated cache layer class (built lazily: transformers is imported on use)."""
+
+    cls = None
+
+    @classmethod
+    def get(cls):
+        if cls.cls is None:
+            from transformers.cache_utils import DynamicLayer
+
+            class PreallocatedLayer(DynamicLayer):
+                """Keys/values written in place into ``[batch, heads, capacity, head_dim]`` buffers.
+
+                ``prefill(keys, values, filled)`` starts the layer from buffers whose first ``filled``
+                positions are already set (reused prefixes); otherwise the first update allocates them.
+                """
+
+                def __init__(self, capacity: int):
+                    super().__init__()
+                    self.capacity = capacity
+                    self._filled = 0
+
+                def prefill(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
+                    self._k, self._v, self._filled = keys, values, filled
+                    self.dtype, self.device = keys.dtype, keys.device
+                    self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
+                    self.is_initialized = True
+
+                def update(self, key_states, value_states, *args, **kwargs):
+                    if not self.is_initialized:
+                        self.dtype, self.device = key_states.dtype, key_states.device
+                        b, h, _, d = key_states.shape
+                        self._k = key_states.new_empty((b, h, self.capacity, d))
+                        self._v = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+                        self.is_initialized = True
+                    start, end = self._filled, self._filled + key_states.shape[-2]
+                    if end > self._k.shape[-2]:  # longer than planned: grow (never happens in _decode)
+                        grow = max(end, 2 * self._k.shape[-2]) - self._k.shape[-2]
+                        self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], -2)
+                        self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], -2)
+                    self._k[:, :, start:end].copy_(key_states)
+                    self._v[:, :, start:end].copy_(value_states)
+                    self._filled = end
+                    self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+                    return self.keys, self.values
+
+                def select_rows(self, index: torch.Tensor) -> None:
+                    """Keep/duplicate batch rows (``index`` into the current rows)."""
+                    self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
+                    self.keys, self.values = self._k[:, :, :self._filled], self._v[:, :, :self._filled]
+
+            cls.cls = PreallocatedLayer
+        return cls.cls
+
+
 def _preallocated_cache(model: torch.nn.Module, capacity: int):
     """A transformers ``DynamicCache`` whose layers write into buffers of ``capacity`` positions.
 
@@ -96,32 +156,100 @@ def _preallocated_cache(model: torch.nn.Module, capacity: int):
         return None
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
-
-    class PreallocatedLayer(DynamicLayer):
-        def __init__(self):
-            super().__init__()
-            self._filled = 0
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.dtype, self.device = key_states.dtype, key_states.device
-                b, h, _, d = key_states.shape
-                self._k = key_states.new_empty((b, h, capacity, d))
-                self._v = value_states.new_empty((b, h, capacity, value_states.shape[-1]))
-                self.is_initialized = True
-            start, end = self._filled, self._filled + key_states.shape[-2]
-            if end > self._k.shape[-2]:  # longer than planned: grow (never happens in _decode)
-                grow = max(end, 2 * self._k.shape[-2]) - self._k.shape[-2]
-                self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], -2)
-                self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], -2)
-            self._k[:, :, start:end].copy_(key_states)
-            self._v[:, :, start:end].copy_(value_states)
-            self._filled = end
-            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
-            return self.keys, self.values
-
-    cache.layers = [PreallocatedLayer() for _ in cache.layers]
+    layer_cls = _PreallocatedLayer.get()
+    cache.layers = [layer_cls(capacity) for _ in cache.layers]
     return cache
+
+
+@dataclass
+class _StoredBatch:
+    """One earlier engine call's cache buffers (per layer ``[rows, heads, capacity, head_dim]``)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    tokens: list[tuple[int, ...]]     # row -> the tokens whose keys/values are in the buffers, in order
+    slots: list[torch.Tensor]         # row -> buffer position of each of those tokens
+    adapters: list[str | None]
+    nbytes: int
+
+
+class PrefixCache:
+    """Keys and values of the rows generated since the last :meth:`clear`, found again by token prefix.
+
+    A stored row covers its prompt and every response token that was fed back (all but the last).
+    Lookup walks a chain of hashes over blocks of ``block`` tokens (like vLLM's automatic prefix
+    caching), checks the match token by token, and extends it past the last full block; only rows
+    decoded with the same adapter match. Keys and values only depend on the tokens, their positions
+    (kept: reused rows keep their true position ids) and the weights, so the cache is dropped when
+    the weights change (:meth:`check_weights`, and :func:`masrl.training.policy.after_update`) and at the end
+    of every rollout. ``max_bytes`` bounds the stored buffers (oldest calls are dropped first).
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30, block: int = 16):
+        self.max_bytes, self.block = max_bytes, block
+        self.batches: list[_StoredBatch] = []
+        self._index: dict[int, tuple[_StoredBatch, int]] = {}
+        self._weights: tuple | None = None
+        self.lookups = self.hits = self.reused_tokens = self.prompt_tokens = 0
+
+    def clear(self) -> None:
+        self.batches, self._index = [], {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.batches)
+
+    def check_weights(self, model: torch.nn.Module) -> None:
+        """Drop everything if any parameter was replaced or changed in place since the last call."""
+        key = tuple((p.data_ptr(), p._version) for p in model.parameters())
+        if key != self._weights:
+            self.clear()
+            self._weights = key
+
+    def _chain(self, tokens: Sequence[int], adapter: str | None):
+        h = hash(("masrl-prefix", adapter))
+        for k in range(len(tokens) // self.block):
+            h = hash((h, tuple(tokens[k * self.block:(k + 1) * self.block])))
+            yield (k + 1) * self.block, h
+
+    def lookup(self, tokens: tuple[int, ...], adapter: str | None) -> tuple[_StoredBatch, int, int] | None:
+        """(stored batch, row, reused length) of the longest stored prefix of ``tokens[:-1]``, or None."""
+        self.lookups += 1
+        best = None
+        for length, h in self._chain(tokens[:-1], adapter):
+            hit = self._index.get(h)
+            if hit is None:
+                break
+            best = (hit, length)
+        if best is None:
+            return None
+        (batch, row), n = best
+        source = batch.tokens[row]
+        if source[:n] != tokens[:n]:  # a hash collision: no reuse
+            return None
+        limit = min(len(source), len(tokens) - 1)  # the last prompt token is always fed (its logits start decoding)
+        while n < limit and source[n] == tokens[n]:
+            n += 1
+        self.hits += 1
+        return batch, row, n
+
+    def add(self, batch: _StoredBatch) -> None:
+        if batch.nbytes > self.max_bytes:
+            return
+        self.batches.append(batch)
+        while self.nbytes > self.max_bytes:
+            self.batches.pop(0)
+            self._reindex()
+        for row, tokens in enumerate(batch.tokens):
+            for _, h in self._chain(tokens, batch.adapters[row]):
+                self._index[h] = (batch, row)  # the newest row wins: usually the longest continuation
+
+    def _reindex(self) -> None:
+        self._index = {}
+        for batch in self.batches:
+            for row, tokens in enumerate(batch.tokens):
+                for _, h in self._chain(tokens, batch.adapters[row]):
+                    self._index[h] = (batch, row)
 
 
 class TransformersEngine:
@@ -129,12 +257,15 @@ class TransformersEngine:
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
-                 autocast: str | torch.dtype | None = None):
+                 autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
+                 prefix_cache_mib: float = 1024.0):
         self.model = model
         # mixed-precision decoding ("bfloat16"): use the trainer's `trainer.autocast` so that rollout and
         # training log-probs are computed in the same precision
         self.autocast = autocast
         self.preallocate_cache = preallocate_cache  # KV cache written in place instead of grown by torch.cat
+        # prefill each distinct prompt once and reuse earlier rows' keys/values (needs the preallocated cache)
+        self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) if prefix_cache and preallocate_cache else None
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -142,11 +273,17 @@ class TransformersEngine:
         self.seed = seed
         self._device_generators: dict[str, torch.Generator] = {}  # sampling on an accelerator needs its own
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # prompt tokens actually run through the model (after reuse)
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
         self.seed = seed
         self._device_generators.clear()
+
+    def clear_prefix_cache(self) -> None:
+        """Free the stored keys/values (end of a rollout; the weights are about to change)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The CPU generator, or one on ``device`` (seeded alike) when the logits live there."""
@@ -169,11 +306,6 @@ class TransformersEngine:
         model.eval()
         try:
             with self._precision(model):
-                if any(r.adapter is not None for r in requests):
-                    from masrl.models.lora import mixed_adapters
-
-                    with mixed_adapters(model, [r.adapter for r in requests]):
-                        return self._decode(model, requests)
                 return self._decode(model, requests)
         finally:
             model.train(was_training)
@@ -194,25 +326,66 @@ class TransformersEngine:
         stack.enter_context(torch.autocast(next(model.parameters()).device.type, dtype=dtype))
         return stack
 
+    def _preallocatable(self, model) -> bool:
+        """Whether ``model``'s cache can be preallocated (prefix reuse works on those buffers)."""
+        key = id(model)
+        if getattr(self, "_preallocatable_for", None) != key:
+            self._preallocatable_ok = _preallocated_cache(model, 1) is not None
+            self._preallocatable_for = key
+        return self._preallocatable_ok
+
+    @staticmethod
+    def _routing(model, adapters: Sequence[str | None]) -> contextlib.AbstractContextManager:
+        """Per-row LoRA adapters for the forwards inside (``mixed_adapters``), or nothing."""
+        if all(a is None for a in adapters):
+            return contextlib.nullcontext()
+        from masrl.models.lora import mixed_adapters
+
+        return mixed_adapters(model, list(adapters))
+
     def _decode(self, model, requests: Sequence[GenRequest]) -> list[GenResult]:
         device = next(model.parameters()).device
         batch = len(requests)
-        lengths = [len(r.prompt_ids) for r in requests]
-        width = max(lengths)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, r in enumerate(requests):  # left padding
-            input_ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            attention[i, width - lengths[i]:] = 1
+        adapters = [r.adapter for r in requests]
+        prompts = [tuple(r.prompt_ids) for r in requests]
+        store = self.prefix_cache if self._preallocatable(model) else None
+        # distinct prompts ("unique rows") are prefilled once; `inverse[i]`: row i's unique row
+        if store is not None:
+            store.check_weights(model)
+            first: dict[tuple, int] = {}
+            inverse = [first.setdefault((adapters[i], prompts[i]), len(first)) for i in range(batch)]
+            uniq = list(first)
+        else:
+            inverse, uniq = list(range(batch)), [(adapters[i], prompts[i]) for i in range(batch)]
+        n_uniq = len(uniq)
+        # reused prefix of every unique row (keys/values of an earlier row of this rollout)
+        hits = [store.lookup(tokens, adapter) if store is not None and len(tokens) > store.block else None
+                for adapter, tokens in uniq]
+        reuse = [h[2] if h is not None else 0 for h in hits]
+        lengths = [len(tokens) for _, tokens in uniq]
+        suffix = [n - r for n, r in zip(lengths, reuse)]
+        prefix_width, suffix_width = max(reuse), max(suffix)
+        width = prefix_width + suffix_width
+        # layout of unique row u: reused prefix right-aligned to `prefix_width`, a masked gap, then its
+        # remaining prompt tokens right-aligned to `width` (left padding when nothing is reused)
+        input_ids = torch.full((n_uniq, suffix_width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((n_uniq, width), dtype=torch.long)
+        positions = torch.zeros((n_uniq, suffix_width), dtype=torch.long)
+        for u, (_, tokens) in enumerate(uniq):
+            r, n = reuse[u], suffix[u]
+            input_ids[u, suffix_width - n:] = torch.tensor(tokens[r:], dtype=torch.long)
+            attention[u, prefix_width - r:prefix_width] = 1
+            attention[u, width - n:] = 1
+            positions[u, suffix_width - n:] = torch.arange(r, r + n)
+        if store is not None:
+            store.prompt_tokens += sum(lengths)
+            store.reused_tokens += sum(reuse)
+        self.prefill_tokens += sum(suffix)
         temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
         budget = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
         max_new = int(budget.max())
-        # the mask for prompt + every decode step, allocated once (sliced per step)
-        full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
-        input_ids = input_ids.to(device)
-        attention = full_mask[:, :width]
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        input_ids, positions = input_ids.to(device), positions.to(device)
         is_eos = torch.zeros(int(self.eos.max()) + 2, dtype=torch.bool)  # token id -> stop token? (CPU lookup)
         is_eos[self.eos] = True
         eos_limit = is_eos.numel() - 1  # ids past the table (never stop tokens) are clamped onto a False entry
@@ -220,11 +393,23 @@ class TransformersEngine:
         plan = _SamplePlan(temperature, top_p)
         generator = self._generator(torch.device(device))
         cache = _preallocated_cache(model, width + max_new) if self.preallocate_cache else None
+        if prefix_width:
+            self._fill_prefixes(cache, hits, reuse, prefix_width, width + max_new, device)
 
-        out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                    past_key_values=cache, logits_to_keep=1)  # the prompt's last position only: no prefill logits
+        with self._routing(model, [a for a, _ in uniq]):  # the prompt's last position only: no prefill logits
+            out = model(input_ids=input_ids, attention_mask=attention.to(device), position_ids=positions,
+                        use_cache=True, past_key_values=cache, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits[:, -1, :]
-        next_pos = positions[:, -1] + 1
+        next_pos = torch.tensor(lengths, dtype=torch.long)
+        if n_uniq < batch:  # every row of a group gets its unique row's cache and first logits
+            rows = torch.tensor(inverse, dtype=torch.long, device=device)
+            for layer in cache.layers:
+                layer.select_rows(rows)
+            logits, attention = logits.index_select(0, rows), attention[inverse]
+            next_pos = next_pos[inverse]
+        next_pos = next_pos.to(device)
+        # the mask for prompt + every decode step, allocated once (sliced per step)
+        full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
         tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long)
         logps_out = torch.zeros((batch, max_new), dtype=torch.float32)
         n_emitted = torch.zeros(batch, dtype=torch.long)
@@ -232,28 +417,75 @@ class TransformersEngine:
         done = budget <= 0
         pad = torch.full((batch,), self.pad_token_id, dtype=torch.long)
         zero = torch.zeros((), dtype=torch.float32)
-        for step in range(max_new):
-            tok, lp = _sample(logits, temperature, top_p, generator, plan=plan)
-            tok, lp = tok.cpu(), lp.cpu()
-            active = ~done
-            tokens_out[:, step] = torch.where(active, tok, pad)
-            logps_out[:, step] = torch.where(active, lp, zero)
-            n_emitted += active
-            hit_eos = is_eos[tok.clamp(max=eos_limit)] & active
-            stopped |= hit_eos
-            done |= hit_eos | (n_emitted >= budget)
-            if bool(done.all()):
-                break
-            feed = torch.where(done, pad, tok).to(device)
-            attention = full_mask[:, :width + step + 1]
-            out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
-            next_pos = next_pos + 1
+        with self._routing(model, adapters):
+            for step in range(max_new):
+                tok, lp = _sample(logits, temperature, top_p, generator, plan=plan)
+                tok, lp = tok.cpu(), lp.cpu()
+                active = ~done
+                tokens_out[:, step] = torch.where(active, tok, pad)
+                logps_out[:, step] = torch.where(active, lp, zero)
+                n_emitted += active
+                hit_eos = is_eos[tok.clamp(max=eos_limit)] & active
+                stopped |= hit_eos
+                done |= hit_eos | (n_emitted >= budget)
+                if bool(done.all()):
+                    break
+                feed = torch.where(done, pad, tok).to(device)
+                out = model(input_ids=feed[:, None], attention_mask=full_mask[:, :width + step + 1],
+                            position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+                cache, logits = out.past_key_values, out.logits[:, -1, :]
+                next_pos = next_pos + 1
         results = []
         for i in range(batch):
             n = int(n_emitted[i])
             self.tokens_generated += n
             results.append(GenResult(tokens_out[i, :n].tolist(), logps_out[i, :n].tolist(),
                                      truncated=not bool(stopped[i])))
+        if store is not None:
+            self._store(store, cache, uniq, inverse, reuse, suffix, prefix_width, width, results)
         return results
+
+    @staticmethod
+    def _fill_prefixes(cache, hits, reuse, prefix_width: int, capacity: int, device) -> None:
+        """Start every layer of ``cache`` from new buffers holding each unique row's reused prefix."""
+        sources: dict[int, tuple[_StoredBatch, list[int], list[int], list[list[int]]]] = {}
+        for u, hit in enumerate(hits):
+            if hit is None:
+                continue
+            stored, row, n = hit
+            entry = sources.setdefault(id(stored), (stored, [], [], []))
+            slots = stored.slots[row][:n].tolist()
+            entry[1].append(u)
+            entry[2].append(row)
+            entry[3].append([slots[0]] * (prefix_width - n) + slots)  # the gap repeats a slot (masked)
+        n_uniq = len(hits)
+        for li, layer in enumerate(cache.layers):
+            k_src = next(iter(sources.values()))[0].keys[li]
+            v_src = next(iter(sources.values()))[0].values[li]
+            k = k_src.new_zeros((n_uniq, k_src.shape[1], capacity, k_src.shape[3]))
+            v = v_src.new_zeros((n_uniq, v_src.shape[1], capacity, v_src.shape[3]))
+            for stored, us, rows, slots in sources.values():
+                dest = torch.tensor(us, device=device)
+                src_rows = torch.tensor(rows, device=device)[:, None]
+                src_slots = torch.tensor(slots, device=device)
+                # [rows, prefix, heads, dim] (advanced indices first) -> [rows, heads, prefix, dim]
+                k[dest, :, :prefix_width] = stored.keys[li][src_rows, :, src_slots].permute(0, 2, 1, 3)
+                v[dest, :, :prefix_width] = stored.values[li][src_rows, :, src_slots].permute(0, 2, 1, 3)
+            layer.prefill(k, v, prefix_width)
+
+    @staticmethod
+    def _store(store: PrefixCache, cache, uniq, inverse, reuse, suffix, prefix_width: int, width: int,
+               results: Sequence[GenResult]) -> None:
+        keys = [layer._k for layer in cache.layers]
+        values = [layer._v for layer in cache.layers]
+        tokens, slots, adapters = [], [], []
+        for i, result in enumerate(results):
+            u = inverse[i]
+            adapter, prompt = uniq[u]
+            fed = result.response_ids[:-1]  # the last sampled token was never fed back
+            tokens.append(prompt + tuple(fed))
+            slots.append(torch.cat([torch.arange(prefix_width - reuse[u], prefix_width),
+                                    torch.arange(width - suffix[u], width + len(fed))]))
+            adapters.append(adapter)
+        nbytes = sum(t.numel() * t.element_size() for t in keys + values)
+        store.add(_StoredBatch(keys, values, tokens, slots, adapters, nbytes))

@@ -73,6 +73,10 @@ class RolloutScheduler:
         finally:
             for t in tasks:
                 t.cancel()
+            for engine in self.engines.values():  # reused keys/values live for one rollout
+                clear = getattr(engine, "clear_prefix_cache", None)
+                if clear is not None:
+                    clear()
 
     def _maybe_wake(self) -> None:
         if self._wake is not None and (len(self._pending) >= self._active or self._active == 0):

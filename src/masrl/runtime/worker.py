@@ -77,6 +77,9 @@ class PolicyWorker:
         """Weights and optimizer state to CPU (colocated policies take turns on the devices)."""
         if not self.offload_enabled or not self.on_device:
             return
+        clear = getattr(self.policy.engine, "clear_prefix_cache", None)
+        if clear is not None:  # kept keys/values would hold device memory (and belong to the old weights)
+            clear()
         self.policy.model.to("cpu")
         if self.policy.ref_model is not None:
             self.policy.ref_model.to("cpu")

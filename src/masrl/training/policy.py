@@ -103,8 +103,10 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     if rollout is not None and rollout.engine == "vllm":
         engine = _vllm_engine(name, cfg, rollout, model, tokenizer, sorted(eos_ids), seed, workdir)
     else:
+        prefix = {} if rollout is None else {"prefix_cache": rollout.prefix_cache,
+                                             "prefix_cache_mib": rollout.prefix_cache_mib}
         engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
-                                    max_batch_size=max_rollout_batch, seed=seed, autocast=autocast)
+                                    max_batch_size=max_rollout_batch, seed=seed, autocast=autocast, **prefix)
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:
@@ -153,8 +155,12 @@ def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
 
 
 def after_update(policy: Policy) -> None:
-    """A separate rollout engine (vLLM) gets the new weights in place (no reload from disk)."""
+    """A separate rollout engine (vLLM) gets the new weights in place (no reload from disk); the
+    in-process engine drops the keys/values it kept for prefix reuse."""
     engine = policy.engine
+    clear = getattr(engine, "clear_prefix_cache", None)
+    if clear is not None:
+        clear()
     if not hasattr(engine, "sync_weights"):
         return  # TransformersEngine shares the trainer's model
     from masrl.rollout.vllm_engine import hf_named_tensors
