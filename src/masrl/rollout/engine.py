@@ -99,6 +99,8 @@ class _PreallocatedLayer:
                     super().__init__()
                     self.capacity = capacity
                     self._filled = 0
+                    self._rows = slice(None)  # the batch rows the next forward covers (prefill chunks)
+                    self._total_rows: int | None = None
 
                 def prefill(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
                     self._k, self._v, self._filled = keys, values, filled
@@ -106,22 +108,30 @@ class _PreallocatedLayer:
                     self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
                     self.is_initialized = True
 
+                def focus(self, rows: slice, filled: int, total_rows: int) -> None:
+                    """The next forward covers batch ``rows`` only, after ``filled`` positions."""
+                    self._rows, self._filled, self._total_rows = rows, filled, total_rows
+                    if self.is_initialized:
+                        self.keys, self.values = self._k[rows, :, :filled], self._v[rows, :, :filled]
+
                 def update(self, key_states, value_states, *args, **kwargs):
                     if not self.is_initialized:
                         self.dtype, self.device = key_states.dtype, key_states.device
                         b, h, _, d = key_states.shape
-                        self._k = key_states.new_empty((b, h, self.capacity, d))
-                        self._v = value_states.new_empty((b, h, self.capacity, value_states.shape[-1]))
+                        b = self._total_rows or b
+                        self._k = key_states.new_zeros((b, h, self.capacity, d))
+                        self._v = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
                         self.is_initialized = True
                     start, end = self._filled, self._filled + key_states.shape[-2]
                     if end > self._k.shape[-2]:  # longer than planned: grow (never happens in _decode)
                         grow = max(end, 2 * self._k.shape[-2]) - self._k.shape[-2]
                         self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], -2)
                         self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], -2)
-                    self._k[:, :, start:end].copy_(key_states)
-                    self._v[:, :, start:end].copy_(value_states)
+                    rows = self._rows
+                    self._k[rows, :, start:end].copy_(key_states)
+                    self._v[rows, :, start:end].copy_(value_states)
                     self._filled = end
-                    self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+                    self.keys, self.values = self._k[rows, :, :end], self._v[rows, :, :end]
                     return self.keys, self.values
 
                 def select_rows(self, index: torch.Tensor) -> None:
@@ -364,6 +374,11 @@ class TransformersEngine:
         reuse = [h[2] if h is not None else 0 for h in hits]
         lengths = [len(tokens) for _, tokens in uniq]
         suffix = [n - r for n, r in zip(lengths, reuse)]
+        if store is not None:  # unique rows by the length left to prefill, for prefill chunks (below)
+            order = sorted(range(n_uniq), key=lambda u: suffix[u])
+            rank = {u: i for i, u in enumerate(order)}
+            uniq, hits, reuse, lengths, suffix = ([seq[u] for u in order] for seq in (uniq, hits, reuse, lengths, suffix))
+            inverse = [rank[u] for u in inverse]
         prefix_width, suffix_width = max(reuse), max(suffix)
         width = prefix_width + suffix_width
         # layout of unique row u: reused prefix right-aligned to `prefix_width`, a masked gap, then its
@@ -396,12 +411,10 @@ class TransformersEngine:
         if prefix_width:
             self._fill_prefixes(cache, hits, reuse, prefix_width, width + max_new, device)
 
-        with self._routing(model, [a for a, _ in uniq]):  # the prompt's last position only: no prefill logits
-            out = model(input_ids=input_ids, attention_mask=attention.to(device), position_ids=positions,
-                        use_cache=True, past_key_values=cache, logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        cache, logits = self._prefill(model, cache, input_ids, attention.to(device), positions, uniq, suffix,
+                                      prefix_width, chunked=store is not None)
         next_pos = torch.tensor(lengths, dtype=torch.long)
-        if n_uniq < batch:  # every row of a group gets its unique row's cache and first logits
+        if inverse != list(range(batch)):  # every row of a group gets its unique row's cache and first logits
             rows = torch.tensor(inverse, dtype=torch.long, device=device)
             for layer in cache.layers:
                 layer.select_rows(rows)
@@ -444,6 +457,58 @@ class TransformersEngine:
         if store is not None:
             self._store(store, cache, uniq, inverse, reuse, suffix, prefix_width, width, results)
         return results
+
+    def _prefill(self, model, cache, input_ids, attention, positions, uniq, suffix, prefix_width: int,
+                 chunked: bool):
+        """Run the prompts' remaining tokens; returns (cache, logits of each row's last prompt token).
+
+        ``chunked``: rows (sorted by ``suffix``, the tokens each still needs) are run in up to 4 row
+        ranges, each padded only to its own longest suffix, when that saves at least a quarter of the
+        padded tokens; every range writes its rows of the same cache buffers (its suffixes end at the
+        same position, the gap before them stays masked).
+        """
+        width, n_rows = attention.shape[1], len(uniq)
+        bounds = self._prefill_chunks(suffix) if chunked else [(0, n_rows)]
+        if len(bounds) == 1:
+            with self._routing(model, [a for a, _ in uniq]):  # the prompt's last position only: no prefill logits
+                out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
+                            use_cache=True, past_key_values=cache, logits_to_keep=1)
+            return out.past_key_values, out.logits[:, -1, :]
+        logits = {}
+        for start, end in sorted(bounds, key=lambda b: -suffix[b[1] - 1]):  # the longest first: it allocates
+            span = suffix[end - 1]
+            for layer in cache.layers:
+                layer.focus(slice(start, end), width - span, n_rows)
+            with self._routing(model, [a for a, _ in uniq[start:end]]):
+                out = model(input_ids=input_ids[start:end, -span:], attention_mask=attention[start:end],
+                            position_ids=positions[start:end, -span:], use_cache=True, past_key_values=cache,
+                            logits_to_keep=1)
+            logits[start] = out.logits[:, -1, :]
+        for layer in cache.layers:
+            layer.focus(slice(None), width, n_rows)
+        return cache, torch.cat([logits[start] for start in sorted(logits)])
+
+    @staticmethod
+    def _prefill_chunks(suffix: Sequence[int], max_chunks: int = 4) -> list[tuple[int, int]]:
+        """Row ranges of sorted ``suffix`` lengths: split where it saves the most padding, while a split
+        saves at least a quarter of the padded tokens (each extra forward has a fixed cost)."""
+        bounds = [(0, len(suffix))]
+        while len(bounds) < max_chunks:
+            best = None
+            for bi, (a, b) in enumerate(bounds):
+                for cut in range(a + 1, b):
+                    if suffix[cut - 1] == suffix[cut]:
+                        continue
+                    saved = (cut - a) * (suffix[b - 1] - suffix[cut - 1])
+                    if best is None or saved > best[0]:
+                        best = (saved, bi, cut)
+            padded = sum((b - a) * suffix[b - 1] for a, b in bounds)
+            if best is None or best[0] < 0.25 * padded:
+                break
+            _, bi, cut = best
+            a, b = bounds[bi]
+            bounds[bi:bi + 1] = [(a, cut), (cut, b)]
+        return bounds
 
     @staticmethod
     def _fill_prefixes(cache, hits, reuse, prefix_width: int, capacity: int, device) -> None:
