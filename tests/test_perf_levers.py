@@ -86,7 +86,8 @@ def test_decode_matches_the_previous_loop():
         outs = []
         for preallocate in (True, False, None):  # prefix reuse off: bitwise (tests/test_prefix_cache.py: on)
             engine = TransformersEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, seed=11,
-                                        preallocate_cache=bool(preallocate), prefix_cache=False)
+                                        preallocate_cache=bool(preallocate), prefix_cache=False,
+                                        compact_finished=False)
             outs.append(_reference_decode(engine, model, requests) if preallocate is None
                         else engine.generate(requests))
         new, no_prealloc, reference = outs

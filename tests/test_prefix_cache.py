@@ -169,3 +169,50 @@ def test_lookup_checks_tokens_not_only_hashes():
     store.add(_StoredBatch(keys, keys, [(1, 2, 3, 4, 5, 6)], [torch.arange(6)], [None], 64))
     assert store.lookup((1, 2, 3, 4, 5, 9, 9), None)[2] == 5
     assert store.lookup((9, 9, 9, 9, 9, 9, 9), None) is None  # same hash chain, other tokens
+
+
+def _decode_batch_sizes(model):
+    sizes = []
+    handle = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    return sizes, handle
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_finished_rows_leave_the_batch_without_changing_the_samples(tiny, lora):
+    """Rows that stopped are dropped from the model's batch; the sampled tokens stay the same
+    (sampling still draws for every row) and later calls still reuse the dropped rows."""
+    model, tok = tiny
+    names = [None] * 16
+    if lora:
+        from masrl.models.lora import attach_adapters
+
+        model = attach_adapters(model, ["A", "B"], r=4, alpha=8.0).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.3)
+        names = ["A", "B", None, "A"] * 4
+    eos = [tok.eos_token_id, tok.convert_tokens_to_ids("\n")]  # "\n" ends rows early
+    outs, sizes = {}, {}
+    for compact in (False, True):
+        engine = TransformersEngine(model, eos_token_ids=eos, pad_token_id=tok.pad_token_id, seed=7,
+                                    compact_finished=compact)
+        first = [GenRequest(_enc(tok, QUESTIONS[i % 2]), temperature=1.3, max_new_tokens=[40, 6, 25, 12][i % 4],
+                            adapter=names[i]) for i in range(16)]
+        recorded, handle = _decode_batch_sizes(model)
+        try:
+            r1 = engine.generate(first)
+            before = engine.prefill_tokens
+            second = [GenRequest(q.prompt_ids + r.response_ids[:-1] + _enc(tok, "ok\nV "), max_new_tokens=8,
+                                 adapter=q.adapter) for q, r in zip(first, r1)]
+            r2 = engine.generate(second)
+        finally:
+            handle.remove()
+        outs[compact], sizes[compact] = r1 + r2, [b for b, n in recorded if n == 1]
+        # every row, dropped early or not, is found again: only "ok\nV " is prefilled per distinct prompt
+        distinct = {(q.adapter, tuple(q.prompt_ids)) for q in second}
+        assert engine.prefill_tokens - before == len(_enc(tok, "ok\nV ")) * len(distinct)
+    _same(outs[False], outs[True])
+    assert set(sizes[False]) == {16}
+    assert min(sizes[True]) < 8 and sizes[True][0] == 16  # the batch shrank as rows finished

@@ -198,7 +198,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int = 1 << 30, block: int = 16):
         self.max_bytes, self.block = max_bytes, block
         self.batches: list[_StoredBatch] = []
-        self._index: dict[int, tuple[_StoredBatch, int]] = {}
+        self._index: dict[int, list[tuple[_StoredBatch, int]]] = {}  # block-chain hash -> rows with it
         self._weights: tuple | None = None
         self.lookups = self.hits = self.reused_tokens = self.prompt_tokens = 0
 
@@ -225,41 +225,49 @@ class PrefixCache:
     def lookup(self, tokens: tuple[int, ...], adapter: str | None) -> tuple[_StoredBatch, int, int] | None:
         """(stored batch, row, reused length) of the longest stored prefix of ``tokens[:-1]``, or None."""
         self.lookups += 1
-        best = None
+        deepest, n = None, 0
         for length, h in self._chain(tokens[:-1], adapter):
-            hit = self._index.get(h)
-            if hit is None:
+            rows = self._index.get(h)
+            if rows is None:
                 break
-            best = (hit, length)
-        if best is None:
+            deepest, n = rows, length
+        if deepest is None:
             return None
-        (batch, row), n = best
-        source = batch.tokens[row]
-        if source[:n] != tokens[:n]:  # a hash collision: no reuse
-            return None
-        limit = min(len(source), len(tokens) - 1)  # the last prompt token is always fed (its logits start decoding)
-        while n < limit and source[n] == tokens[n]:
-            n += 1
-        self.hits += 1
-        return batch, row, n
+        limit = len(tokens) - 1  # the last prompt token is always fed (its logits start decoding)
+        best = None
+        for batch, row in reversed(deepest):  # rows sharing the deepest block: the longest match wins
+            source = batch.tokens[row]
+            if source[:n] != tokens[:n]:  # a hash collision: not this row
+                continue
+            m, end = n, min(len(source), limit)
+            while m < end and source[m] == tokens[m]:
+                m += 1
+            if best is None or m > best[2]:
+                best = (batch, row, m)
+        if best is not None:
+            self.hits += 1
+        return best
 
     def add(self, batch: _StoredBatch) -> None:
         if batch.nbytes > self.max_bytes:
             return
         self.batches.append(batch)
+        if self.nbytes <= self.max_bytes:
+            self._add_to_index(batch)
+            return
         while self.nbytes > self.max_bytes:
             self.batches.pop(0)
-            self._reindex()
+        self._reindex()
+
+    def _add_to_index(self, batch: _StoredBatch) -> None:
         for row, tokens in enumerate(batch.tokens):
             for _, h in self._chain(tokens, batch.adapters[row]):
-                self._index[h] = (batch, row)  # the newest row wins: usually the longest continuation
+                self._index.setdefault(h, []).append((batch, row))
 
     def _reindex(self) -> None:
         self._index = {}
         for batch in self.batches:
-            for row, tokens in enumerate(batch.tokens):
-                for _, h in self._chain(tokens, batch.adapters[row]):
-                    self._index[h] = (batch, row)
+            self._add_to_index(batch)
 
 
 class TransformersEngine:
@@ -268,7 +276,7 @@ class TransformersEngine:
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
-                 prefix_cache_mib: float = 1024.0):
+                 prefix_cache_mib: float = 1024.0, compact_finished: bool = True):
         self.model = model
         # mixed-precision decoding ("bfloat16"): use the trainer's `trainer.autocast` so that rollout and
         # training log-probs are computed in the same precision
@@ -276,6 +284,9 @@ class TransformersEngine:
         self.preallocate_cache = preallocate_cache  # KV cache written in place instead of grown by torch.cat
         # prefill each distinct prompt once and reuse earlier rows' keys/values (needs the preallocated cache)
         self.prefix_cache = PrefixCache(int(prefix_cache_mib * 2**20)) if prefix_cache and preallocate_cache else None
+        # finished rows leave the model's batch once a quarter of it is done (sampling still draws for
+        # every row, so the random stream, and hence the samples, do not depend on it)
+        self.compact_finished = compact_finished
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -430,7 +441,11 @@ class TransformersEngine:
         done = budget <= 0
         pad = torch.full((batch,), self.pad_token_id, dtype=torch.long)
         zero = torch.zeros((), dtype=torch.float32)
-        with self._routing(model, adapters):
+        compact = self.compact_finished and self.preallocate_cache and self._preallocatable(model)
+        live = None  # the rows still in the model's batch (None: all); sampling always covers every row
+        live_dev, mask, pos = None, full_mask, next_pos
+        with contextlib.ExitStack() as routing:
+            routing.enter_context(self._routing(model, adapters))
             for step in range(max_new):
                 tok, lp = _sample(logits, temperature, top_p, generator, plan=plan)
                 tok, lp = tok.cpu(), lp.cpu()
@@ -443,11 +458,30 @@ class TransformersEngine:
                 done |= hit_eos | (n_emitted >= budget)
                 if bool(done.all()):
                     break
-                feed = torch.where(done, pad, tok).to(device)
-                out = model(input_ids=feed[:, None], attention_mask=full_mask[:, :width + step + 1],
-                            position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
-                cache, logits = out.past_key_values, out.logits[:, -1, :]
-                next_pos = next_pos + 1
+                in_batch = batch if live is None else live.numel()
+                if compact and in_batch - int((~done).sum()) >= max(1, in_batch // 4):
+                    # a quarter of the batch has finished: drop those rows (their keys/values go to the
+                    # prefix store) instead of decoding padding for them until the longest row ends
+                    keep_rows = (~done).nonzero().squeeze(1)
+                    local = keep_rows if live is None else torch.searchsorted(live, keep_rows)
+                    if store is not None:
+                        gone = done.clone() if live is None else torch.zeros(batch, dtype=torch.bool).index_fill_(0, live, True) & done
+                        self._store_rows(store, cache, gone.nonzero().squeeze(1).tolist(), live, uniq, inverse,
+                                         reuse, suffix, prefix_width, width, tokens_out, n_emitted)
+                    local_dev = local.to(device)
+                    for layer in cache.layers:
+                        layer.select_rows(local_dev)
+                    mask, pos = mask.index_select(0, local_dev), pos.index_select(0, local_dev)
+                    live, live_dev = keep_rows, keep_rows.to(device)
+                    if any(a is not None for a in adapters):
+                        routing.enter_context(self._routing(model, [adapters[i] for i in live.tolist()]))
+                feed = torch.where(done, pad, tok)
+                feed = (feed if live is None else feed.index_select(0, live)).to(device)
+                out = model(input_ids=feed[:, None], attention_mask=mask[:, :width + step + 1],
+                            position_ids=pos[:, None], past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[:, -1, :] if live is None else logits.index_copy(0, live_dev, out.logits[:, -1, :])
+                pos = pos + 1
         results = []
         for i in range(batch):
             n = int(n_emitted[i])
@@ -455,7 +489,9 @@ class TransformersEngine:
             results.append(GenResult(tokens_out[i, :n].tolist(), logps_out[i, :n].tolist(),
                                      truncated=not bool(stopped[i])))
         if store is not None:
-            self._store(store, cache, uniq, inverse, reuse, suffix, prefix_width, width, results)
+            rows = list(range(batch)) if live is None else live.tolist()
+            self._store_rows(store, cache, rows, live, uniq, inverse, reuse, suffix, prefix_width, width,
+                             tokens_out, n_emitted)
         return results
 
     def _prefill(self, model, cache, input_ids, attention, positions, uniq, suffix, prefix_width: int,
@@ -539,15 +575,24 @@ class TransformersEngine:
             layer.prefill(k, v, prefix_width)
 
     @staticmethod
-    def _store(store: PrefixCache, cache, uniq, inverse, reuse, suffix, prefix_width: int, width: int,
-               results: Sequence[GenResult]) -> None:
-        keys = [layer._k for layer in cache.layers]
-        values = [layer._v for layer in cache.layers]
+    def _store_rows(store: PrefixCache, cache, rows: Sequence[int], live: torch.Tensor | None, uniq, inverse,
+                    reuse, suffix, prefix_width: int, width: int, tokens_out: torch.Tensor,
+                    n_emitted: torch.Tensor) -> None:
+        """Keep ``rows``' keys/values (prompt + fed response tokens) in ``store``; ``live``: the batch rows
+        the cache buffers hold now (None: all)."""
+        if not rows:
+            return
+        local = torch.tensor(rows) if live is None else torch.searchsorted(live, torch.tensor(rows))
+        whole = live is None and len(rows) == tokens_out.shape[0] or live is not None and len(rows) == live.numel()
+        index = None if whole else local.to(cache.layers[0]._k.device)
+        keys = [layer._k if index is None else layer._k.index_select(0, index) for layer in cache.layers]
+        values = [layer._v if index is None else layer._v.index_select(0, index) for layer in cache.layers]
         tokens, slots, adapters = [], [], []
-        for i, result in enumerate(results):
+        for i in rows:
             u = inverse[i]
             adapter, prompt = uniq[u]
-            fed = result.response_ids[:-1]  # the last sampled token was never fed back
+            n = int(n_emitted[i])
+            fed = tokens_out[i, :max(n - 1, 0)].tolist()  # the last sampled token was never fed back
             tokens.append(prompt + tuple(fed))
             slots.append(torch.cat([torch.arange(prefix_width - reuse[u], prefix_width),
                                     torch.arange(width - suffix[u], width + len(fed))]))
