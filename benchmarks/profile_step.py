@@ -28,6 +28,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py                     # profile the quickstart step
     python benchmarks/profile_step.py --section levers    # prefill, adamw, bf16, kvcache, decode on SmolLM2/tiny
     python benchmarks/profile_step.py --section levers --levers compile
+    python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
 """
 from __future__ import annotations
 
@@ -383,6 +384,84 @@ def lever_prealloc(a):
             "results": ab(variants, a.reps)}
 
 
+ENGINE_VARIANTS = {  # name -> TransformersEngine options (round 3)
+    "plain (no reuse, no compaction)": {"prefix_cache": False, "compact_finished": False},
+    "finished rows leave the batch": {"prefix_cache": False, "compact_finished": True},
+    "+ prefix reuse (default)": {"prefix_cache": True, "compact_finished": True},
+}
+
+
+def lever_prefix(a, smollm2=None):
+    """The engine's round-3 levers on three workloads: a GRPO batch of the tiny model (vs_trl's
+    shape), the quickstart team's three turns (Solver, Verifier, Solver; each turn's prompt is the
+    previous one + reply, as the quickstart renders it with a transcript-style template), and
+    SmolLM2 with 2 prompts x 4 samples. Same seed for every variant: same tokens (tested)."""
+    import random
+
+    from masrl.models.smollm import smollm2_path
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "intermediate_size": 384}, seed=0).eval()
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rng = random.Random(0)
+    questions = [f"{rng.randint(1, 9)}+{rng.randint(1, 9)}-{rng.randint(1, 9)}" for _ in range(16)]
+    results, stats = {}, {}
+
+    def engine_for(model, opts, eos, pad):
+        return TransformersEngine(model, eos_token_ids=eos, pad_token_id=pad, seed=0, max_batch_size=512, **opts)
+
+    def grpo(engine, prompts, group, new):
+        reqs = [GenRequest(p, 1.0, 1.0, new) for p in prompts for _ in range(group)]
+
+        def f():
+            engine.generate(reqs)
+            engine.clear_prefix_cache()  # the next step's prompts are new (and the weights changed)
+        return f
+
+    def team(engine):
+        def f():
+            first = [GenRequest(enc(f"Q {q}\nSolver: "), 1.0, 1.0, 40) for q in questions for _ in range(8)]
+            r1 = engine.generate(first)
+            second = [GenRequest(q.prompt_ids + enc(tok.decode(r.response_ids, skip_special_tokens=True) + "\nVerifier: "),
+                                 1.0, 1.0, 12) for q, r in zip(first, r1)]
+            r2 = engine.generate(second)
+            third = [GenRequest(q.prompt_ids + enc(tok.decode(r.response_ids, skip_special_tokens=True) + "\nSolver: "),
+                                1.0, 1.0, 40) for q, r in zip(second, r2)]
+            engine.generate(third)
+            engine.clear_prefix_cache()  # one rollout per call, as the scheduler does
+        return f
+
+    workloads = {"tiny GRPO 8x8, 40 new": lambda e: grpo(e, [enc(f"Q {q}\nS ") for q in questions[:8]], 8, 40),
+                 "tiny team, 3 turns of 128 rows": team}
+    for wname, make in workloads.items():
+        variants = {}
+        for vname, opts in ENGINE_VARIANTS.items():
+            engine = engine_for(tiny, opts, [tok.eos_token_id], tok.pad_token_id)
+            variants[f"{wname}: {vname}"] = make(engine)
+            stats[f"{wname}: {vname}"] = engine
+        results.update(ab(variants, a.reps))
+    if smollm2 is not None:
+        from transformers import AutoTokenizer
+
+        stok = AutoTokenizer.from_pretrained(str(smollm2_path()))
+        prompts = [stok.apply_chat_template([{"role": "user", "content": f"Compute {q}. Put the answer in \\boxed{{}}."}],
+                                            tokenize=True, add_generation_prompt=True) for q in questions[:2]]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        variants = {}
+        for vname, opts in ENGINE_VARIANTS.items():
+            engine = engine_for(smollm2.eval(), opts, [stok.eos_token_id], stok.pad_token_id or 0)
+            variants[f"SmolLM2 2x4, 32 new: {vname}"] = grpo(engine, prompts, 4, 32)
+            stats[f"SmolLM2 2x4, 32 new: {vname}"] = engine
+        results.update(ab(variants, a.reps))
+    for k, engine in stats.items():
+        results[k]["prefill_tokens_per_call"] = engine.prefill_tokens / (a.reps + 1)
+    return {"what": "engine variants (compare within a workload); prefill tokens per call in the last column",
+            "results": results}
+
+
 def lever_rollout_bf16(a, model):
     """SmolLM2 decoding with the engine in float32 vs under bf16 autocast (weights cast once per batch)."""
     import torch
@@ -456,12 +535,15 @@ def run_levers(a) -> dict:
             out[name] = lever_prealloc(a)
         elif name == "entropy":
             out[name] = lever_entropy(a)
+        elif name == "prefix":
+            out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
             out[name] = {"prefill": lever_prefill, "adamw": lever_adamw, "bf16": lever_bf16,
                          "rollout_bf16": lever_rollout_bf16,
                          "kvcache": lever_kvcache, "logits": lever_logits}[name](a, big)
         print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
-        extra = {"decode": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens")}
+        extra = {"decode": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
+                 "prefix": ("prefill_tokens_per_call", "prefill tokens / call")}
         rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
                 ([fmt(v[extra[name][0]])] if name in extra else [])
                 for k, v in out[name]["results"].items()]
@@ -478,7 +560,8 @@ def main(argv=None) -> None:
     ap.add_argument("--levers", nargs="+",
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
-                             "prealloc", "rollout_bf16", "entropy"])
+                             "prealloc", "rollout_bf16", "entropy", "prefix"])
+    ap.add_argument("--no-smollm2", action="store_true", help="prefix lever: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

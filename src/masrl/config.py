@@ -144,7 +144,7 @@ class RolloutConfig(_Strict):
     prefix_cache: bool = Field(True, description=(
         "transformers engine: prefill each distinct prompt of a call once (a GRPO group) and reuse the "
         "keys/values of earlier rows of the same rollout whose tokens start a new prompt (the next turn "
-        "of an append-only transcript); vLLM has its own prefix caching"))
+        "of an append-only transcript); vLLM has its own (rollout.kwargs.enable_prefix_caching)"))
     prefix_cache_mib: float = Field(1024.0, gt=0.0, description="memory for the stored keys/values per policy")
 
 

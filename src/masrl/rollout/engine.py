@@ -211,8 +211,11 @@ class PrefixCache:
 
     def check_weights(self, model: torch.nn.Module) -> None:
         """Drop everything if any parameter was replaced or changed in place since the last call."""
-        key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-        if key != self._weights:
+        try:
+            key = tuple((p.data_ptr(), p._version) for p in model.parameters())
+        except RuntimeError:  # inference tensors have no version counter: never trust stored rows
+            key = None
+        if key is None or key != self._weights:
             self.clear()
             self._weights = key
 
