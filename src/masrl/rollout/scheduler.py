@@ -1,14 +1,16 @@
 """Rollout scheduler: runs many episodes concurrently and batches their agent calls per policy.
 
 Every episode is an asyncio task. An agent call enqueues a request and waits. When every
-unfinished episode is waiting, the scheduler flushes: the pending requests are grouped by
-policy (whatever agent made them) and each group is generated in one engine call. This
-gives the largest possible batches with deterministic ordering, and nothing reloads
-weights per agent call.
+unfinished episode is waiting, the scheduler flushes: the pending requests are put in episode
+order (then each episode's call order), grouped by policy (whatever agent made them) and each
+group is generated in one engine call. This gives the largest possible batches with a
+deterministic order, even when episodes await threads (retrievers) that finish in any order,
+and nothing reloads weights per agent call.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,11 +29,16 @@ class RolloutStats:
     batch_sizes: list[int] = field(default_factory=list)
 
 
+# (episode index, calls so far) of the episode whose code is running; asyncio tasks that an episode
+# starts (e.g. parallel agent calls under gather) inherit it
+_EPISODE: contextvars.ContextVar[tuple[int, list[int]] | None] = contextvars.ContextVar("masrl_episode", default=None)
+
+
 class RolloutScheduler:
     def __init__(self, engines: Mapping[str, Engine]):
         self.engines = dict(engines)
         self.stats = RolloutStats()
-        self._pending: list[tuple[str, GenRequest, asyncio.Future]] = []
+        self._pending: list[tuple[tuple[int, int], str, GenRequest, asyncio.Future]] = []
         self._active = 0
         self._wake: asyncio.Event | None = None
 
@@ -39,7 +46,13 @@ class RolloutScheduler:
         if policy not in self.engines:
             raise KeyError(f"no rollout engine for policy {policy!r}; policies: {sorted(self.engines)}")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((policy, request, future))
+        episode = _EPISODE.get()
+        if episode is None:
+            key = (len(self._pending), 0)
+        else:
+            key = (episode[0], episode[1][0])
+            episode[1][0] += 1
+        self._pending.append((key, policy, request, future))
         self._maybe_wake()
         return await future
 
@@ -52,14 +65,15 @@ class RolloutScheduler:
         self._active = len(coroutines)
         self._pending = []
 
-        async def wrapped(coro):
+        async def wrapped(index, coro):
+            _EPISODE.set((index, [0]))
             try:
                 return await coro
             finally:
                 self._active -= 1
                 self._maybe_wake()
 
-        tasks = [asyncio.ensure_future(wrapped(c)) for c in coroutines]
+        tasks = [asyncio.ensure_future(wrapped(i, c)) for i, c in enumerate(coroutines)]
         try:
             while self._active > 0:
                 await self._wake.wait()
@@ -83,9 +97,11 @@ class RolloutScheduler:
             self._wake.set()
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, []
+        # in episode order, not arrival order: episodes that await a thread (a retriever call) arrive in
+        # whatever order the threads finish, and the batch order decides which rows get which random draws
+        pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
         by_policy: dict[str, list[tuple[GenRequest, asyncio.Future]]] = defaultdict(list)
-        for policy, request, future in pending:
+        for _, policy, request, future in pending:
             by_policy[policy].append((request, future))
         self.stats.flushes += 1
         start = time.perf_counter()

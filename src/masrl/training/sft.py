@@ -40,8 +40,10 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
         team = Team(task, spec, call, score, prompts=prompts, params=params)
         return (await spec.fn(task, team)).turns
 
-    async def all_tasks():
-        return await asyncio.gather(*(one(t) for t in tasks))
+    async def all_tasks():  # one task after another: a teacher that draws from one random stream
+        # (noise, wrong answers) must see the same call order in every process, also when the
+        # workflow awaits threads (a retriever) that finish in any order
+        return [await one(t) for t in tasks]
 
     rows = []
     for task, turns in zip(tasks, asyncio.run(all_tasks())):
