@@ -476,8 +476,10 @@ class TransformersEngine:
                         layer.select_rows(local_dev)
                     mask, pos = mask.index_select(0, local_dev), pos.index_select(0, local_dev)
                     live, live_dev = keep_rows, keep_rows.to(device)
-                    if any(a is not None for a in adapters):
-                        routing.enter_context(self._routing(model, [adapters[i] for i in live.tolist()]))
+                    if any(a is not None for a in adapters):  # route the remaining rows (even if all base)
+                        from masrl.models.lora import mixed_adapters
+
+                        routing.enter_context(mixed_adapters(model, [adapters[i] for i in live.tolist()]))
                 feed = torch.where(done, pad, tok)
                 feed = (feed if live is None else feed.index_select(0, live)).to(device)
                 out = model(input_ids=feed[:, None], attention_mask=mask[:, :width + step + 1],
