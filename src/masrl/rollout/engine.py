@@ -564,10 +564,9 @@ class TransformersEngine:
             entry[1].append(u)
             entry[2].append(row)
             entry[3].append([slots[0]] * (prefix_width - n) + slots)  # the gap repeats a slot (masked)
-        n_uniq = len(hits)
+        n_uniq, first = len(hits), next(iter(sources.values()))[0]
         for li, layer in enumerate(cache.layers):
-            k_src = next(iter(sources.values()))[0].keys[li]
-            v_src = next(iter(sources.values()))[0].values[li]
+            k_src, v_src = first.keys[li], first.values[li]
             k = k_src.new_zeros((n_uniq, k_src.shape[1], capacity, k_src.shape[3]))
             v = v_src.new_zeros((n_uniq, v_src.shape[1], capacity, v_src.shape[3]))
             for stored, us, rows, slots in sources.values():
@@ -588,8 +587,8 @@ class TransformersEngine:
         if not rows:
             return
         local = torch.tensor(rows) if live is None else torch.searchsorted(live, torch.tensor(rows))
-        whole = live is None and len(rows) == tokens_out.shape[0] or live is not None and len(rows) == live.numel()
-        index = None if whole else local.to(cache.layers[0]._k.device)
+        in_batch = tokens_out.shape[0] if live is None else live.numel()
+        index = None if len(rows) == in_batch else local.to(cache.layers[0]._k.device)
         keys = [layer._k if index is None else layer._k.index_select(0, index) for layer in cache.layers]
         values = [layer._v if index is None else layer._v.index_select(0, index) for layer in cache.layers]
         tokens, slots, adapters = [], [], []
