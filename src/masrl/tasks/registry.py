@@ -102,25 +102,36 @@ def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return TaskSource(cfg.name, train, test, make_code_score(mode))
 
 
+def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    from masrl.tasks.dataset import dataset_source
+
+    return dataset_source(cfg, sft_teacher)
+
+
 SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
                                                                 "synthetic_kb": _synthetic_kb,
-                                                                "mbpp": _code, "humaneval": _code}
+                                                                "mbpp": _code, "humaneval": _code,
+                                                                "dataset": _dataset}
+
+
+def source_loader(cfg: TaskConfig) -> Callable[[TaskConfig, dict], TaskSource]:
+    """The loader of ``cfg.name`` (no data is read); ValueError listing the known tasks otherwise."""
+    if cfg.name in SOURCES:
+        return SOURCES[cfg.name]
+    from masrl.tasks.math_data import BENCHMARKS
+    from masrl.tasks.qa import QA_DATASETS
+
+    if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
+        return _math_benchmark
+    if cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
+        return _qa_benchmark
+    known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
+    raise ValueError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)} "
+                     "(dataset: your own file, with task.params.train)")
 
 
 def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSource:
-    if cfg.name in SOURCES:
-        source = SOURCES[cfg.name](cfg, sft_teacher or {})
-    else:
-        from masrl.tasks.math_data import BENCHMARKS
-        from masrl.tasks.qa import QA_DATASETS
-
-        if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
-            source = _math_benchmark(cfg, sft_teacher or {})
-        elif cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
-            source = _qa_benchmark(cfg, sft_teacher or {})
-        else:
-            known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
-            raise ValueError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)}")
+    source = source_loader(cfg)(cfg, sft_teacher or {})
     if cfg.train_limit is not None:
         source.train = source.train[:cfg.train_limit]
     if cfg.test_limit is not None:

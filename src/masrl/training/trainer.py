@@ -26,6 +26,7 @@ from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episode
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
+from masrl.registry_names import check_names
 from masrl.rollout.runner import make_call, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_task_source
@@ -44,6 +45,7 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
+        check_names(cfg)  # registry names (workflow, task, reward, estimator, loss) before anything is built
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
         self.show_progress = cfg.logging.progress if progress is None else progress
@@ -87,14 +89,17 @@ class Trainer:
                             format_penalty=self.cfg.algorithm.format_penalty)
 
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
-        """Every turn gets the team reward, minus the format penalty if it is invalid."""
+        """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
+        function set one), minus the format penalty if it is invalid."""
         turns, keys, scores = [], [], []
         penalty = self.cfg.algorithm.format_penalty
+        per_turn = self.cfg.algorithm.reward == "per_turn"
         for e in episodes:
             for t in e.turns:
                 turns.append(t)
                 keys.append((e.group_id, e.episode_id))
-                scores.append(e.reward - (0.0 if t.valid else penalty))
+                base = t.reward if per_turn and t.reward is not None else e.reward
+                scores.append(base - (0.0 if t.valid else penalty))
         return turns, keys, torch.tensor(scores, dtype=torch.float32)
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
