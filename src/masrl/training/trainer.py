@@ -25,6 +25,7 @@ from masrl.config import RunConfig, dump_config
 from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
+from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.registry_names import check_names
 from masrl.rollout.runner import make_call, run_episodes
@@ -231,7 +232,10 @@ class Trainer:
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
             _atomic_write(self.run_dir / "config.yaml", dump_config(cfg))
-        self.logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, resume_from_step=start_step if resume else None)
+        trackers = make_trackers(cfg.logging, name=cfg.name, run_dir=self.run_dir, resume=resume,
+                                 config=cfg.model_dump(mode="json"))
+        self.logger = MetricsLogger(self.run_dir, "tensorboard" in cfg.logging.sinks,
+                                    resume_from_step=start_step if resume else None, trackers=trackers)
         try:
             if not resume:
                 self.sft()
@@ -279,7 +283,8 @@ class Trainer:
                                     keep=self.cfg.trainer.keep_checkpoints)
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",
+               "trackers.json", "wandb")
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
