@@ -4,7 +4,7 @@
       name: dataset
       params:
         train: data/train.jsonl          # a file, or hf:ID[:split] (Hugging Face, via `datasets`)
-        test: data/test.jsonl            # optional held-out split
+        test: data/test.jsonl            # optional held-out split (or a math benchmark name: math500)
         format: jsonl                    # jsonl | json | parquet | hf (default: from the suffix / hf: prefix)
         fields: {question: problem, answer: solution}   # dotted paths reach nested fields (a.b.c)
         reward: math                     # math | qa_em | qa_f1 | code | pkg.module:function | file.py:function
@@ -150,9 +150,14 @@ def _hf_rows(source: str):
 def _get(row: dict, path: str) -> Any:
     node: Any = row
     for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
+        if hasattr(node, "tolist"):
+            node = node.tolist()
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):  # prompt.0.content
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
             raise _BadRow(f"missing field {path!r} (fields: {', '.join(sorted(row))})")
-        node = node[part]
     if hasattr(node, "tolist"):  # numpy arrays from parquet / datasets
         node = node.tolist()
     return node
@@ -242,5 +247,15 @@ def dataset_source(cfg: TaskConfig, sft_teacher: dict):
     kind = reward if ":" not in reward else "user"
     kw = dict(fields=fields, reward=kind, fmt=params.get("format"), strict=cfg.strict)
     train = load_rows_as_tasks(params["train"], limit=cfg.train_limit, **kw)
-    test = load_rows_as_tasks(params["test"], limit=cfg.test_limit, **kw) if params.get("test") else []
-    return TaskSource("dataset", train, test, score)
+    return TaskSource("dataset", train, _test_split(params.get("test"), cfg, kw), score)
+
+
+def _test_split(test: str | None, cfg: TaskConfig, kw: dict) -> list[Task]:
+    """The held-out split: a file / hf: source read like the train split, or a registered math benchmark."""
+    from masrl.tasks.math_data import BENCHMARKS, load_benchmark
+
+    if not test:
+        return []
+    if test in BENCHMARKS:
+        return load_benchmark(test, limit=cfg.test_limit, strict=cfg.strict)
+    return load_rows_as_tasks(test, limit=cfg.test_limit, **kw)
