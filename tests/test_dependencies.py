@@ -60,3 +60,43 @@ def test_serve_retriever_without_fastapi_names_the_server_extra(monkeypatch, cap
     monkeypatch.delitem(sys.modules, "masrl.tasks.retrieval.server", raising=False)
     assert main(["serve-retriever", "--corpus", "synthetic_kb"]) == 2
     assert "pip install masrl[server]" in capsys.readouterr().err
+
+
+def test_constraints_pin_every_core_dependency_within_its_range():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[canonicalize_name(name)] = version
+    assert pins["torch"] == "2.13.0"
+    for text in _pyproject()["dependencies"] + _pyproject()["optional-dependencies"]["test"]:
+        req = Requirement(text)
+        assert req.specifier.contains(pins[canonicalize_name(req.name)], prereleases=True), text
+    assert "-c constraints.txt" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_run_folder_records_the_library_versions(tiny_cfg):
+    import json
+
+    import yaml
+
+    from masrl.config import config_from_dict
+    from masrl.training.trainer import Trainer
+
+    cfg = config_from_dict(tiny_cfg(**{"sft.steps": 0, "trainer.total_steps": 1, "trainer.batch_size": 1,
+                                       "trainer.group_size": 2, "eval.before_after": False, "logging.plots": False}))
+    with Trainer(cfg) as trainer:
+        report = trainer.fit()
+    import torch
+    import transformers
+
+    versions = json.loads((cfg.run_dir / "versions.json").read_text())["run"]
+    assert versions["torch"] == torch.__version__ and versions["transformers"] == transformers.__version__
+    assert {"peft", "numpy", "python", "masrl", "masrl_git"} <= set(versions)
+    assert json.loads((cfg.run_dir / "report.json").read_text())["versions"] == versions == report["versions"]
+    header = (cfg.run_dir / "config.yaml").read_text().splitlines()[0]
+    assert header.startswith("# masrl ") and f"torch {torch.__version__}" in header
+    assert yaml.safe_load((cfg.run_dir / "config.yaml").read_text())["name"] == "test"

@@ -37,6 +37,7 @@ from masrl.training.policy import Policy
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
+from masrl.versions import library_versions, versions_comment
 from masrl.workflows.base import get_workflow
 
 
@@ -75,6 +76,7 @@ class Trainer:
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
+        self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
         self.logger: MetricsLogger | None = None
 
@@ -231,7 +233,8 @@ class Trainer:
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
-            _atomic_write(self.run_dir / "config.yaml", dump_config(cfg))
+            _atomic_write(self.run_dir / "config.yaml", versions_comment(self.versions) + dump_config(cfg))
+        record_versions(self.run_dir, self.versions, resumed_at=start_step if resume else None)
         trackers = make_trackers(cfg.logging, name=cfg.name, run_dir=self.run_dir, resume=resume,
                                  config=cfg.model_dump(mode="json"))
         self.logger = MetricsLogger(self.run_dir, "tensorboard" in cfg.logging.sinks,
@@ -284,7 +287,7 @@ class Trainer:
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",
-               "trackers.json", "wandb")
+               "trackers.json", "wandb", "versions.json")
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
@@ -392,6 +395,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def record_versions(run_dir: Path, versions: dict, resumed_at: int | None = None) -> None:
+    """``versions.json``: the versions a run started with, plus those of each resume (``resumed_at_step_N``)."""
+    path = run_dir / "versions.json"
+    record = json.loads(path.read_text()) if resumed_at is not None and path.is_file() else {}
+    record["run" if resumed_at is None else f"resumed_at_step_{resumed_at}"] = versions
+    _atomic_write(path, json.dumps(record, indent=1))
+
+
 def write_report(trainer: Trainer) -> dict:
     """report.json + report.md (before/after table) and PNG curves in the run folder."""
     from masrl.monitoring.plots import plot_training_curves
@@ -402,7 +413,8 @@ def write_report(trainer: Trainer) -> dict:
         if label in trainer.history:
             rows.append((label, trainer.history[label]))
     report = {"name": cfg.name, "seed": cfg.seed, "estimator": cfg.algorithm.estimator,
-              "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history}
+              "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history,
+              "versions": trainer.versions}
     lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
              f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
              f"{trainer.step} RL steps, eval n={cfg.eval.n} on {len(trainer.source.test)} held-out tasks", ""]
