@@ -1,9 +1,6 @@
 """task: {name: dataset}: jsonl/json/parquet/hf files with field mapping, built-in and user rewards
 (per-turn rewards with algorithm.reward: per_turn), the shipped example, and the shared data files."""
 import json
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import yaml
 from masrl.config import TaskConfig, config_from_dict, load_config
 from masrl.paths import data_dir
 from masrl.tasks.dataset import DatasetRowWarning, load_rows_as_tasks
+from masrl.tasks.math_data import DatasetLoadError
 from masrl.tasks.registry import load_task_source
 from masrl.training.trainer import Trainer
 
@@ -37,7 +35,7 @@ def test_jsonl_rows_that_do_not_parse_name_file_and_line(tmp_path):
     assert len(msgs) == 3
     assert msgs[0].startswith(f"{path}:2: bad JSON") and msgs[1].startswith(f"{path}:3: missing field 'sol'")
     assert msgs[2].startswith(f"{path}:4: field 'p' is not a non-empty string")
-    with pytest.raises(ValueError, match=rf"{path}:2: bad JSON"):
+    with pytest.raises(DatasetLoadError, match=rf"{path}:2: bad JSON"):
         load_rows_as_tasks(str(path), fields={"question": "p", "answer": "sol"}, reward="math", strict=True)
 
 
@@ -58,20 +56,22 @@ def test_json_and_parquet_with_nested_fields_and_qa_reward(tmp_path):
         assert source.score(source.train[1], "London")["reward"] == 0.0
 
 
-def test_hf_source_through_datasets_and_offline_error_names_the_cache(tmp_path):
+def test_hf_source_through_datasets_and_offline_error_names_the_cache(tmp_path, monkeypatch):
     pytest.importorskip("datasets")
     folder = tmp_path / "hfdata"
     folder.mkdir()
     _jsonl(folder / "train.jsonl", [{"question": "2+3", "answer": 5}, {"question": "4*4", "answer": "16"}])
     cfg = TaskConfig(name="dataset", params={"train": f"hf:{folder}:train", "reward": "math"})
     assert [(t.question, t.answer) for t in load_task_source(cfg).train] == [("2+3", "5"), ("4*4", "16")]
-    code = ("from masrl.config import TaskConfig\nfrom masrl.tasks.registry import load_task_source\n"
-            "load_task_source(TaskConfig(name='dataset', params={'train': 'hf:nobody/no-such-set:train'}))")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode != 0
-    last = out.stderr.strip().splitlines()[-1]
-    assert "nobody/no-such-set" in last and str(tmp_path / "hf") in last and "offline=1" in last
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    with pytest.raises(DatasetLoadError) as err:
+        load_task_source(TaskConfig(name="dataset", params={"train": "hf:nobody/no-such-set:train"}))
+    message = str(err.value)
+    assert "'nobody/no-such-set' split 'train'" in message and str(tmp_path / "hf") in message
+    assert "offline=True" in message and "\n" not in message
 
 
 USER_REWARD = '''
@@ -168,3 +168,15 @@ def test_gpu_example_reads_a_verl_format_dapo_parquet(tmp_path):
     via_prompt = load_rows_as_tasks(str(tmp_path / "train.parquet"), reward="math",
                                     fields={"question": "prompt.0.content", "answer": "reward_model.ground_truth"})
     assert via_prompt[2].question == "Q2 Let's think"
+
+
+def test_train_strict_stops_at_the_bad_row_with_exit_2(tiny_cfg, tmp_path, capsys):
+    from masrl.cli import main
+
+    data = _jsonl(tmp_path / "d.jsonl", [{"question": "1+1", "answer": "2"}, {"question": "2+2"}])
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg(**{"task": {"name": "dataset", "params": {"train": str(data)}},
+                                               "sft.steps": 0})))
+    assert main(["train", str(path), "--strict"]) == 2
+    assert f"{data}:2: missing field 'answer'" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

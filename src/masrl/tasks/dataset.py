@@ -19,12 +19,12 @@ the file and line (row for parquet/json/hf), or stop the run with ``task.strict:
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from masrl.config import TaskConfig
+from masrl.config import ConfigError, TaskConfig
+from masrl.tasks.math_data import DatasetLoadError
 from masrl.types import Task
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
@@ -48,7 +48,7 @@ def detect_format(source: str) -> str:
     for fmt in ("jsonl", "json", "parquet"):
         if name.endswith("." + fmt):
             return fmt
-    raise ValueError(f"task.params: cannot tell the format of {source!r} from its suffix; set task.params.format "
+    raise ConfigError(f"task.params: cannot tell the format of {source!r} from its suffix; set task.params.format "
                      f"to one of {', '.join(FORMATS)}")
 
 
@@ -58,7 +58,7 @@ def read_rows(source: str, fmt: str | None = None) -> Iterator[tuple[str, Any]]:
     :class:`_BadRow` saying why the row does not parse."""
     fmt = fmt or detect_format(source)
     if fmt not in FORMATS:
-        raise ValueError(f"task.params.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        raise ConfigError(f"task.params.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "hf":
         yield from _hf_rows(source)
         return
@@ -101,12 +101,12 @@ def _json_rows(path: Path):
         try:
             data = json.load(fh)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}:{e.colno}: malformed JSON ({e.msg})") from None
+            raise DatasetLoadError(f"{path}:{e.lineno}:{e.colno}: malformed JSON ({e.msg})") from None
     if isinstance(data, dict):  # {"data": [...]} and similar: the one list inside
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 else data
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of objects (or an object holding one list)")
+        raise DatasetLoadError(f"{path}: expected a JSON list of objects (or an object holding one list)")
     for i, obj in enumerate(data):
         yield f"{path}: item {i}", obj if isinstance(obj, dict) else _BadRow(
             f"expected an object, got {type(obj).__name__}")
@@ -120,7 +120,7 @@ def _parquet_rows(path: Path):
     try:
         table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - an unreadable file: one line
-        raise ValueError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from None
+        raise DatasetLoadError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from None
     for i, row in enumerate(table.to_pylist()):
         yield f"{path}: row {i}", row
 
@@ -137,10 +137,10 @@ def _hf_rows(source: str):
         ds = datasets.load_dataset(hub_id, split=split)
     except Exception as e:  # noqa: BLE001 - offline, unknown id or split: one clear line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        offline = os.environ.get("HF_HUB_OFFLINE", os.environ.get("HF_DATASETS_OFFLINE", "0"))
-        raise ValueError(f"cannot load Hugging Face dataset {hub_id!r} split {split!r} ({type(e).__name__}: {first}); "
-                         f"offline={offline}: without network it must be in the cache "
-                         f"{datasets.config.HF_DATASETS_CACHE} (set HF_HOME or HF_DATASETS_CACHE to use another)") from None
+        raise DatasetLoadError(
+            f"cannot load Hugging Face dataset {hub_id!r} split {split!r} ({type(e).__name__}: {first}); "
+            f"offline={bool(datasets.config.HF_HUB_OFFLINE)}: without network it must be in the cache "
+            f"{datasets.config.HF_DATASETS_CACHE} (set HF_HOME or HF_DATASETS_CACHE to use another)") from None
     for i, row in enumerate(ds):
         yield f"{hub_id}[{split}]: row {i}", row
 
@@ -219,7 +219,7 @@ def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | Non
         except _BadRow as e:
             msg = f"{where}: {e}; row skipped"
             if strict:
-                raise ValueError(msg.removesuffix("; row skipped") + " (task.strict: true stops at bad rows)") from None
+                raise DatasetLoadError(f"{where}: {e} (task.strict: true stops at bad rows)") from None
             warnings.warn(msg, DatasetRowWarning, stacklevel=2)
             continue
         meta = {"data_source": name, "where": where}
@@ -235,12 +235,12 @@ def dataset_source(cfg: TaskConfig, sft_teacher: dict):
     params = cfg.params
     unknown = sorted(set(params) - _KNOWN_PARAMS)
     if unknown:
-        raise ValueError(f"task.params for dataset: unknown keys {unknown}; known: {sorted(_KNOWN_PARAMS)}")
+        raise ConfigError(f"task.params for dataset: unknown keys {unknown}; known: {sorted(_KNOWN_PARAMS)}")
     if not params.get("train"):
-        raise ValueError("task dataset: set task.params.train (a jsonl/json/parquet file or hf:ID[:split])")
+        raise ConfigError("task dataset: set task.params.train (a jsonl/json/parquet file or hf:ID[:split])")
     fields = params.get("fields") or {}
     if not isinstance(fields, dict) or set(fields) - {"question", "answer", "id", "setup"}:
-        raise ValueError(f"task.params.fields must map question/answer (and optionally id, setup) to field "
+        raise ConfigError(f"task.params.fields must map question/answer (and optionally id, setup) to field "
                          f"names, got {fields!r}")
     reward = params.get("reward", "math")
     score = resolve_reward(reward, params)

@@ -51,8 +51,8 @@ def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 
     train_name = cfg.params.get("train", cfg.name)
     test_name = cfg.params.get("test", cfg.name)
-    train = load_benchmark(train_name, limit=cfg.train_limit)
-    test = load_benchmark(test_name, limit=cfg.test_limit)
+    train = load_benchmark(train_name, limit=cfg.train_limit, strict=cfg.strict)
+    test = load_benchmark(test_name, limit=cfg.test_limit, strict=cfg.strict)
     return TaskSource(cfg.name, train, test, _math_score(cfg))
 
 
@@ -80,8 +80,8 @@ def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.qa import load_qa
     from masrl.tasks.retrieval import resolve_retriever
 
-    train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit)
-    test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit)
+    train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit, strict=cfg.strict)
+    test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit, strict=cfg.strict)
     retriever = cfg.params.get("retriever")
     if retriever is None:
         raise ValueError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
@@ -95,10 +95,10 @@ def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 
     mode = cfg.params.get("reward_mode", "fraction")
     if cfg.name == "mbpp":
-        train = load_mbpp(split=cfg.params.get("train_split", "train"))
-        test = load_mbpp(split=cfg.params.get("test_split", "test"))
+        train = load_mbpp(split=cfg.params.get("train_split", "train"), strict=cfg.strict)
+        test = load_mbpp(split=cfg.params.get("test_split", "test"), strict=cfg.strict)
     else:
-        train = test = load_humaneval()
+        train = test = load_humaneval(strict=cfg.strict)
     return TaskSource(cfg.name, train, test, make_code_score(mode))
 
 

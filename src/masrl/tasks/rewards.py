@@ -22,37 +22,47 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from masrl.config import ConfigError
 from masrl.types import Episode, Task
 
 BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "code")
+_FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
 
 
 def import_object(spec: str, what: str) -> Any:
-    """``pkg.module:attr`` or ``path/to/file.py:attr``; one clear ValueError naming ``what`` otherwise."""
+    """``pkg.module:attr`` or ``path/to/file.py:attr``; one clear ConfigError naming ``what`` otherwise."""
     mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
-        raise ValueError(f"{what} {spec!r} is not of the form 'pkg.module:function' or 'file.py:function'")
+        raise ConfigError(f"{what} {spec!r} is not of the form 'pkg.module:function' or 'file.py:function'")
     if mod_name.endswith(".py"):
-        path = Path(mod_name).expanduser()
-        if not path.is_file():
-            raise ValueError(f"{what} {spec!r}: file {path} does not exist (relative paths start at the "
-                             f"current folder, {Path.cwd()})")
-        loader_spec = importlib.util.spec_from_file_location(f"masrl_user_{path.stem}", path)
-        module = importlib.util.module_from_spec(loader_spec)
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file fails to import: say which and why
-            raise ValueError(f"{what} {spec!r}: importing {path} failed ({type(e).__name__}: {e})") from e
+        module = _import_file(Path(mod_name).expanduser().resolve(), spec, what)
     else:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ValueError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
-                             "PYTHONPATH?") from e
+            raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
+                              "PYTHONPATH?") from e
     obj = getattr(module, attr, None)
     if obj is None:
-        raise ValueError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+        raise ConfigError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
     return obj
+
+
+def _import_file(path: Path, spec: str, what: str):
+    """A user's ``.py`` file as a module, imported once per process (the config check, then the run)."""
+    if path in _FILE_MODULES:
+        return _FILE_MODULES[path]
+    if not path.is_file():
+        raise ConfigError(f"{what} {spec!r}: file {path} does not exist (relative paths start at the current "
+                          f"folder, {Path.cwd()})")
+    loader_spec = importlib.util.spec_from_file_location(f"masrl_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file fails to import: say which and why
+        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({type(e).__name__}: {e})") from e
+    _FILE_MODULES[path] = module
+    return module
 
 
 class EpisodeReward:
@@ -96,7 +106,7 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None):
 
         fallback = params.get("answer_fallback", "none")
         if fallback not in ("none", "last_number"):
-            raise ValueError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
+            raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
         return partial(math_score, fallback=fallback) if fallback != "none" else math_score
     if name in ("qa_em", "qa_f1"):
         from masrl.tasks.qa import qa_score
@@ -109,7 +119,7 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None):
     if ":" in name:
         fn = import_object(name, "reward")
         if not callable(fn):
-            raise ValueError(f"reward {name!r} is not callable; expected a function (task, episode) -> float")
+            raise ConfigError(f"reward {name!r} is not callable; expected a function (task, episode) -> float")
         return EpisodeReward(fn, name)
-    raise ValueError(f"unknown reward {name!r}; known rewards: {', '.join(BUILTIN_REWARDS)} "
+    raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(BUILTIN_REWARDS)} "
                      "(or a user function 'pkg.module:function')")
