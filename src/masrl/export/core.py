@@ -224,8 +224,9 @@ def export_policy(cfg: RunConfig, name: str, checkpoint: Path, tmp: Path, final:
         return {"kind": "merged", "agents": policy_agents(cfg, name), "per_agent": pcfg.lora.per_agent,
                 "folders": folders}
     folders = {"base": f"{name}/base", **{a: f"{name}/adapters/{a}" for a in adapters}}
-    for adapter in adapters:
+    for adapter in adapters:  # with the tokenizer: the folder also loads alone (a merged model, in masrl)
         save_adapter(model, adapter, tmp / folders[adapter], final / folders["base"])
+        tokenizer.save_pretrained(str(tmp / folders[adapter]))
     save_model_folder(model.unload(), tokenizer, tmp / folders["base"], max_shard_size)
     return {"kind": "lora", "agents": policy_agents(cfg, name), "per_agent": pcfg.lora.per_agent,
             "folders": folders}
