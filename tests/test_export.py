@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from masrl.cli import main
 from masrl.config import config_from_dict, dump_config
 from masrl.export import ExportError, export_run
-from masrl.models.lora import mixed_adapters
+from masrl.models.lora import adapter_state_dict, mixed_adapters
 from masrl.models.tiny import build_char_tokenizer
 from masrl.training.trainer import Trainer
 
@@ -27,9 +27,11 @@ def _fake_run(tmp_path, tiny_cfg, name, lora=None, **over):
     cfg = config_from_dict(data)
     trainer = Trainer(cfg, progress=False)
     gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in trainer.policies["shared"].trainable_parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    policy = trainer.policies["shared"]
+    with torch.no_grad():  # what training changes: the trainable parameters, the base too when SFT trained it
+        for p in policy.model.parameters():
+            if p.requires_grad or policy.base_trained:
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
     cfg.run_dir.mkdir(parents=True)
     (cfg.run_dir / "config.yaml").write_text(dump_config(cfg))
     (cfg.run_dir / "report.json").write_text(json.dumps({"steps": 3, "eval": {"final": {"avg@n": 0.25,
@@ -102,8 +104,11 @@ def test_lora_adapters_export_as_peft_folders_with_the_same_logits(tmp_path, lor
         folder = out / "shared" / "adapters" / role
         config = json.loads((folder / "adapter_config.json").read_text())
         assert config["r"] == 4 and config["base_model_name_or_path"] == str(out / "shared" / "base")
-        keys = set(load_file(str(folder / "adapter_model.safetensors")))
-        assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys  # PEFT's names
+        saved = load_file(str(folder / "adapter_model.safetensors"))
+        assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in saved  # PEFT's names
+        # the layout masrl's vLLM engine registers as a LoRARequest (tests/test_vllm_engine.py, gpu group)
+        served = adapter_state_dict(policy.model, role)
+        assert saved.keys() == served.keys() and all(torch.equal(saved[k], served[k]) for k in saved)
         base = AutoModelForCausalLM.from_pretrained(out / "shared" / "base", dtype=torch.float32)
         peft_model = PeftModel.from_pretrained(base, folder).eval()
         with torch.no_grad(), mixed_adapters(policy.model.eval(), [role]):
@@ -151,6 +156,31 @@ def test_a_peft_adapter_folder_is_a_policy_model(tmp_path, lora_run):
         ours = policy.model(input_ids=ids).logits
     with torch.no_grad():
         assert torch.allclose(ours, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_shared_adapter_on_an_sft_trained_base(tmp_path, tiny_cfg):
+    """One adapter for the policy (named after it) over a base that SFT trained (`sft.train_base`):
+    the export's base folder holds the trained base; merged, the policy is one full folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer, run = _fake_run(tmp_path, tiny_cfg, "shared-lora", lora={"r": 4}, **{"sft.train_base": True})
+    policy = trainer.policies["shared"]
+    assert policy.base_trained
+    out = export_run(run, tmp_path / "exp")
+    merged = export_run(run, tmp_path / "merged", merge_lora=True)
+    ids = _ids(policy.tokenizer)
+    base = AutoModelForCausalLM.from_pretrained(out / "shared" / "base", dtype=torch.float32)
+    with torch.no_grad(), mixed_adapters(policy.model.eval(), ["shared"]):
+        ours = policy.model(input_ids=ids).logits
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, out / "shared" / "adapters" / "shared").eval()(input_ids=ids)
+        whole = AutoModelForCausalLM.from_pretrained(merged / "shared", dtype=torch.float32).eval()(input_ids=ids)
+    assert torch.allclose(ours, adapted.logits, atol=1e-6, rtol=0)
+    assert torch.allclose(ours, whole.logits, atol=1e-5, rtol=0)
+    with torch.no_grad(), mixed_adapters(policy.model, [None]):  # the trained base itself was exported
+        fresh = AutoModelForCausalLM.from_pretrained(out / "shared" / "base", dtype=torch.float32).eval()
+        assert torch.allclose(policy.model(input_ids=ids).logits, fresh(input_ids=ids).logits, atol=1e-6, rtol=0)
 
 
 def test_exported_lora_policy_loads_back_into_masrl(tmp_path, lora_run):
