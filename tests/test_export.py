@@ -275,3 +275,20 @@ def test_smollm2_export_matches_masrl(tmp_path, tiny_cfg, lora):
         with torch.no_grad():
             theirs = model(input_ids=ids).logits
         assert (ours - theirs).abs().max().item() <= 1e-6, role  # measured: 0.0 (identical)
+
+
+def test_eval_config_of_a_partial_export_says_what_was_left_out(tmp_path, tiny_cfg):
+    from masrl.config import config_from_dict as parse
+    from masrl.export.core import eval_config
+
+    data = tiny_cfg()
+    data["policies"] = {"solver": data["policies"]["shared"], "verifier": data["policies"]["shared"]}
+    data["agents"]["Solver"]["policy"], data["agents"]["Verifier"]["policy"] = "solver", "verifier"
+    exported = {"solver": {"kind": "full", "agents": ["Solver"], "folders": {"model": "solver"}}}
+    text = eval_config(parse(data), exported, tmp_path / "out")
+    assert "Not in this export" in text and ": verifier" in text
+    import yaml
+
+    cfg = parse(yaml.safe_load(text))
+    assert cfg.policies["solver"].model == str(tmp_path / "out" / "solver") and cfg.policies["verifier"].model == "tiny"
+    assert not cfg.trainer.export and str(cfg.run_dir).startswith(str(tmp_path / "out"))

@@ -33,10 +33,8 @@ def _cmd_train(args) -> int:
     if table:
         print(table)
     print(f"run folder: {run_dir}  (report.md, metrics.jsonl, plots/, checkpoints/)")
-    if report and cfg.trainer.export:  # the end-of-run hook: the one place training reaches export
-        from masrl.export import export_run
-
-        print(f"exported: {export_run(run_dir, run_dir / 'export', overwrite=True)}")
+    if report and report.get("export"):
+        print(f"exported: {report['export']}  (Hugging Face / PEFT folders, README.md, config.yaml)")
     return 0 if report else 1
 
 

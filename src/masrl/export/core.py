@@ -267,6 +267,10 @@ def eval_config(cfg: RunConfig, exported: dict[str, dict], out: Path) -> str:
             runtime_policies.update({f"{name}-{a}": place for a in info["agents"]})
     header = (f"# masrl export: the run's config with the exported policies ({out}).\n"
               f"# Evaluate them with: masrl eval {out / 'config.yaml'}\n")
+    left_out = [n for n, p in cfg.policies.items() if p.trainable and n not in exported]
+    if left_out:
+        header += (f"# Not in this export, so built as at the start of training (their trained weights are in the "
+                   f"run's checkpoints): {', '.join(left_out)}\n")
     return header + yaml.safe_dump(data, sort_keys=False)
 
 

@@ -255,6 +255,10 @@ class Trainer:
         finally:
             self.logger.close()
         report = write_report(self)
+        if cfg.trainer.export:  # the end-of-run hook: the one place the driver reaches the export package
+            from masrl.export import export_run
+
+            report["export"] = str(export_run(self.run_dir, self.run_dir / "export", overwrite=True))
         return report
 
     def close(self) -> None:
