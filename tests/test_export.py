@@ -292,3 +292,34 @@ def test_eval_config_of_a_partial_export_says_what_was_left_out(tmp_path, tiny_c
     cfg = parse(yaml.safe_load(text))
     assert cfg.policies["solver"].model == str(tmp_path / "out" / "solver") and cfg.policies["verifier"].model == "tiny"
     assert not cfg.trainer.export and str(cfg.run_dir).startswith(str(tmp_path / "out"))
+
+
+def test_peft_adapter_base_resolution_and_errors(tmp_path):
+    from masrl.models.hub import ModelLoadError, peft_adapter_base
+
+    adapter, base = tmp_path / "adapters" / "Solver", tmp_path / "base"
+    adapter.mkdir(parents=True)
+    base.mkdir()
+    assert peft_adapter_base(str(base)) is None  # not an adapter folder
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "../../base"}))
+    assert peft_adapter_base(str(adapter)) == str(base.resolve())  # relative to the adapter folder
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Org/model"}))
+    assert peft_adapter_base(str(adapter)) == "Org/model"
+    (adapter / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="no base_model_name_or_path"):
+        peft_adapter_base(str(adapter))
+    (adapter / "adapter_config.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match="unreadable adapter config"):
+        peft_adapter_base(str(adapter))
+
+
+def test_a_frozen_policy_is_not_exported(tiny_cfg):
+    from masrl.export.core import pick_policies
+
+    data = tiny_cfg()
+    data["policies"] = {"solver": data["policies"]["shared"], "judge": {"model": "tiny", "trainable": False}}
+    data["agents"]["Solver"]["policy"], data["agents"]["Verifier"]["policy"] = "solver", "judge"
+    cfg = config_from_dict(data)
+    assert pick_policies(cfg, None) == ["solver"]
+    with pytest.raises(ExportError, match="judge: the policy is not trainable"):
+        pick_policies(cfg, ["judge"])
