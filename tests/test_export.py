@@ -323,3 +323,17 @@ def test_a_frozen_policy_is_not_exported(tiny_cfg):
     assert pick_policies(cfg, None) == ["solver"]
     with pytest.raises(ExportError, match="judge: the policy is not trainable"):
         pick_policies(cfg, ["judge"])
+
+
+def test_a_failed_end_of_run_export_says_the_run_is_saved(tmp_path, tiny_cfg, monkeypatch):
+    import masrl.export
+
+    def boom(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(masrl.export, "export_run", boom)
+    cfg = config_from_dict(tiny_cfg(**{"trainer.export": True, "trainer.total_steps": 0, "sft.steps": 0,
+                                       "eval.before_after": False, "logging.plots": False}))
+    with pytest.raises(ExportError, match=r"run finished and is saved .*No space left.*masrl export .* --overwrite"):
+        Trainer(cfg, progress=False).fit()
+    assert (cfg.run_dir / "checkpoints" / "step_0" / "manifest.json").is_file()

@@ -5,7 +5,8 @@
 
 Layering: just below the command line. It reads a run folder (``config.yaml``, checkpoints,
 ``report.json``) through ``masrl.config``, ``masrl.models`` and ``masrl.training.checkpoint``;
-only the CLI imports it (``masrl export`` and the end of ``masrl train`` with ``trainer.export``).
+only the CLI (``masrl export``) and the trainer's end-of-run hook (``trainer.export: true``, one lazy
+import in ``Trainer.fit``) import it.
 """
 from masrl.export.core import ExportError, export_run
 
