@@ -223,8 +223,9 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
     """Build :class:`EnsembleData` from decoded rows (see module doc for the schema).
 
     ``strict=True`` raises ``ValueError("<source>:<line>: <what is wrong>")`` at the first
-    malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each
-    (and records them in ``.skipped``). ``models`` keeps only those models (in that order).
+    malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each (the
+    first 10, then a count: :mod:`masrl.tasks.rows`) and records them all in ``.skipped``.
+    ``models`` keeps only those models (in that order).
     """
     positioned = ((RowPos(str(i + line_offset), i, i + line_offset), obj) for i, obj in enumerate(records))
     return _from_positioned(positioned, label_field=label_field, strict=strict, source=source,
