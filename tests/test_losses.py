@@ -187,7 +187,7 @@ def test_register_loss_adds_a_named_log_ratio():
         logprobs, old, adv, mask = inputs()
         # no clipping at these ratios (e^{±0.2}): the loss is the plain surrogate -A ρ, token-mean
         loss, stats = policy_loss(logprobs, old, adv, mask, loss="test_half_ratio", clip_low=0.99, clip_high=10.0)
-        ratio = (0.5 * (logprobs - old)).exp()
+        ratio = (0.5 * (logprobs - old)).exp().detach()
         expected = (-(adv.unsqueeze(-1) * ratio) * mask).sum() / mask.sum()
         assert abs(loss.item() - expected.item()) < 1e-6
         assert stats["ratio_max"] == pytest.approx(float(ratio[mask.bool()].max()))
