@@ -9,8 +9,9 @@ import yaml
 
 from masrl.config import TaskConfig, config_from_dict, load_config
 from masrl.paths import data_dir
-from masrl.tasks.dataset import DatasetRowWarning, load_rows_as_tasks
+from masrl.tasks.dataset import load_rows_as_tasks
 from masrl.tasks.math_data import DatasetLoadError
+from masrl.tasks.rows import MalformedRowWarning
 from masrl.tasks.registry import load_task_source
 from masrl.training.trainer import Trainer
 
@@ -31,11 +32,11 @@ def test_jsonl_rows_that_do_not_parse_name_file_and_line(tmp_path):
         warnings.simplefilter("always")
         tasks = load_rows_as_tasks(str(path), fields={"question": "p", "answer": "sol"}, reward="math")
     assert [(t.question, t.answer) for t in tasks] == [("1+1", "2"), ("3*3", "9")]
-    msgs = [str(w.message) for w in caught if w.category is DatasetRowWarning]
+    msgs = [str(w.message) for w in caught if w.category is MalformedRowWarning]
     assert len(msgs) == 3
-    assert msgs[0].startswith(f"{path}:2: bad JSON") and msgs[1].startswith(f"{path}:3: missing field 'sol'")
+    assert msgs[0].startswith(f"{path}:2: invalid JSON") and msgs[1].startswith(f"{path}:3: missing field 'sol'")
     assert msgs[2].startswith(f"{path}:4: field 'p' is not a non-empty string")
-    with pytest.raises(DatasetLoadError, match=rf"{path}:2: bad JSON"):
+    with pytest.raises(DatasetLoadError, match=rf"{path}:2: invalid JSON"):
         load_rows_as_tasks(str(path), fields={"question": "p", "answer": "sol"}, reward="math", strict=True)
 
 

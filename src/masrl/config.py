@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -126,18 +126,51 @@ class PolicyConfig(_Strict):
         return self
 
 
-class LossConfig(_Strict):
-    """The policy loss on response tokens (docs/algorithms.md)."""
+def _registered(kind: str, value: str, known) -> str:
+    """``value`` if it names an entry of ``known`` (a registry or tuple of masrl.algorithms), else one error
+    listing the known names."""
+    if value not in known:
+        raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
+    return value
 
-    loss: Literal["ppo", "gspo"] = Field("ppo", description="ppo (token ratios) or gspo (sequence-level ratio)")
+
+class LossConfig(_Strict):
+    """The policy loss on response tokens (docs/algorithms.md). Choices are checked against
+    masrl.algorithms (``LOSSES``, ``AGG_MODES``, ``KL_KINDS``), so a loss added with ``@register_loss`` is
+    accepted here."""
+
+    loss: str = Field("ppo", description="a name in masrl.algorithms.LOSSES: ppo (token ratios), gspo "
+                                         "(sequence-level ratio), or one added with @register_loss")
     clip_low: float = Field(0.2, ge=0.0, description="ratio clip below 1 (1 - clip_low)")
     clip_high: float = Field(0.2, ge=0.0, description="ratio clip above 1 (1 + clip_high; clip-higher when larger)")
     dual_clip: Optional[float] = Field(None, gt=1.0, description="dual-clip constant c for negative advantages")
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
-        "token-mean", description="how token losses are averaged into the batch loss")
+    agg: str = Field("token-mean", description=(
+        "how token losses are averaged into the batch loss: token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum-norm"))
     kl_coef: float = Field(0.0, ge=0.0, description="weight of the KL to the reference policy (0: off)")
-    kl_kind: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator")
+    kl_kind: str = Field("k3", description="KL estimator: k1, k2, k3")
     entropy_coef: float = Field(0.0, description="entropy bonus weight")
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_registered(cls, v: str) -> str:
+        from masrl.algorithms.losses import LOSSES  # imports torch: only when a config is validated
+
+        return _registered("loss", v, LOSSES)
+
+    @field_validator("agg")
+    @classmethod
+    def _agg_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import AGG_MODES
+
+        return _registered("agg", v, AGG_MODES)
+
+    @field_validator("kl_kind")
+    @classmethod
+    def _kl_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import KL_KINDS
+
+        return _registered("KL kind", v, KL_KINDS)
 
 
 class RolloutISConfig(_Strict):
@@ -157,8 +190,8 @@ class AlgorithmConfig(_Strict):
     """Rewards, advantages and the loss (docs/algorithms.md)."""
 
     estimator: str = Field("drmas", description=(
-        "advantage estimator: drmas (agent-wise), grpo, drmas_mean_only, drmas_std_only, rloo, ... "
-        "(masrl.algorithms.ADVANTAGE_ESTIMATORS)"))
+        "advantage estimator, a name in masrl.algorithms.ADVANTAGE_ESTIMATORS: drmas (agent-wise), grpo, "
+        "drmas_mean_only, drmas_std_only, rloo, ..."))
     eps: float = Field(1e-6, description="added to the standard deviation")
     unbiased_std: bool = Field(True, description="standard deviation with N-1 (as the reference)")
     singleton: Literal["zero", "raw"] = Field("zero", description="advantage of a group of one value: 0 or the "
@@ -172,6 +205,13 @@ class AlgorithmConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig, description=(
         "truncated importance sampling between trainer and rollout engine"))
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator_registered(cls, v: str) -> str:
+        from masrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        return _registered("estimator", v, sorted(ADVANTAGE_ESTIMATORS))
 
 
 class RolloutConfig(_Strict):

@@ -13,119 +13,51 @@ The gold answer is converted for the reward: ``math`` keeps the text after the l
 (GSM8K style) and normalises numbers; ``qa_*`` takes a string or a list of gold strings; ``code``
 takes a list of test statements (``assert f(1) == 2``; optional ``fields.setup``). A user's
 function receives the raw field value. Rows that do not parse are skipped with a warning naming
-the file and line (row for parquet/json/hf), or stop the run with ``task.strict: true``
-(``masrl train --strict``).
+the file and line (row for parquet/hf, index for JSON), or stop the run with ``task.strict: true``
+(``masrl train --strict``); files are read by the shared row reader (:mod:`masrl.tasks.rows`).
 """
 from __future__ import annotations
 
-import json
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 from masrl.config import ConfigError, TaskConfig
 from masrl.tasks.math_data import DatasetLoadError
+from masrl.tasks.rows import BadRow, RowPos, detect_row_format, iter_records, parse_rows
 from masrl.types import Task
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
 _KNOWN_PARAMS = {"train", "test", "format", "fields", "reward", "answer_fallback", "reward_mode"}
 
 
-class DatasetRowWarning(UserWarning):
-    """A row of a ``dataset`` task was skipped."""
-
-
-class _BadRow(ValueError):
-    pass
-
-
 # ----------------------------------------------------------------------------- reading rows
 
 def detect_format(source: str) -> str:
+    """``hf`` for ``hf:ID[:split]``, else the file format from its name (masrl.tasks.rows)."""
     if source.startswith("hf:"):
         return "hf"
-    name = source.lower().removesuffix(".gz")
-    for fmt in ("jsonl", "json", "parquet"):
-        if name.endswith("." + fmt):
-            return fmt
-    raise ConfigError(f"task.params: cannot tell the format of {source!r} from its suffix; set task.params.format "
-                     f"to one of {', '.join(FORMATS)}")
+    try:
+        return detect_row_format(Path(source))
+    except ValueError:
+        raise ConfigError(f"task.params: cannot tell the format of {source!r} from its suffix; set "
+                          f"task.params.format to one of {', '.join(FORMATS)}") from None
 
 
-def read_rows(source: str, fmt: str | None = None) -> Iterator[tuple[str, Any]]:
-    """``(where, row)`` for each row of ``source``: ``where`` is ``file:line`` (jsonl), ``file: item i``
-    (json), ``file: row i`` (parquet) or ``ID[split]: row i`` (hf); ``row`` is a dict, or a
-    :class:`_BadRow` saying why the row does not parse."""
-    fmt = fmt or detect_format(source)
+def _records(source: str, fmt: str) -> tuple[str, Iterator[tuple[RowPos, Any]]]:
+    """``(name shown in messages, (position, row) pairs)``: files through the shared row reader, ``hf:``
+    through the datasets library."""
     if fmt not in FORMATS:
         raise ConfigError(f"task.params.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "hf":
-        yield from _hf_rows(source)
-        return
+        return _hf_records(source)
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} not found (relative paths start at the current folder, "
                                 f"{Path.cwd()})")
-    if fmt == "jsonl":
-        yield from _jsonl_rows(path)
-    elif fmt == "json":
-        yield from _json_rows(path)
-    else:
-        yield from _parquet_rows(path)
+    return str(path), iter_records(path, fmt, error=DatasetLoadError)
 
 
-def _open(path: Path):
-    if path.suffix == ".gz":
-        import gzip
-
-        return gzip.open(path, "rt", encoding="utf-8")
-    return path.open("r", encoding="utf-8")
-
-
-def _jsonl_rows(path: Path):
-    with _open(path) as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", _BadRow(f"bad JSON ({e.msg} at column {e.colno})")
-                continue
-            yield f"{path}:{lineno}", obj if isinstance(obj, dict) else _BadRow(
-                f"expected a JSON object, got {type(obj).__name__}")
-
-
-def _json_rows(path: Path):
-    with _open(path) as fh:
-        try:
-            data = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise DatasetLoadError(f"{path}:{e.lineno}:{e.colno}: malformed JSON ({e.msg})") from None
-    if isinstance(data, dict):  # {"data": [...]} and similar: the one list inside
-        lists = [v for v in data.values() if isinstance(v, list)]
-        data = lists[0] if len(lists) == 1 else data
-    if not isinstance(data, list):
-        raise DatasetLoadError(f"{path}: expected a JSON list of objects (or an object holding one list)")
-    for i, obj in enumerate(data):
-        yield f"{path}: item {i}", obj if isinstance(obj, dict) else _BadRow(
-            f"expected an object, got {type(obj).__name__}")
-
-
-def _parquet_rows(path: Path):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # noqa: BLE001 - an unreadable file: one line
-        raise DatasetLoadError(f"{path}: unreadable parquet ({type(e).__name__}: {e})") from None
-    for i, row in enumerate(table.to_pylist()):
-        yield f"{path}: row {i}", row
-
-
-def _hf_rows(source: str):
+def _hf_records(source: str):
     hub_id, _, split = source[3:].partition(":")
     split = split or "train"
     try:
@@ -141,8 +73,7 @@ def _hf_rows(source: str):
             f"cannot load Hugging Face dataset {hub_id!r} split {split!r} ({type(e).__name__}: {first}); "
             f"offline={bool(datasets.config.HF_HUB_OFFLINE)}: without network it must be in the cache "
             f"{datasets.config.HF_DATASETS_CACHE} (set HF_HOME or HF_DATASETS_CACHE to use another)") from None
-    for i, row in enumerate(ds):
-        yield f"{hub_id}[{split}]: row {i}", row
+    return f"{hub_id}[{split}]", ((RowPos(f"row {i}", i), row) for i, row in enumerate(ds))
 
 
 # ----------------------------------------------------------------------------- rows -> tasks
@@ -157,7 +88,7 @@ def _get(row: dict, path: str) -> Any:
         elif isinstance(node, dict) and part in node:
             node = node[part]
         else:
-            raise _BadRow(f"missing field {path!r} (fields: {', '.join(sorted(row))})")
+            raise BadRow(f"missing field {path!r} (fields: {', '.join(sorted(row))})")
     if hasattr(node, "tolist"):  # numpy arrays from parquet / datasets
         node = node.tolist()
     return node
@@ -166,32 +97,28 @@ def _get(row: dict, path: str) -> Any:
 def _gold(value: Any, reward: str, setup: str | None) -> Any:
     """The row's answer in the form ``reward`` expects."""
     if value is None or (isinstance(value, (str, list)) and not value):
-        raise _BadRow("empty answer")
+        raise BadRow("empty answer")
     if reward == "math":
-        from masrl.tasks.math_data import _BadRow as _MathBadRow
-        from masrl.tasks.math_data import normalize_gold
+        from masrl.tasks.math_data import normalize_gold  # raises BadRow itself
 
         if isinstance(value, str) and "####" in value:
             value = value.rsplit("####", 1)[1].replace(",", "").strip()
-        try:
-            return normalize_gold(value)
-        except _MathBadRow as e:
-            raise _BadRow(str(e)) from None
+        return normalize_gold(value)
     if reward in ("qa_em", "qa_f1"):
         golds = [value] if isinstance(value, (str, int, float)) else value
         if not isinstance(golds, list) or not all(isinstance(g, (str, int, float)) for g in golds):
-            raise _BadRow(f"a QA answer must be a string or a list of strings, got {type(value).__name__}")
+            raise BadRow(f"a QA answer must be a string or a list of strings, got {type(value).__name__}")
         golds = [str(g).strip() for g in golds if str(g).strip()]
         if not golds:
-            raise _BadRow("empty answer")
+            raise BadRow("empty answer")
         return golds
     if reward == "code":
         tests = value.splitlines() if isinstance(value, str) else value
         if not isinstance(tests, list) or not all(isinstance(t, str) for t in tests):
-            raise _BadRow("a code answer must be a list of test statements (or one string of them)")
+            raise BadRow("a code answer must be a list of test statements (or one string of them)")
         tests = [t.strip() for t in tests if t.strip()]
         if not tests:
-            raise _BadRow("no test statements")
+            raise BadRow("no test statements")
         return {"kind": "mbpp", "tests": tests, "setup": setup or "", "entry_point": None, "remote_names": [],
                 "challenge_tests": []}
     return value  # a user's reward reads the raw value
@@ -203,27 +130,18 @@ def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | Non
     qkey, akey = fields.get("question", "question"), fields.get("answer", "answer")
     idkey, setupkey = fields.get("id"), fields.get("setup")
     name = source[3:].split(":")[0].split("/")[-1] if source.startswith("hf:") else Path(source).name.split(".")[0]
-    tasks: list[Task] = []
-    for index, (where, row) in enumerate(read_rows(source, fmt)):
-        if limit is not None and len(tasks) >= limit:
-            break
-        try:
-            if isinstance(row, _BadRow):
-                raise row
-            question = _get(row, qkey)
-            if not isinstance(question, str) or not question.strip():
-                raise _BadRow(f"field {qkey!r} is not a non-empty string")
-            setup = _get(row, setupkey) if setupkey else None
-            answer = _gold(_get(row, akey), reward, setup)
-            task_id = f"{name}/{_get(row, idkey) if idkey else index}"
-        except _BadRow as e:
-            msg = f"{where}: {e}; row skipped"
-            if strict:
-                raise DatasetLoadError(f"{where}: {e} (task.strict: true stops at bad rows)") from None
-            warnings.warn(msg, DatasetRowWarning, stacklevel=2)
-            continue
-        meta = {"data_source": name, "where": where}
-        tasks.append(Task(id=task_id, question=question.strip(), answer=answer, meta=meta))
+    where, records = _records(source, fmt or detect_format(source))
+
+    def parse(row: dict, pos: RowPos) -> Task:
+        question = _get(row, qkey)
+        if not isinstance(question, str) or not question.strip():
+            raise BadRow(f"field {qkey!r} is not a non-empty string")
+        answer = _gold(_get(row, akey), reward, _get(row, setupkey) if setupkey else None)
+        task_id = f"{name}/{_get(row, idkey) if idkey else pos.index}"
+        return Task(id=task_id, question=question.strip(), answer=answer,
+                    meta={"data_source": name, "where": f"{where}:{pos.where}"})
+
+    tasks, _ = parse_rows(records, parse, source=where, strict=strict, limit=limit, error=DatasetLoadError)
     return tasks
 
 
