@@ -39,7 +39,7 @@ def test_unknown_estimator_stops_train_before_sft(tmp_path, tiny_cfg, capsys):
     data = tiny_cfg(**{"sft.steps": 100000})  # would take minutes if SFT started
     path = _write(tmp_path, data)
     assert main(["train", str(path), "algorithm.estimator=foo"]) == 2
-    assert "known estimators: " in capsys.readouterr().err
+    assert "unknown estimator 'foo'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

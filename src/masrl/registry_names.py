@@ -1,8 +1,9 @@
-"""Registry names in a config (workflow, task, reward, estimator, loss), checked when a run starts.
+"""Registry names in a config (workflow, task, reward), checked when a run starts.
 
 Pydantic checks the shape of the config; this resolves its names against the registries (and
 imports ``pkg.module:function`` paths) so that a typo fails before any model is built, with the
-known names listed, instead of after SFT. It sits above ``config`` (it imports workflows and tasks).
+known names listed, instead of after SFT. It sits above ``config`` (it imports workflows and tasks);
+the estimator and loss names are checked by the config models (``masrl.config``).
 """
 from __future__ import annotations
 
@@ -11,18 +12,11 @@ from masrl.config import ConfigError, RunConfig
 
 def check_names(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` naming the key and the known names when a registry name is unknown."""
-    from masrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
     from masrl.tasks.registry import source_loader
     from masrl.tasks.rewards import resolve_reward
     from masrl.workflows.base import get_workflow
 
-    problems = []
-    if cfg.algorithm.estimator not in ADVANTAGE_ESTIMATORS:
-        problems.append(f"algorithm.estimator: unknown estimator {cfg.algorithm.estimator!r}; known estimators: "
-                        f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    if cfg.algorithm.loss.loss not in POLICY_LOSSES:
-        problems.append(f"algorithm.loss.loss: unknown loss {cfg.algorithm.loss.loss!r}; known losses: "
-                        f"{', '.join(sorted(POLICY_LOSSES))}")
+    problems = []  # estimator and loss names: validated by the config models themselves
     for key, check in (("workflow.name", lambda: get_workflow(cfg.workflow.name)),
                        ("task.name", lambda: source_loader(cfg.task))):
         try:

@@ -47,7 +47,7 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
-        check_names(cfg)  # registry names (workflow, task, reward, estimator, loss) before anything is built
+        check_names(cfg)  # registry names (workflow, task, reward) before anything is built
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
         self.show_progress = cfg.logging.progress if progress is None else progress
