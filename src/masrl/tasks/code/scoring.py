@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 from masrl.tasks.code._child import CodecError, decode_value, encode_value
 from masrl.tasks.code.data import free_names
@@ -40,7 +40,7 @@ from masrl.tasks.code.extract import extract_code
 from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, _Died, _Proc, default_sandbox
 from masrl.types import Task
 
-__all__ = ["score_code", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
+__all__ = ["score_code", "score_many", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
 
 log = logging.getLogger(__name__)
 MODES = ("fraction", "all")
@@ -218,8 +218,9 @@ class _Session:
             proc.send(msg, deadline)
             resp = proc.next_frame(deadline)
         except _Died as e:
+            oom = e.status == "exited" and proc.oom_killed()
             self.discard()
-            status = {"exited": "crashed"}.get(e.status, e.status)
+            status = "memory" if oom else {"exited": "crashed"}.get(e.status, e.status)
             if status == "timeout" and deadline >= self.deadline:
                 status = "deadline"
             raise SandboxFailure(status, e.detail) from None
@@ -598,6 +599,15 @@ def score_code(task: Task, answer: str | None, mode: str = "fraction", *, sandbo
         reason = kinds.pop() if len(kinds) == 1 else "tests_failed"
     detail = next((t["reason"] for t in tests if not t["passed"]), "")
     return _result(reward, correct, reason, passed, n, tests, mode, t0, detail)
+
+
+def score_many(tasks: Sequence[Task], answers: Sequence[str | None], mode: str = "fraction", *,
+               sandbox: Sandbox | None = None, **kwargs: Any) -> list[dict]:
+    """Score several (task, answer) pairs in parallel on ``sandbox``'s pool, in order."""
+    if len(tasks) != len(answers):
+        raise ValueError(f"tasks and answers must have the same length ({len(tasks)} != {len(answers)})")
+    sb = sandbox or default_sandbox()
+    return sb.map(lambda ta: score_code(ta[0], ta[1], mode=mode, sandbox=sb, **kwargs), zip(tasks, answers))
 
 
 def make_code_score(mode: str = "fraction", **kwargs: Any):
