@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -24,6 +25,7 @@ WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
 CallFn = Callable[[str, str], Awaitable[Turn]]
 # (task, final answer text) -> {"reward": float, "correct": bool, ...}
 ScoreFn = Callable[[Task, str | None], dict]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -134,12 +136,22 @@ class Team:
         return turn
 
     def score(self, answer: str | None) -> dict:
-        """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict."""
-        return self._score(self.task, answer)
+        """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict.
+
+        A reward function that raises never takes the training step down: the answer scores
+        0 with ``reason="score_error"`` and the error is logged."""
+        try:
+            result = self._score(self.task, answer)
+            return {**result, "reward": float(result["reward"])}
+        except Exception as e:
+            log.warning("reward function failed on task %r (scored 0): %s: %s", self.task.id, type(e).__name__,
+                        str(e)[:500], exc_info=not isinstance(e, RecursionError))
+            return {"reward": 0.0, "correct": False, "reason": "score_error",
+                    "detail": f"{type(e).__name__}: {str(e)[:500]}"}
 
     def finish(self, answer: str | None, **info: Any) -> Episode:
         """Score the final answer and return the episode (team reward = task outcome)."""
-        result = self._score(self.task, answer)
-        reward = float(result["reward"])
+        result = self.score(answer)
+        reward = result["reward"]
         info = {**{k: v for k, v in result.items() if k != "reward"}, **info}
         return Episode(task=self.task, turns=list(self.turns), reward=reward, answer=answer, info=info)

@@ -446,10 +446,12 @@ def _open_exposed(cfg):
 
 def _setup_mounts(cfg, keep):
     """Read-only view of the host file system: hidden paths become empty, the Python install
-    stays visible, no pseudo-terminals, and the work directory is the only writable place: a
-    fresh tmpfs of bounded size and inode count that vanishes with the mount namespace."""
+    stays visible, no pseudo-terminals, a private /dev/shm, and the work directory is the only
+    other writable place: a fresh tmpfs of bounded size and inode count that vanishes with the
+    mount namespace."""
     workdir = cfg["workdir"]
-    script = _read_script(dict(keep).get(workdir))
+    handles = dict(keep)
+    script = _read_script(handles.get(workdir))
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     hidden = []
     for h in cfg["hide"]:
@@ -461,19 +463,29 @@ def _setup_mounts(cfg, keep):
         if p != workdir and any(_is_under(p, h) for h in hidden):
             os.makedirs(p, exist_ok=True)
             _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
-        os.close(fd)
-    os.makedirs(workdir, exist_ok=True)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    shm = os.path.isdir("/dev/shm")
+    if shm:
+        _mount("tmpfs", "/dev/shm", "tmpfs", flags, "size=16m,nr_inodes=1024,mode=1777")
     # host pseudo-terminals: /dev/ptmx opens /dev/null, /dev/pts is empty
     if os.path.exists("/dev/ptmx"):
         _mount("/dev/null", "/dev/ptmx", None, MS_BIND)
     if os.path.isdir("/dev/pts"):
-        _mount("tmpfs", "/dev/pts", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=755")
+        _mount("tmpfs", "/dev/pts", "tmpfs", flags, "size=4k,nr_inodes=16,mode=755")
+    # the work dir's path exists in this view (it may lie under a hidden directory or /dev/shm)
+    os.makedirs(workdir, exist_ok=True)
+    _mount(f"/proc/self/fd/{handles[workdir]}", workdir, None, MS_BIND)
+    for _, fd in keep:
+        os.close(fd)
     # not NODEV: /dev/null, /dev/urandom must keep working (device files ignore read-only mounts)
     try:
         _mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, True)
+        if shm:
+            _mount_setattr("/dev/shm", 0, MOUNT_ATTR_RDONLY, False)
     except OSError:  # kernels before 5.12: remount every mount point read-only
         _remount_all_readonly()
-    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        if shm:
+            _mount(None, "/dev/shm", None, MS_REMOUNT | MS_BIND | flags)
     lim = cfg["limits"]
     owner = 0 if cfg["iso"].get("userns") else cfg["iso"].get("uid")
     opts = f"size={max(1, int(lim['disk_bytes']) >> 10)}k,nr_inodes={max(16, int(lim['inodes']))},mode=700"
@@ -489,8 +501,6 @@ def _setup_mounts(cfg, keep):
                 os.fchown(fd, owner, owner)
         finally:
             os.close(fd)
-    if os.path.isdir("/dev/shm"):
-        _mount("tmpfs", "/dev/shm", "tmpfs", flags, "size=16m,nr_inodes=1024,mode=1777")
 
 
 def _read_script(dir_fd):
@@ -550,18 +560,18 @@ def _fresh_session_keyring():
 
 # system calls refused to the candidate (seccomp): memory outside RLIMIT_AS (memfd, SysV shm
 # and message queues), keyrings, namespaces and mounts, io_uring, eBPF, perf, userfaultfd
-_DENY_NAMES = ("memfd_create", "memfd_secret", "shmget", "msgget", "keyctl", "add_key", "request_key", "unshare",
+_DENY_NAMES = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget", "keyctl", "add_key", "request_key", "unshare",
                "setns", "mount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "open_tree",
                "move_mount", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
                "userfaultfd", "bpf", "perf_event_open")
 _SYSCALLS = {
-    "x86_64": dict(arch=0xC000003E, clone=56, clone3=435, memfd_create=319, memfd_secret=447, shmget=29, msgget=68,
+    "x86_64": dict(arch=0xC000003E, clone=56, clone3=435, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, semget=64,
                    keyctl=250, add_key=248, request_key=249, unshare=272, setns=308, mount=165, umount2=166,
                    pivot_root=155, fsopen=430, fsconfig=431, fsmount=432, fspick=433, open_tree=428,
                    move_mount=429, mount_setattr=442, io_uring_setup=425, io_uring_enter=426,
                    io_uring_register=427, userfaultfd=323, bpf=321, perf_event_open=298),
     "aarch64": dict(arch=0xC00000B7, clone=220, clone3=435, memfd_create=279, memfd_secret=447, shmget=194,
-                    msgget=186, keyctl=219, add_key=217, request_key=218, unshare=97, setns=268, mount=40,
+                    msgget=186, semget=190, keyctl=219, add_key=217, request_key=218, unshare=97, setns=268, mount=40,
                     umount2=39, pivot_root=41, fsopen=430, fsconfig=431, fsmount=432, fspick=433, open_tree=428,
                     move_mount=429, mount_setattr=442, io_uring_setup=425, io_uring_enter=426,
                     io_uring_register=427, userfaultfd=282, bpf=280, perf_event_open=241),
@@ -657,9 +667,20 @@ def _install_guard(workdir, read_roots, allow_network, allow_fork):
         if r is not None and not any(under(r, w) for w in writable):
             raise PermissionError(f"sandbox: writing {p!r} is not allowed")
 
+    # no audit event covers these: host pseudo-terminals and POSIX shared memory (/dev/shm)
+    import posix
+
+    for name in ("openpty", "forkpty", "login_tty"):
+        for mod in (os, posix):
+            if hasattr(mod, name):
+                delattr(mod, name)
+    blocked_modules = ("_posixshmem",)
+
     def hook(event, args):
         if event.startswith(blocked):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args and args[0] in blocked_modules:
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
             r = resolve(path)
