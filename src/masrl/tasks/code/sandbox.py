@@ -271,7 +271,10 @@ class _Proc:
                     os.chown(path, self.uid, self.uid)
             if sb.cgroups:
                 # the whole execution's memory (memfd, SysV shm, tmpfs, all its processes) and pids
-                self.cgroup = _cgroup.ExecCgroup(int(self.limits.memory_mb) << 20, int(self.limits.nproc) + 8)
+                try:
+                    self.cgroup = _cgroup.ExecCgroup(int(self.limits.memory_mb) << 20, int(self.limits.nproc) + 8)
+                except OSError as e:
+                    raise SandboxError(f"cannot create the execution's cgroup: {e}") from e
             ready_r, ready_w = os.pipe()
             self.fds["ready"] = ready_r
             child_fds.append(ready_w)
@@ -747,7 +750,7 @@ class Sandbox:
                  hide_paths: Iterable[str] | None = None, extra_hide_paths: Iterable[str] = (),
                  site_packages: bool = False, tmp_root: str | None = None, python: str | None = None,
                  uid_range: tuple[int, int] = (1_500_000_000, 1_600_000_000),
-                 max_message_bytes: int = 16 << 20, max_message_items: int = 1 << 20,
+                 max_message_bytes: int = 16 << 20, max_message_items: int = 1 << 18,
                  cgroups: bool | None = None):
         if sys.platform != "linux":
             raise SandboxError("the sandbox needs Linux")
