@@ -391,6 +391,28 @@ def test_forged_huge_reply_is_refused_before_decoding(sb):
     assert peak < 100 << 20, peak / 2 ** 20  # 320-416 MiB when json.loads built it all
 
 
+def test_reply_item_count_is_linear_and_right():
+    """The pre-decoding count is C-speed on any bytes (no regex retried from every quote) and
+    does not take text inside strings for structure."""
+    import json
+
+    from masrl.tasks.code.sandbox import _json_items
+
+    budget = 1 << 18
+    hostile = {
+        "escaped quotes": b'"' + b'\\"' * (8 << 20),
+        "empty strings": b'[' + b'"",' * (5 << 20) + b'""]',
+        "dicts": b'[' + b'{},' * (5 << 20) + b'{}]',
+        "escapes then commas": b'["' + b'\\"' * (4 << 20) + b',' * (1 << 20) + b'"]',
+    }
+    t0 = time.monotonic()
+    verdicts = {k: _json_items(v, budget) > budget for k, v in hostile.items()}
+    assert time.monotonic() - t0 < 3.0
+    assert verdicts == {"escaped quotes": False, "empty strings": True, "dicts": True, "escapes then commas": False}
+    legit = json.dumps({"seq": 1, "value": ["L"] + ["a,b:[{"] * 1000 + list(range(1000))}).encode()
+    assert _json_items(legit, 1000) > 1000 and _json_items(legit, budget) <= budget  # 2,003 values
+
+
 def test_no_host_pseudo_terminals(sb):
     res = run_python(textwrap.dedent("""
         import os

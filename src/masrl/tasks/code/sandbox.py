@@ -414,7 +414,7 @@ class _Proc:
     def _decode_frame(self, body: bytes) -> dict:
         """One response frame as a dict; its item count is checked before anything is built
         (a 15 MiB frame of ``{},`` would otherwise cost some 400 MiB to decode)."""
-        items = _json_items(body)
+        items = _json_items(body, self.sb.max_message_items)
         if items > self.sb.max_message_items:
             self.kill("protocol_error")
             raise _Died("protocol_error", f"message with {items} items (the limit is {self.sb.max_message_items})")
@@ -613,14 +613,26 @@ def _close(fd: int) -> None:
 
 
 _CLEANUP_BUDGET_S = 1.0  # the caller waits at most this long for the work dir; the rest goes on in the background
-# strings (with their escapes) of a JSON text: removed before counting its items
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_STRING = re.compile(rb'"[^"]*"')  # a string once its escapes are gone
 
 
-def _json_items(body: bytes) -> int:
-    """An upper bound on the number of values in the JSON text ``body`` (C speed, no objects)."""
-    skeleton = _JSON_STRING.sub(b"", body) if b'"' in body else body
-    return skeleton.count(b",") + skeleton.count(b"[") + skeleton.count(b"{") + 1
+def _json_items(body: bytes, budget: int) -> int:
+    """An upper bound on the number of values (and keys) in the JSON text ``body``, exact
+    enough to compare with ``budget``; C-speed scans only, nothing is built. Strings are taken
+    out first (their commas and brackets are text) only when the plain count is over budget."""
+    def structure(b: bytes) -> int:
+        return b.count(b",") + b.count(b":") + b.count(b"[") + b.count(b"{") + 1
+
+    n = structure(body)
+    if n <= budget or b'"' not in body:
+        return n
+    # in valid JSON a backslash only starts an escape, read left to right: drop escaped
+    # backslashes, then escaped quotes; every quote left opens or closes a string
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    strings = plain.count(b'"') // 2
+    if strings > budget:  # each string is an object of its own
+        return strings
+    return max(strings, structure(_JSON_STRING.sub(b"", plain)))
 
 
 def _is_zombie(pid: str) -> bool:
