@@ -126,7 +126,7 @@ def test_remove_tree_never_recurses_follows_links_or_raises(tmp_path):
         (top / str(i)).touch()
     t0 = time.monotonic()
     done = _cleanup.remove_tree(str(top), budget_s=0.02)
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 1.5  # budget 0.02 s; generous for a loaded machine
     assert done or str(top) in _cleanup.pending_removals() or not top.exists()
     assert _cleanup.finish_pending(30) == [] and not top.exists()
     base.rmdir()
@@ -357,6 +357,11 @@ def test_cgroups_are_removed_after_each_execution():
     assert res.status == "ok"
     after = {p.name for d in parents for p in Path(d).glob("masrl-sbx-*")}
     assert after <= before
+    # a harness killed with SIGKILL leaves empty cgroups: the next harness sweeps them
+    stale = _cgroup.ExecCgroup(64 << 20, 16)
+    assert all(os.path.isdir(d) for d in stale.dirs)
+    assert _cgroup.sweep_stale(min_age_s=0) >= 1
+    assert not any(os.path.isdir(d) for d in stale.dirs)
 
 
 # ----------------------------------------------------------------------------------------

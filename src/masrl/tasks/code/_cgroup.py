@@ -200,11 +200,40 @@ class ExecCgroup:
         return not left
 
 
+def sweep_stale(min_age_s: float = 600.0) -> int:
+    """Remove ``masrl-sbx-*`` cgroups left by a harness that was killed: empty ones created more
+    than ``min_age_s`` ago (a live execution joins its cgroup at once, and an occupied cgroup
+    cannot be removed anyway). Returns how many were removed; never raises."""
+    lay = layout()
+    if lay is None:
+        return 0
+    removed, now = 0, time.time()
+    for parent in lay[1].values():
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith("masrl-sbx-")]
+        except OSError:
+            continue
+        for name in names:
+            d = os.path.join(parent, name)
+            try:
+                if now - os.stat(d).st_mtime < min_age_s:
+                    continue
+                with open(os.path.join(d, "cgroup.procs")) as f:
+                    if f.read().strip():
+                        continue
+                os.rmdir(d)
+                removed += 1
+            except OSError:
+                continue
+    return removed
+
+
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Can this process create a per-execution memory cgroup?"""
+    """Can this process create a per-execution memory cgroup? (Sweeps stale ones once.)"""
     try:
         ExecCgroup(64 << 20, 16).remove()
-        return True
     except OSError:
         return False
+    sweep_stale()
+    return True

@@ -533,14 +533,20 @@ def _remount_all_readonly():
             pass
 
 
-def _limit_ipc(lim):
-    """SysV IPC limits of the new IPC namespace (its memory is not counted by RLIMIT_AS)."""
+def _limit_ipc(lim, required):
+    """SysV IPC limits of the new IPC namespace (its memory is not counted by RLIMIT_AS). Older
+    kernels refuse these writes inside a user namespace: then only the seccomp filter (which
+    refuses shmget/msgget altogether) holds, and without it the set-up fails."""
     page = os.sysconf("SC_PAGE_SIZE")
     shm = int(lim.get("shm_bytes", 16 << 20))
     for name, value in (("shmmax", shm), ("shmall", max(1, shm // page)), ("shmmni", 16),
                         ("msgmni", 4), ("msgmnb", 16384), ("msgmax", 8192)):
-        with open(f"/proc/sys/kernel/{name}", "w") as f:
-            f.write(str(value))
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+        except OSError:
+            if required:
+                raise
 
 
 def _fresh_session_keyring():
@@ -554,7 +560,9 @@ def _fresh_session_keyring():
     ret = _c().syscall(ctypes.c_long(nr), ctypes.c_long(1), ctypes.c_void_p(None))  # KEYCTL_JOIN_SESSION_KEYRING
     if ret < 0:
         err = ctypes.get_errno()
-        if err != 38:  # ENOSYS: a kernel without keys has no keyring to share
+        # ENOSYS: a kernel without keys; EPERM: keyctl is filtered for everyone here (e.g. a
+        # container's seccomp profile), the program cannot reach any keyring either
+        if err not in (1, 38):
             raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
 
 
@@ -976,7 +984,7 @@ def main(cfg):
                 os.setresuid(0, 0, 0)
                 _die_with_harness(cfg)
         if flags & CLONE_NEWIPC:
-            _limit_ipc(cfg["limits"])
+            _limit_ipc(cfg["limits"], required=not cfg.get("seccomp"))
         if iso.get("mntns"):
             _setup_mounts(cfg, keep)
     except BaseException as e:

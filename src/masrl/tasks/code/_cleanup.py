@@ -151,17 +151,21 @@ def _lexists(name: str, dir_fd: int) -> bool:
 
 
 class _Reaper:
-    """One background thread finishing removals that ran over their budget."""
+    """One background thread finishing removals that ran over their budget. A path stays in
+    ``pending`` until it is gone, and one drain runs at a time (the thread's or the atexit
+    one), so exiting never skips a tree the thread was still working on."""
 
     def __init__(self) -> None:
         self.pending: list[str] = []
         self.lock = threading.Lock()
+        self.drain_lock = threading.Lock()
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
 
     def add(self, path: str) -> None:
         with self.lock:
-            self.pending.append(path)
+            if path not in self.pending:
+                self.pending.append(path)
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self._loop, name="masrl-sandbox-cleanup", daemon=True)
                 self.thread.start()
@@ -171,24 +175,25 @@ class _Reaper:
         while True:
             self.wake.wait(5.0)
             self.wake.clear()
-            self.drain(30.0)
+            self.drain(2.0)  # in rounds, so that an exiting interpreter takes over soon
 
     def drain(self, budget_s: float) -> list[str]:
-        """Try every pending removal for up to ``budget_s`` in all; returns what is left."""
+        """Work on every pending removal for up to ``budget_s`` in all; returns what is left."""
         end = time.monotonic() + budget_s
-        with self.lock:
-            todo, self.pending = self.pending, []
-        left = []
-        for path in todo:
-            try:
-                done = _remove_for(path, max(0.0, end - time.monotonic()))
-            except Exception:  # pragma: no cover - _remove_for handles OSError itself
-                done = False
-            if not done and os.path.lexists(path):
-                left.append(path)
-        with self.lock:
-            self.pending = left + self.pending
-        return left
+        with self.drain_lock:
+            with self.lock:
+                todo = list(self.pending)
+            for path in todo:
+                try:
+                    done = _remove_for(path, max(0.0, end - time.monotonic()))
+                except Exception:  # pragma: no cover - _remove_for handles OSError itself
+                    done = False
+                if done or not os.path.lexists(path):
+                    with self.lock:
+                        if path in self.pending:
+                            self.pending.remove(path)
+            with self.lock:
+                return list(self.pending)
 
 
 _REAPER = _Reaper()
