@@ -278,19 +278,7 @@ class _Proc:
             ready_r, ready_w = os.pipe()
             self.fds["ready"] = ready_r
             child_fds.append(ready_w)
-            cfg: dict[str, Any] = {
-                "mode": self.mode, "workdir": self.workdir, "network": bool(self.network),
-                "ready_fd": ready_w, "harness_pid": os.getpid(),
-                "iso": {"userns": iso.userns, "mntns": iso.mntns, "netns": iso.netns, "pidns": iso.pidns,
-                        "guard": iso.guard, "allow_fork": iso.allow_fork,
-                        "uid": self.uid, "gid": self.uid},
-                "limits": {"cpu_s": self.limits.cpu_seconds(), "memory_bytes": int(self.limits.memory_mb) << 20,
-                           "file_bytes": int(self.limits.max_file_bytes), "nofile": int(self.limits.nofile),
-                           "nproc": int(self.limits.nproc), "disk_bytes": int(self.limits.max_disk_bytes),
-                           "inodes": int(self.limits.max_inodes), "shm_bytes": 16 << 20},
-                "keyring": True, "seccomp": sb.seccomp,
-                "hide": sb.hide_paths, "expose": sb.python_dirs, "read_roots": sb.read_roots,
-            }
+            cfg = self._child_config(ready_w)
             if iso.pidns:
                 status_r, status_w = os.pipe()
                 self.fds["status"] = status_r
@@ -337,6 +325,21 @@ class _Proc:
                 self.sel.register(self.proc.stdin.fileno(), selectors.EVENT_WRITE, "stdin")
             else:
                 self.proc.stdin.close()
+
+    def _child_config(self, ready_w: int) -> dict[str, Any]:
+        """What the child needs to set itself up (the pipes are added by :meth:`start`)."""
+        sb, iso, lim = self.sb, self.iso, self.limits
+        return {
+            "mode": self.mode, "workdir": self.workdir, "network": bool(self.network),
+            "ready_fd": ready_w, "harness_pid": os.getpid(),
+            "iso": {"userns": iso.userns, "mntns": iso.mntns, "netns": iso.netns, "pidns": iso.pidns,
+                    "guard": iso.guard, "allow_fork": iso.allow_fork, "uid": self.uid, "gid": self.uid},
+            "limits": {"cpu_s": lim.cpu_seconds(), "memory_bytes": int(lim.memory_mb) << 20,
+                       "file_bytes": int(lim.max_file_bytes), "nofile": int(lim.nofile), "nproc": int(lim.nproc),
+                       "disk_bytes": int(lim.max_disk_bytes), "inodes": int(lim.max_inodes), "shm_bytes": 16 << 20},
+            "keyring": True, "seccomp": sb.seccomp,
+            "hide": sb.hide_paths, "expose": sb.python_dirs, "read_roots": sb.read_roots,
+        }
 
     # -- i/o -------------------------------------------------------------------------
     def _exited(self) -> bool:
