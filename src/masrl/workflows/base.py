@@ -11,6 +11,7 @@ Workflows mark malformed turns with ``turn.valid = False`` (a format penalty app
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -100,6 +101,24 @@ def render(template: str, **fields: Any) -> str:
     return pattern.sub(lambda m: str(fields[m.group(1)]), template)
 
 
+def never_raises(score: ScoreFn) -> ScoreFn:
+    """``score`` that cannot take a training step down: an exception (or a result without a
+    numeric ``reward``) becomes reward 0 with ``reason="score_error"``, logged per episode."""
+
+    @functools.wraps(score)
+    def guarded(task: Task, *args: Any, **kwargs: Any) -> dict:
+        try:
+            result = score(task, *args, **kwargs)
+            return {**result, "reward": float(result["reward"])}
+        except Exception as e:
+            log.warning("reward function failed on task %r (scored 0): %s: %s", getattr(task, "id", task),
+                        type(e).__name__, str(e)[:500], exc_info=not isinstance(e, RecursionError))
+            return {"reward": 0.0, "correct": False, "reason": "score_error",
+                    "detail": f"{type(e).__name__}: {str(e)[:500]}"}
+
+    return guarded
+
+
 class Team:
     """What a workflow sees for one episode: call agents, render prompts, score the answer."""
 
@@ -109,7 +128,7 @@ class Team:
         self.task = task
         self.spec = spec
         self._call = call
-        self._score = score
+        self._score = never_raises(score)
         self.prompts = {**spec.prompts, **(prompts or {})}
         self.params = {**spec.params, **(params or {})}
         self.turns: list[Turn] = []
@@ -136,22 +155,12 @@ class Team:
         return turn
 
     def score(self, answer: str | None) -> dict:
-        """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict.
-
-        A reward function that raises never takes the training step down: the answer scores
-        0 with ``reason="score_error"`` and the error is logged."""
-        try:
-            result = self._score(self.task, answer)
-            return {**result, "reward": float(result["reward"])}
-        except Exception as e:
-            log.warning("reward function failed on task %r (scored 0): %s: %s", self.task.id, type(e).__name__,
-                        str(e)[:500], exc_info=not isinstance(e, RecursionError))
-            return {"reward": 0.0, "correct": False, "reason": "score_error",
-                    "detail": f"{type(e).__name__}: {str(e)[:500]}"}
+        """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict."""
+        return self._score(self.task, answer)
 
     def finish(self, answer: str | None, **info: Any) -> Episode:
         """Score the final answer and return the episode (team reward = task outcome)."""
-        result = self.score(answer)
-        reward = result["reward"]
+        result = self._score(self.task, answer)
+        reward = float(result["reward"])
         info = {**{k: v for k, v in result.items() if k != "reward"}, **info}
         return Episode(task=self.task, turns=list(self.turns), reward=reward, answer=answer, info=info)
