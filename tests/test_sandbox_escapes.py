@@ -463,3 +463,32 @@ def test_sandbox_and_scoring_do_not_import_each_other():
     assert not any(m and m.startswith("masrl.tasks.code.scoring") for m in imported)
     assert "masrl.tasks.code.sandbox" in {n.module for n in ast.walk(ast.parse(
         Path(sandbox_mod.__file__).with_name("scoring.py").read_text())) if isinstance(n, ast.ImportFrom)}
+
+
+def test_cgroup_v2_layout_and_limits(tmp_path, monkeypatch):
+    """The cgroup v2 path (this machine has the memory controller on v1): a delegated parent
+    whose children may use the memory controller gets one child per execution with
+    memory.max = memory_mb, no swap, group OOM kill and pids.max; the OOM count is read back."""
+    from masrl.tasks.code import _cgroup
+
+    (tmp_path / "svc" / "leaf").mkdir(parents=True)
+    (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (tmp_path / "svc" / "leaf" / "cgroup.subtree_control").write_text("\n")  # ours: holds processes
+    monkeypatch.setattr(_cgroup, "_mounts", lambda: {"": str(tmp_path)})
+    monkeypatch.setattr(_cgroup, "_own_paths", lambda: {"": "/svc/leaf"})
+    _cgroup.layout.cache_clear()
+    try:
+        assert _cgroup.layout() == ("v2", {"": str(tmp_path / "svc")})
+        cg = _cgroup.ExecCgroup(128 << 20, 40)
+        d = Path(cg.dirs[0])
+        assert d.parent == tmp_path / "svc" and d.name.startswith("masrl-sbx-")
+        assert (d / "memory.max").read_text() == str(128 << 20) and (d / "memory.swap.max").read_text() == "0"
+        assert (d / "memory.oom.group").read_text() == "1" and (d / "pids.max").read_text() == "40"
+        assert cg.procs_files == [str(d / "cgroup.procs")] and not cg.oom_killed()
+        (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+        assert cg.oom_killed()
+        (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu\n")
+        _cgroup.layout.cache_clear()
+        assert _cgroup.layout() is None or _cgroup.layout()[0] == "v1"
+    finally:
+        _cgroup.layout.cache_clear()

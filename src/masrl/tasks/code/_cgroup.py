@@ -74,14 +74,19 @@ def layout() -> tuple[str, dict[str, str]] | None:
     may create per-execution cgroups with a memory limit, else None."""
     mounts, own = _mounts(), _own_paths()
     if "" in mounts and "" in own:
-        parent = os.path.join(mounts[""], own[""].lstrip("/"))
-        try:
-            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
-                enabled = f.read().split()
-        except OSError:
-            enabled = []
-        if "memory" in enabled and os.access(parent, os.W_OK):
-            return "v2", {"": parent}
+        mine = os.path.join(mounts[""], own[""].lstrip("/"))
+        # our own cgroup if memory is enabled for its children, else (our cgroup holds processes,
+        # so it cannot enable it) its parent when delegated to us: the executions are siblings
+        for parent in (mine, os.path.dirname(mine.rstrip("/"))):
+            if not _is_under(parent, mounts[""]):
+                break
+            try:
+                with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                    enabled = f.read().split()
+            except OSError:
+                enabled = []
+            if "memory" in enabled and os.access(parent, os.W_OK):
+                return "v2", {"": parent}
     if "memory" in mounts and "memory" in own:
         parents = {"memory": os.path.join(mounts["memory"], own["memory"].lstrip("/"))}
         if "pids" in mounts and "pids" in own:
@@ -90,6 +95,10 @@ def layout() -> tuple[str, dict[str, str]] | None:
                 os.path.join(parents["memory"], "memory.limit_in_bytes")):
             return "v1", parents
     return None
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _write(path: str, value: str) -> bool:
