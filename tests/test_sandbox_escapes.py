@@ -492,3 +492,30 @@ def test_cgroup_v2_layout_and_limits(tmp_path, monkeypatch):
         assert _cgroup.layout() is None or _cgroup.layout()[0] == "v1"
     finally:
         _cgroup.layout.cache_clear()
+
+
+def test_code_extraction_is_linear_on_a_long_fence_line():
+    """A reply line of a fence, 200k letters and a backtick backtracked quadratically in the
+    fence pattern (minutes in the reward function); the extraction result is unchanged."""
+    from masrl.tasks.code.extract import extract_code
+
+    t0 = time.monotonic()
+    assert extract_code("```" + "a" * 200_000 + "`") == "```" + "a" * 200_000 + "`"
+    assert time.monotonic() - t0 < 1.0
+    assert extract_code("``` python extra words\nprint(1)\n```\n") == "print(1)"
+    # the same openers as the single pattern it replaces
+    import itertools
+    import re
+
+    from masrl.tasks.code import extract
+
+    old = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})[ \t]*([^\s`]*)[^\n`]*$")
+    for parts in itertools.product(["", " ", "    ", "\t"], ["```", "````", "~~~", "``"], ["", " ", "\t"],
+                                   ["", "py", "Python3", "{.python}", "a`b"], ["", " x y", " `", "\x0c", "~"]):
+        line = "".join(parts)
+        m = old.match(line)
+        new = extract._FENCE.match(line)
+        new_ok = bool(new) and "`" not in line[new.end():]
+        assert bool(m) == new_ok, repr(line)
+        if m:
+            assert m.group(1) == new.group(1) and m.group(2) == extract._LANG.match(line, new.end()).group(1)
