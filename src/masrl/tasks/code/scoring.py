@@ -18,8 +18,8 @@ docs/sandbox.md.
 
 Tests: MBPP: each assert of ``test_list`` (``test_setup_code`` runs in the sandbox after the
 program). HumanEval: each ``assert`` statement of ``check`` (an assert inside a loop is one test
-and passes only if it holds in every iteration; ``assert True`` lines are not counted; an
-assert never reached -- because ``check`` stopped on an error -- fails).
+and passes only if it holds in every iteration and the loop ran to its end; ``assert True``
+lines are not counted; when ``check`` stops on an error, every assert it had not finished fails).
 """
 from __future__ import annotations
 
