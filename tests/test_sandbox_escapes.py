@@ -9,6 +9,7 @@ works here and stays fast.
 from __future__ import annotations
 
 import ast
+import atexit
 import logging
 import os
 import subprocess
@@ -43,6 +44,7 @@ def _sandbox(mode: str, **kwargs) -> "Sandbox":
     if key not in _SANDBOXES:
         root = tempfile.mkdtemp(prefix="masrl-test-sbx-", dir=FAST_TMP)
         os.chmod(root, 0o711)  # the execution's uid must reach its work dir
+        atexit.register(_cleanup.remove_tree, root, 10.0)
         try:
             sb = Sandbox(max_workers=2, isolation=mode, tmp_root=root,
                          limits=Limits(timeout_s=10, memory_mb=512, nproc=16), **kwargs)
