@@ -11,6 +11,8 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from masrl.errors import ConfigError
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # multi-character tokens: the tags and verdicts workflows emit, so tiny models need fewer steps
 WORD_TOKENS = [
@@ -65,7 +67,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, overrides: dict[str, An
     params = {**TINY_DEFAULTS, **(overrides or {})}
     unknown = sorted(set(params) - set(LlamaConfig().to_dict()) - {"rope_theta"})
     if unknown:
-        raise ValueError(f"unknown tiny model config keys {unknown}; see transformers.LlamaConfig")
+        raise ConfigError(f"unknown tiny model config keys {unknown}; see transformers.LlamaConfig")
     config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          **params)

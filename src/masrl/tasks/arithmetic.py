@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from masrl.errors import ConfigError
 from masrl.types import Task
 from masrl.workflows.parsing import extract_boxed
 
@@ -58,9 +59,9 @@ def make_arithmetic_tasks(cfg: ArithmeticConfig) -> tuple[list[Task], list[Task]
     while len(out) < target:
         attempts += 1
         if attempts > 50 * target:
-            raise ValueError(f"arithmetic task: cannot draw {target} distinct expressions with "
-                             f"max_operand={cfg.max_operand}, terms {cfg.min_terms}..{cfg.max_terms}; "
-                             "lower train_size/test_size or widen the ranges")
+            raise ConfigError(f"arithmetic task: cannot draw {target} distinct expressions with "
+                              f"max_operand={cfg.max_operand}, terms {cfg.min_terms}..{cfg.max_terms}; "
+                              "lower train_size/test_size or widen the ranges")
         text, value = _expression(rng, cfg)
         if text in seen:
             continue
@@ -98,7 +99,7 @@ class ArithmeticTeacher:
                  seed: int = 0):
         for name, value in (("error_rate", error_rate), ("slip_rate", slip_rate), ("verifier_noise", verifier_noise)):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
+                raise ConfigError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
         self.error_rate = error_rate
         self.slip_rate = slip_rate
         self.verifier_noise = verifier_noise

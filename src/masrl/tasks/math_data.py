@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
 from masrl.types import Task
 from masrl.workflows.parsing import extract_boxed
@@ -55,8 +56,12 @@ class MalformedRowWarning(UserWarning):
     """A data row was skipped because it could not be read."""
 
 
-class DatasetLoadError(RuntimeError):
+class DatasetLoadError(UserInputError, RuntimeError):
     """A dataset could not be loaded (library missing, hub unreachable, bad split or fields)."""
+
+
+class MalformedRowError(DatasetLoadError, ValueError):
+    """A malformed data row with ``strict=True`` (``FILE:LINE: reason``)."""
 
 
 class _BadRow(ValueError):
@@ -130,7 +135,7 @@ def _text(row: dict, *names: str) -> str:
 
 def _report(msg: str, strict: bool) -> None:
     if strict:
-        raise ValueError(msg)
+        raise MalformedRowError(msg)
     warnings.warn(msg, MalformedRowWarning, stacklevel=4)
 
 
@@ -296,7 +301,7 @@ def load_benchmark(name: str, limit: int | None = None, strict: bool = False,
     ``root`` overrides the data folder (default ``masrl.paths.data_dir()``).
     """
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+        raise ConfigError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
     rel, loader = BENCHMARKS[name]
     base = Path(root) if root is not None else data_dir()
     return loader(base / rel, bench=name, limit=limit, strict=strict)

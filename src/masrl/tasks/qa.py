@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
 from masrl.tasks.retrieval.corpus import _Issues, _load_json, _open_text
 from masrl.types import Task
@@ -28,7 +29,7 @@ from masrl.types import Task
 QA_METRICS = ("em", "f1", "subem")
 
 
-class QADataError(ValueError):
+class QADataError(UserInputError, ValueError):
     """A QA file is missing or malformed (malformed rows raise only with ``strict=True``)."""
 
 
@@ -100,7 +101,7 @@ def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
     ``correct`` is exact match whatever the reward metric.
     """
     if metric not in QA_METRICS:
-        raise ValueError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
+        raise ConfigError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
     golds = gold_answers(task.answer)
     em, f1 = exact_match(answer, golds), f1_score(answer, golds)
     reward = {"em": em, "f1": f1}.get(metric)

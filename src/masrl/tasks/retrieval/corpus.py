@@ -20,12 +20,13 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
+from masrl.errors import UserInputError
 from masrl.tasks.retrieval.base import Passage, split_contents
 
 CORPUS_FORMATS = ("jsonl", "json_list", "json_titles", "hotpotqa")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserInputError, ValueError):
     """A corpus file is missing, unreadable or has a malformed entry (with ``strict=True``)."""
 
 
