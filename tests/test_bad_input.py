@@ -223,3 +223,125 @@ def test_unused_policy(write_cfg, tiny_cfg, capsys):
     data["policies"]["spare"] = dict(data["policies"]["shared"])
     path = write_cfg(yaml.safe_dump(data))
     _fails_clearly(["train", path], capsys, "spare", "not used by any agent")
+
+
+# ----------------------------------------------------------------------------- round 2 (issue #15): the YAML itself
+
+def _with_bomb(cfg: dict, typed: bool, levels: int = 12) -> str:
+    """The config with a billion-laughs block in workflow.params (9**levels values once every alias is
+    expanded, a few lines on disk); with ``typed`` the top-level ``name`` refers to it too."""
+    cfg = dict(cfg)
+    workflow, name = cfg.pop("workflow"), cfg.pop("name")
+    bomb = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    text = yaml.safe_dump(cfg) + f"workflow:\n  name: {workflow['name']}\n  prompts: {json.dumps(workflow['prompts'])}\n"
+    text += "  params:\n    max_loops: 2\n    bomb:\n" + "".join(f"      {line}\n" for line in bomb)
+    return text + (f"name: *l{levels - 1}\n" if typed else f"name: {name}\n")
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed_field", "workflow_params"])
+def test_yaml_alias_bomb_is_refused(write_cfg, tiny_cfg, capsys, typed):
+    """An alias bomb in a typed field (the error message formatted the expanded value) or in
+    workflow.params (dump_config expanded it at start) hung the CLI; it is refused while loading."""
+    path = write_cfg(_with_bomb(tiny_cfg(**QUICK), typed))
+    _fails_clearly(["train", path], capsys, str(path), "YAML refused: aliases expand to more than")
+
+
+def test_recursive_alias_is_refused(write_cfg, tiny_cfg, capsys):
+    text = yaml.safe_dump(tiny_cfg(**QUICK)) + "x_: &p {again: *p}\n"
+    path = write_cfg(text)
+    _fails_clearly(["train", path], capsys, f"{path}:", "YAML refused: an alias refers to a value that contains it")
+
+
+def test_harmless_aliases_still_load(write_cfg, tiny_cfg, tmp_path):
+    from masrl.config import load_config
+
+    text = yaml.safe_dump(tiny_cfg(**QUICK)).replace("optim:\n      lr: 0.001", "optim: &opt\n      lr: 0.002")
+    text += "sft:\n  teacher: {}\n" if "sft:" not in text else ""
+    path = write_cfg(text)
+    assert load_config(path).policies["shared"].optim.lr == 0.002
+
+
+def test_deeply_nested_yaml(write_cfg, capsys):
+    """20,000 nested lists were a RecursionError traceback (200 KB of stderr)."""
+    path = write_cfg("seed: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    err = _fails_clearly(["train", path], capsys, str(path), "nested deeper than")
+    assert len(err) < 500
+
+
+def test_deep_override_value(write_cfg, capsys):
+    path = write_cfg()
+    _fails_clearly(["train", path, "workflow.params.x=" + "[" * 5000 + "]" * 5000], capsys,
+                   "workflow.params.x", "nested deeper than")
+
+
+@pytest.mark.parametrize("field,yaml_bool", [("lr: 0.001", "lr: on"), ("max_new_tokens: 8", "max_new_tokens: yes"),
+                                            ("group_size: 4", "group_size: true")])
+def test_yaml_booleans_are_not_numbers(write_cfg, tiny_cfg, capsys, field, yaml_bool):
+    """YAML 1.1 reads on/yes as booleans; pydantic took them as 1.0 / 1 and training started."""
+    text = yaml.safe_dump(tiny_cfg(**QUICK))
+    assert field in text
+    path = write_cfg(text.replace(field, yaml_bool, 1))
+    _fails_clearly(["train", path], capsys, str(path), f"{field.split(':')[0]}'", "boolean")
+
+
+def test_booleans_in_overrides_and_numbers_still_accepted(write_cfg, capsys):
+    from masrl.config import load_config
+
+    path = write_cfg()
+    _fails_clearly(["train", path, "trainer.batch_size=yes"], capsys, "trainer.batch_size", "boolean")
+    cfg = load_config(path, ["policies.shared.optim.lr=1e-3", "policies.shared.optim.grad_clip=2",
+                             "trainer.batch_size=3", "eval.k=[1, 2]"])
+    assert cfg.policies["shared"].optim.lr == 1e-3 and cfg.policies["shared"].optim.grad_clip == 2.0
+    assert cfg.trainer.batch_size == 3 and cfg.eval.k == [1, 2]
+
+
+@pytest.mark.parametrize("over,key", [({"seed": 10**30}, "seed"), ({"seed": -1}, "seed"),
+                                      ({"policies.shared.optim.lr": float("nan")}, "policies.shared.optim.lr"),
+                                      ({"policies.shared.optim.lr": float("inf")}, "policies.shared.optim.lr"),
+                                      ({"trainer.threads": -2}, "trainer.threads"),
+                                      ({"task.train_limit": -5}, "task.train_limit"),
+                                      ({"eval.k": [0, 4]}, "eval.k")])
+def test_numbers_out_of_range_name_their_key(write_cfg, capsys, over, key):
+    """A huge seed printed "Overflow when unpacking long long" without naming seed; NaN/inf and
+    negative counts went through."""
+    path = write_cfg(**over)
+    _fails_clearly(["train", path], capsys, f"key '{key}", str(path))
+
+
+# ----------------------------------------------------------------------------- round 2: files the CLI reads
+
+def test_config_not_utf8_names_the_file(write_cfg, tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"seed: 0\nname: caf\xe9\n")
+    _fails_clearly(["train", path], capsys, str(path), "not UTF-8")
+
+
+@pytest.mark.parametrize("kind", ["folder", "empty", "binary", "huge"])
+def test_config_path_that_is_not_a_config(tmp_path, capsys, kind):
+    path = tmp_path / "cfg.yaml"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "empty":
+        path.write_text("")
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        path.write_text("# padding\n" * 200_000)
+    _fails_clearly(["train", path], capsys, str(path))
+
+
+def test_config_symlink_loop(tmp_path, capsys):
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    _fails_clearly(["train", tmp_path / "a.yaml"], capsys, "a.yaml")
+
+
+def test_output_dir_naming_an_existing_file(write_cfg, tmp_path, capsys):
+    """Was a FileExistsError traceback, exit 1."""
+    taken = tmp_path / "a_file"
+    taken.write_text("mine\n")
+    path = write_cfg()
+    _fails_clearly(["train", path, "--output-dir", taken], capsys, str(taken), "not a folder")
+    _fails_clearly(["train", path, "--output-dir", taken / "sub"], capsys, str(taken), "not a folder")
+    assert taken.read_text() == "mine\n"
