@@ -345,3 +345,60 @@ def test_output_dir_naming_an_existing_file(write_cfg, tmp_path, capsys):
     _fails_clearly(["train", path, "--output-dir", taken], capsys, str(taken), "not a folder")
     _fails_clearly(["train", path, "--output-dir", taken / "sub"], capsys, str(taken), "not a folder")
     assert taken.read_text() == "mine\n"
+
+
+def _serve_retriever(corpus, capsys) -> tuple[int, str]:
+    """``masrl serve-retriever --corpus FILE --no-cache``: returns before serving when the corpus is bad."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["serve-retriever", "--corpus", str(corpus), "--no-cache", "--port", "1"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["corpus.json", "corpus.jsonl"])
+def test_serve_retriever_non_utf8_corpus_names_the_file(tmp_path, capsys, name):
+    """Printed "'utf-8' codec can't decode ..." with no file name."""
+    corpus = tmp_path / name
+    row = {"id": "1", "contents": "\"Caf\u00e9\"\nA place for coffee."}
+    text = json.dumps([row], ensure_ascii=False) if name.endswith(".json") else json.dumps(row, ensure_ascii=False)
+    corpus.write_bytes(text.encode("latin-1"))
+    code, err = _serve_retriever(corpus, capsys)
+    assert code == 2 and "Traceback" not in err and str(corpus) in err, err
+
+
+def test_corpus_non_utf8_line_is_one_skipped_row(tmp_path):
+    from masrl.tasks.retrieval.corpus import CorpusError, CorpusWarning, load_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    good = json.dumps({"id": "a", "contents": "\"A\"\nfine"}).encode()
+    corpus.write_bytes(good + b"\n" + b'{"id": "b", "contents": "caf\xe9"}\n' + good.replace(b'"a"', b'"c"') + b"\n")
+    with pytest.warns(CorpusWarning, match=f"{corpus}:2: not UTF-8"):
+        assert [p.id for p in load_corpus(corpus)] == ["a", "c"]
+    with pytest.raises(CorpusError, match=f"{corpus}:2: not UTF-8"):
+        load_corpus(corpus, strict=True)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage \x80\x81\n" * 50, b"[1, 2]\n\"x\"\n{\"step\": \"one\"}\n"],
+                         ids=["binary", "json_not_records"])
+def test_plot_of_garbage_metrics_names_the_file(tmp_path, capsys, content):
+    """Printed "'utf-8' codec can't decode ..." without the file name."""
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    _fails_clearly(["plot", tmp_path], capsys, str(tmp_path / "metrics.jsonl"), "no metrics records")
+
+
+def test_plot_skips_garbage_lines_among_records(tmp_path, capsys):
+    lines = [b"\xff\xfe\x80", b"[1]", json.dumps({"step": 1, "team/reward": 0.5}).encode(),
+             json.dumps({"step": 2, "team/reward": 0.7}).encode(), b'{"step": 3, "team/rew']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 0
+
+
+def test_data_row_over_the_size_bound_is_skipped(tmp_path):
+    """Rows are read a bounded chunk at a time: an oversized row is reported, never held whole."""
+    from masrl.tasks.lines import text_lines
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"q": "' + b"x" * 5000 + b'"}\n{"q": "ok"}\n')
+    rows = list(text_lines(path, max_line_bytes=1000))
+    assert rows == [(1, None, "row longer than 1,000 bytes"), (2, '{"q": "ok"}\n', "")]

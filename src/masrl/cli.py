@@ -47,9 +47,15 @@ def _cmd_eval(args) -> int:
 def _cmd_plot(args) -> int:
     from masrl.monitoring.plots import plot_training_curves
 
+    from masrl.monitoring.logger import read_metrics
+
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"masrl plot: {run_dir} has no metrics.jsonl; is it a masrl run folder?")
+    if not read_metrics(run_dir):
+        raise UserInputError(f"masrl plot: {run_dir / 'metrics.jsonl'} holds no metrics records (JSON objects "
+                             "with a numeric step, one per line); nothing to plot")
+    check_output_folder(run_dir / "plots", "masrl plot: plots folder")
     paths = plot_training_curves(run_dir)
     try:
         from masrl.monitoring.dashboard import plot_dashboard

@@ -33,6 +33,7 @@ from typing import Any
 
 from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
+from masrl.tasks.lines import text_lines
 from masrl.types import Task
 from masrl.workflows.parsing import extract_boxed
 
@@ -151,32 +152,37 @@ def _load_jsonl(path: str | Path, bench: str, row_fn: RowFn, limit: int | None, 
     if limit is not None and limit <= 0:
         return tasks
     row = -1
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            row += 1
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
-                continue
-            if not isinstance(obj, dict):
-                _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
-                continue
-            try:
-                question, answer, meta = row_fn(obj)
-            except _BadRow as e:
-                _report(f"{where}: {e}; row skipped", strict)
-                continue
-            full_meta = {"data_source": bench, "benchmark": bench}
-            if "id" in obj or "idx" in obj or "unique_id" in obj:
-                full_meta["source_id"] = str(obj.get("id", obj.get("idx", obj.get("unique_id"))))
-            full_meta.update(meta)
-            tasks.append(Task(id=f"{bench}/{row}", question=question, answer=answer, meta=full_meta))
-            if limit is not None and len(tasks) >= limit:
-                break
+    for lineno, line, reason in text_lines(path):
+        if line is None:
+            _report(f"{path}:{lineno}: {reason}; row skipped", strict)
+            continue
+        if not line.strip():
+            continue
+        row += 1
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
+            continue
+        except RecursionError:
+            _report(f"{where}: bad JSON (nested too deeply); row skipped", strict)
+            continue
+        if not isinstance(obj, dict):
+            _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
+            continue
+        try:
+            question, answer, meta = row_fn(obj)
+        except _BadRow as e:
+            _report(f"{where}: {e}; row skipped", strict)
+            continue
+        full_meta = {"data_source": bench, "benchmark": bench}
+        if "id" in obj or "idx" in obj or "unique_id" in obj:
+            full_meta["source_id"] = str(obj.get("id", obj.get("idx", obj.get("unique_id"))))
+        full_meta.update(meta)
+        tasks.append(Task(id=f"{bench}/{row}", question=question, answer=answer, meta=full_meta))
+        if limit is not None and len(tasks) >= limit:
+            break
     return tasks
 
 

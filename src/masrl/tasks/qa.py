@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterator
 
 from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
-from masrl.tasks.retrieval.corpus import _Issues, _load_json, _open_text
+from masrl.tasks.lines import open_binary, text_lines
+from masrl.tasks.retrieval.corpus import _Issues, _load_json
 from masrl.types import Task
 
 QA_METRICS = ("em", "f1", "subem")
@@ -167,24 +168,26 @@ def load_flashrag_jsonl(path: str | Path, *, limit: int | None = None, strict: b
     default_source = _source_from_name(path)
 
     def rows():
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"line {lineno}", f"invalid JSON ({e.msg})"
-                    continue
-                if not isinstance(row, dict):
-                    yield f"line {lineno}", "expected a JSON object"
-                    continue
-                answers = row.get("golden_answers", row.get("answers", row.get("answer")))
-                meta = {"data_source": row.get("data_source", default_source), "file": path.name}
-                if isinstance(row.get("metadata"), dict):
-                    meta["metadata"] = row["metadata"]
-                yield f"line {lineno}", _make_task(row.get("id", f"{default_source}-{lineno - 1}"),
-                                                   row.get("question"), answers, meta)
+        for lineno, line, reason in text_lines(path):
+            if line is None:
+                yield f"line {lineno}", reason
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as e:
+                yield f"line {lineno}", f"invalid JSON ({getattr(e, 'msg', 'nested too deeply')})"
+                continue
+            if not isinstance(row, dict):
+                yield f"line {lineno}", "expected a JSON object"
+                continue
+            answers = row.get("golden_answers", row.get("answers", row.get("answer")))
+            meta = {"data_source": row.get("data_source", default_source), "file": path.name}
+            if isinstance(row.get("metadata"), dict):
+                meta["metadata"] = row["metadata"]
+            yield f"line {lineno}", _make_task(row.get("id", f"{default_source}-{lineno - 1}"),
+                                               row.get("question"), answers, meta)
 
     return _collect(rows(), _issues(path, strict), limit)
 
@@ -315,8 +318,11 @@ def detect_qa_format(path: Path) -> str:
     if name.endswith((".jsonl", ".jsonl.gz")):
         return "flashrag_jsonl"
     if name.endswith((".json", ".json.gz")):
-        with _open_text(path) as f:
-            head = f.read(65536)
+        try:
+            with open_binary(path) as f:
+                head = f.read(65536).decode("utf-8", errors="replace")
+        except (OSError, EOFError) as e:
+            raise QADataError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
         return "hotpotqa_raw" if re.search(r'"(supporting_facts|context)"\s*:', head) else "qa_json"
     raise QADataError(f"{path}: cannot tell the QA format from the name; pass format= one of {sorted(QA_FORMATS)}")
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 import gzip
 import json
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 from masrl.errors import UserInputError
+from masrl.tasks.lines import open_binary, text_lines
 from masrl.tasks.retrieval.base import Passage, split_contents
 
 CORPUS_FORMATS = ("jsonl", "json_list", "json_titles", "hotpotqa")
@@ -39,7 +41,7 @@ def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
     """Read a passage corpus; see the module docstring for the formats."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CorpusError(f"corpus file not found: {path}")
+        raise CorpusError(f"corpus file not found: {path}" + (" (a folder)" if path.is_dir() else ""))
     fmt = detect_corpus_format(path) if format == "auto" else format
     if fmt not in CORPUS_FORMATS:
         raise CorpusError(f"{path}: unknown corpus format {format!r}; expected one of {CORPUS_FORMATS} or 'auto'")
@@ -47,10 +49,13 @@ def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
               "hotpotqa": _read_hotpotqa}[fmt]
     issues = _Issues(path, strict)
     passages = []
-    for p in reader(path, issues):
-        passages.append(p)
-        if limit is not None and len(passages) >= limit:
-            break
+    try:
+        for p in reader(path, issues):
+            passages.append(p)
+            if limit is not None and len(passages) >= limit:
+                break
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, a truncated or corrupt .gz
+        raise CorpusError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     issues.summarize()
     if not passages:
         raise CorpusError(f"{path}: no passages read (format {fmt})")
@@ -69,7 +74,11 @@ def detect_corpus_format(path: Path) -> str:
     if not name.endswith((".json", ".json.gz")):
         raise CorpusError(f"{path}: cannot tell the corpus format from the name; "
                           f"pass format= one of {CORPUS_FORMATS}")
-    head = _open_text(path).read(4096).lstrip()
+    try:
+        with open_binary(path) as f:
+            head = f.read(4096).lstrip().decode("utf-8", errors="replace")
+    except (OSError, EOFError, zlib.error) as e:
+        raise CorpusError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if head.startswith("{"):
         return "json_titles"
     if head.startswith("["):
@@ -115,6 +124,10 @@ def _load_json(path: Path) -> Any:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise CorpusError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise CorpusError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a chunk); save it as UTF-8") from None
+    except RecursionError:
+        raise CorpusError(f"{path}: JSON nested too deeply") from None
 
 
 def _passage_from_row(row: Any, default_id: str) -> Passage | str:
@@ -136,20 +149,25 @@ def _passage_from_row(row: Any, default_id: str) -> Passage | str:
 
 
 def _read_jsonl(path: Path, issues: _Issues) -> Iterator[Passage]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                issues.report(str(lineno), f"invalid JSON ({e.msg})")
-                continue
-            p = _passage_from_row(row, str(lineno - 1))
-            if isinstance(p, str):
-                issues.report(str(lineno), p)
-            else:
-                yield p
+    for lineno, line, reason in text_lines(path):
+        if line is None:
+            issues.report(str(lineno), reason)
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            issues.report(str(lineno), f"invalid JSON ({e.msg})")
+            continue
+        except RecursionError:
+            issues.report(str(lineno), "JSON nested too deeply")
+            continue
+        p = _passage_from_row(row, str(lineno - 1))
+        if isinstance(p, str):
+            issues.report(str(lineno), p)
+        else:
+            yield p
 
 
 def _read_json_list(path: Path, issues: _Issues) -> Iterator[Passage]:
