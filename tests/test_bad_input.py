@@ -402,3 +402,46 @@ def test_data_row_over_the_size_bound_is_skipped(tmp_path):
     path.write_bytes(b'{"q": "' + b"x" * 5000 + b'"}\n{"q": "ok"}\n')
     rows = list(text_lines(path, max_line_bytes=1000))
     assert rows == [(1, None, "row longer than 1,000 bytes"), (2, '{"q": "ok"}\n', "")]
+
+
+# ----------------------------------------------------------------------------- round 2: masrl ensemble
+
+def _ensemble_rows(labels, answers_of=lambda y: [y, y, None]) -> list[dict]:
+    return [{"id": str(i), "label": y, "predictions": {f"m{j}": {"answer": a} for j, a in enumerate(answers_of(y))}}
+            for i, y in enumerate(labels)]
+
+
+def _ensemble(argv, capsys) -> tuple[int, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["ensemble", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("labels,bad_line,kinds", [(["1", "2", 1, "3"], 3, ("number", "string")),
+                                                    ([1, 2, True, 1], 3, ("boolean", "number")),
+                                                    (["a", "b", "c", ["a"]], 4, ("list", "string"))])
+def test_ensemble_compare_refuses_mixed_label_types(tmp_path, capsys, labels, bad_line, kinds):
+    """"1", 1 and true were compared as different answers and compare exited 0 with no word."""
+    path = tmp_path / "preds.jsonl"
+    rows = _ensemble_rows(labels * 5)
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, err = _ensemble(["compare", "--data", path, "--k", "2", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{path}:{bad_line}:" in err and all(k in err for k in kinds), err
+
+
+def test_ensemble_mixed_types_within_one_row(tmp_path, capsys):
+    path = tmp_path / "preds.jsonl"
+    rows = _ensemble_rows(["1", "2"] * 5, answers_of=lambda y: [y, int(y), "x"])
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, err = _ensemble(["select", "--data", path, "--k", "2"], capsys)
+    assert code == 2 and f"{path}:1:" in err and "answer of 'm1' is a number" in err, err
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x81" * 100, b""], ids=["binary", "empty"])
+def test_ensemble_garbage_or_empty_file(tmp_path, capsys, content):
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(content)
+    code, err = _ensemble(["compare", "--data", path], capsys)
+    assert code == 2 and "Traceback" not in err and str(path) in err, err

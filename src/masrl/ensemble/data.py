@@ -28,6 +28,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from masrl.errors import UserInputError
+
 __all__ = ["EnsembleData", "MalformedRowWarning", "load_jsonl", "from_records", "resolve_data_path",
            "split_indices", "Split"]
 
@@ -98,7 +100,7 @@ class EnsembleData:
         out = []
         for name in names:
             if name not in self.models:
-                raise ValueError(f"unknown model {name!r}; models are {self.models}")
+                raise InputError(f"unknown model {name!r}; models are {self.models}")
             out.append(self.models.index(name))
         return out
 
@@ -136,6 +138,10 @@ class EnsembleData:
 
 
 # ---------------------------------------------------------------------------------- loading
+class InputError(UserInputError, ValueError):
+    """Bad ensemble input (a predictions file, a model or selector name, an option): one line, exit 2."""
+
+
 class _RowError(Exception):
     pass
 
@@ -151,6 +157,28 @@ def _vocab_key(v: Any) -> Any:
     if isinstance(v, float) and v.is_integer():
         return int(v)  # 3.0 and 3 are the same answer
     return (type(v).__name__, v) if isinstance(v, bool) else v
+
+
+def _kind(v: Any) -> str | None:
+    """The JSON type of an answer or label: 1 and "1" and true are different kinds (never compared)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _row_kind(row: dict, label_field: str) -> tuple[str, str] | None:
+    """(kind, what) of the row's label and answers; raises _RowError when they mix kinds."""
+    found = [(_kind(row["label"]), label_field)] + [(_kind(p[0]), f"answer of {m!r}") for m, p in row["preds"].items()]
+    found = [(k, what) for k, what in found if k is not None]
+    for k, what in found[1:]:
+        if k != found[0][0]:
+            raise _RowError(f"{what} is a {k} but {found[0][1]} is a {found[0][0]}; labels and answers must "
+                            "have one JSON type (all strings, all numbers or all booleans)")
+    return found[0] if found else None
 
 
 def _parse_row(obj: Any, label_field: str, models_ref: list[str] | None) -> dict:
@@ -239,10 +267,11 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
     models_ref: list[str] | None = None
     seen_ids: set[str] = set()
     schema_probs: bool | None = None
+    kind_ref: tuple[str, str, int] | None = None  # (JSON type, what, line) of the first typed label/answer
 
     def fail(line: int, msg: str) -> None:
         if strict:
-            raise ValueError(f"{source}:{line}: {msg}")
+            raise InputError(f"{source}:{line}: {msg}")
         skipped.append((line, msg))
         warnings.warn(f"{source}:{line}: skipped malformed row: {msg}", MalformedRowWarning, stacklevel=3)
 
@@ -261,28 +290,34 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
                 raise _RowError("no 'probs' although earlier rows have them")
             elif not schema_probs and row["has_probs"]:
                 raise _RowError("has 'probs' although the first row has none")
+            kind = _row_kind(row, label_field)
+            if kind is not None and kind_ref is not None and kind[0] != kind_ref[0]:
+                raise _RowError(f"{kind[1]} is a {kind[0]} but line {kind_ref[2]} has {kind_ref[0]}s; labels and "
+                                "answers must have one JSON type in the whole file")
         except _RowError as e:
             fail(line, str(e))
             continue
         if models_ref is None:
             models_ref = list(row["preds"])
+        if kind_ref is None and kind is not None:
+            kind_ref = (*kind, line)
         seen_ids.add(row["id"])
         rows.append(row)
         lines.append(line)
     if not rows:
-        raise ValueError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
+        raise InputError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
     assert models_ref is not None
     if models is not None:
         unknown = [m for m in models if m not in models_ref]
         if unknown:
-            raise ValueError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
+            raise InputError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
         models_ref = list(models)
 
     # answer encoding: raw choice indices if possible, else a vocabulary
     values = [r["label"] for r in rows] + [p[0] for r in rows for p in r["preds"].values()]
     index_mode = all(v is None or _is_index(v) for v in values)
     if schema_probs and not index_mode:  # cannot happen after _parse_row checks, kept for safety
-        raise ValueError(f"{source}: probs need integer choice-index answers and labels")
+        raise InputError(f"{source}: probs need integer choice-index answers and labels")
     vocab: list | None = None
     vocab_index: dict[Any, int] = {}
 
@@ -336,15 +371,21 @@ class _BadJSON:
 
 
 def _read_lines(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for text in f:
-            if not text.strip():
-                yield _BadJSON("empty line")
-                continue
-            try:
-                yield json.loads(text)
-            except json.JSONDecodeError as e:
-                yield _BadJSON(e.msg + f" at column {e.colno}")
+    from masrl.tasks.lines import text_lines
+
+    for _, text, reason in text_lines(path):
+        if text is None:  # not UTF-8, or over the row size bound
+            yield _BadJSON(reason)
+            continue
+        if not text.strip():
+            yield _BadJSON("empty line")
+            continue
+        try:
+            yield json.loads(text)
+        except json.JSONDecodeError as e:
+            yield _BadJSON(e.msg + f" at column {e.colno}")
+        except RecursionError:
+            yield _BadJSON("nested too deeply")
 
 
 def resolve_data_path(path: str | Path) -> Path:
@@ -370,7 +411,7 @@ def load_jsonl(path: str | Path, *, label_field: str = "label", strict: bool = T
     """
     p = resolve_data_path(path)
     if p.is_dir():
-        raise ValueError(f"{p} is a directory; pass a .jsonl file")
+        raise InputError(f"{p} is a directory; pass a .jsonl file")
     return from_records(_read_lines(p), label_field=label_field, strict=strict, source=str(p),
                         default_task=p.stem, models=models)
 
@@ -408,7 +449,7 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             how = "first"
     if how == "first":
         if not 0.0 < frac < 1.0:
-            raise ValueError(f"split fraction must be in (0, 1), got {frac}")
+            raise InputError(f"split fraction must be in (0, 1), got {frac}")
         train, test = [], []
         for t in data.task_names():
             idx = data.task_rows(t)
@@ -417,16 +458,16 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             test.append(idx[cut:])
         tr, te = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"first {frac:.0%} of each task")
     if how.startswith("field:"):
         name = how.split(":", 1)[1]
         if name not in data.extras:
-            raise ValueError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
+            raise InputError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
         vals = data.extras[name]
         tr = np.flatnonzero(vals == "train")
         te = np.flatnonzero(vals == "test")
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"field {name}")
-    raise ValueError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")
+    raise InputError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")
