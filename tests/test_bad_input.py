@@ -445,3 +445,55 @@ def test_ensemble_garbage_or_empty_file(tmp_path, capsys, content):
     path.write_bytes(content)
     code, err = _ensemble(["compare", "--data", path], capsys)
     assert code == 2 and "Traceback" not in err and str(path) in err, err
+
+
+# ----------------------------------------------------------------------------- round 2: masrl eval
+
+def test_eval_question_over_the_context_is_skipped_not_tokenized(write_cfg, tmp_path, capsys):
+    """A 2 MB question (the tiny model's context is 128 tokens) is refused by its length before it is
+    tokenized, counted in eval.json and reported; the other task is evaluated."""
+    bench = tmp_path / "mine_test.jsonl"
+    rows = [{"id": "huge", "question": "What is 1+1? " * 160_000, "golden_answers": ["2"]},
+            {"id": "ok", "question": "What is 2+2?", "golden_answers": ["4"]}]
+    bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "o"
+    assert main(["eval", str(write_cfg()), "--bench", str(bench), "--n", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 task(s) that cannot fit the model context" in err and "huge" in err, err
+    result = json.loads((out / "eval.json").read_text())["results"][str(bench)]
+    assert result["n_tasks"] == 1 and result["skipped_over_context"] == 1
+
+
+def test_eval_single_50mb_row_is_one_clear_line(write_cfg, tmp_path, capsys):
+    """Was 11.7 GB RSS, then the tokenizer aborted (exit 134) with no masrl line."""
+    bench = tmp_path / "big_test.jsonl"
+    with open(bench, "w") as f:
+        f.write('{"question": "' + "x" * (50 << 20) + '", "golden_answers": ["x"]}\n')
+    _fails_clearly(["eval", write_cfg(), "--bench", bench, "--n", "1", "--out", tmp_path / "o"], capsys,
+                   str(bench))
+
+
+def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
+    """In training and eval alike, a prompt that cannot fit is refused as an invalid turn (with its
+    reason) without being tokenized; the episode goes on."""
+    import asyncio
+
+    from masrl.config import config_from_dict
+    from masrl.evaluation.runner import agent_facts
+    from masrl.rollout.runner import make_call
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.training.policy import build_policy
+    from masrl.types import Episode, Task
+
+    cfg = config_from_dict(tiny_cfg(**QUICK))
+    policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
+    calls = []
+    policy.tokenizer.__class__ = type("CountingTokenizer", (policy.tokenizer.__class__,),
+                                      {"__call__": lambda self, *a, **k: calls.append(a) or
+                                       super(self.__class__, self).__call__(*a, **k)})
+    call = make_call({"shared": policy}, cfg.agents, RolloutScheduler({"shared": policy.engine}))
+    turn = asyncio.run(call("Solver", "x" * 100_000))
+    assert not turn.valid and turn.response_ids == [] and "cannot fit" in turn.info["refused"]
+    assert calls == [] and len(turn.prompt_text) < 3000
+    facts = agent_facts([Episode(task=Task(id="t", question="q", answer="a"), turns=[turn], reward=0.0)])
+    assert facts["agent/Solver/refused_prompts"] == 1
