@@ -497,3 +497,49 @@ def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
     assert calls == [] and len(turn.prompt_text) < 3000
     facts = agent_facts([Episode(task=Task(id="t", question="q", answer="a"), turns=[turn], reward=0.0)])
     assert facts["agent/Solver/refused_prompts"] == 1
+
+
+# ----------------------------------------------------------------------------- round 2: bugs stay bugs
+
+def test_a_programming_error_is_not_bad_input(tmp_path, monkeypatch):
+    """Every ValueError used to print "masrl: error" and exit 2, hiding bugs; only UserInputError (and
+    FileNotFoundError for a path the user gave) means bad input now."""
+    import masrl.monitoring.plots as plots
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "team/reward": 0.5}) + "\n")
+
+    def buggy(run_dir):
+        raise ValueError("a bug inside masrl")
+
+    monkeypatch.setattr(plots, "plot_training_curves", buggy)
+    with pytest.raises(ValueError, match="a bug inside masrl"):
+        main(["plot", str(tmp_path)])
+
+
+def test_user_input_errors_share_one_type():
+    from masrl.config import ConfigError
+    from masrl.ensemble.data import InputError
+    from masrl.errors import UserInputError
+    from masrl.models.hub import ModelLoadError
+    from masrl.tasks.math_data import DatasetLoadError
+    from masrl.tasks.qa import QADataError
+    from masrl.tasks.retrieval.corpus import CorpusError
+    from masrl.training.checkpoint import CheckpointError
+
+    for error in (ConfigError, DatasetLoadError, CheckpointError, ModelLoadError, QADataError, CorpusError, InputError):
+        assert issubclass(error, UserInputError), error
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"task.params.max_operand": float("nan")}, "task.params.max_operand must be an integer"),
+    ({"policies.shared.tiny.num_attention_heads": 3}, "not a multiple of the number of attention heads"),
+    ({"policies.shared.tiny.hidden_size": -1}, "must be positive integers"),
+    ({"algorithm.estimator": "foo", "trainer.total_steps": 1}, "unknown estimator 'foo'"),
+    ({"sft.teacher": {"bogus": 1}, "sft.steps": 1}, "sft.teacher for arithmetic"),
+    ({"workflow.params.max_loops": "abc", "trainer.total_steps": 1}, "max_loops must be an integer >= 1"),
+], ids=["nan_operand", "tiny_heads", "tiny_size", "estimator", "teacher_key", "max_loops"])
+def test_config_values_checked_outside_the_schema(write_cfg, capsys, over, needle):
+    """Found by probing: each was a traceback (ValueError, TypeError, a transformers validation error),
+    some only after a step had run."""
+    path = write_cfg(**over)
+    _fails_clearly(["train", path], capsys, needle)

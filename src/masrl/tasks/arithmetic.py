@@ -33,6 +33,20 @@ class ArithmeticConfig:
     ops: str = "+-"
     seed: int = 1234  # data seed, independent of the training seed
 
+    def __post_init__(self):
+        for name, kind in (("train_size", int), ("test_size", int), ("min_terms", int), ("max_terms", int),
+                           ("max_operand", int), ("ops", str), ("seed", int)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"task.params.{name} must be {'an integer' if kind is int else 'a string'}, "
+                                  f"got {value!r}")
+        if min(self.train_size, self.test_size, self.max_operand, self.seed) < 0:
+            raise ConfigError("task.params train_size, test_size, max_operand and seed must be >= 0")
+        if not 1 <= self.min_terms <= self.max_terms:
+            raise ConfigError(f"task.params: need 1 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ConfigError(f"task.params.ops must be made of + - *, got {self.ops!r}")
+
 
 def _expression(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int]:
     n = rng.randint(cfg.min_terms, cfg.max_terms)

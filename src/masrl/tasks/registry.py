@@ -31,7 +31,10 @@ def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     except TypeError as e:
         raise ConfigError(f"task.params for arithmetic: {e}; known: {sorted(ArithmeticConfig.__dataclass_fields__)}")
     train, test = make_arithmetic_tasks(acfg)
-    teacher = ArithmeticTeacher(**sft_teacher)
+    try:
+        teacher = ArithmeticTeacher(**sft_teacher)
+    except TypeError as e:
+        raise ConfigError(f"sft.teacher for arithmetic: {e}") from None
     return TaskSource("arithmetic", train, test, _math_score(cfg), teacher.reply)
 
 

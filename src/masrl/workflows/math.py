@@ -28,7 +28,9 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     ``<verify>approve|reject</verify>`` is invalid and counts as ``untagged_verdict``
     (default reject; the Dr. MAS reference silently approves).
     """
-    max_loops = int(team.params["max_loops"])
+    max_loops = team.params["max_loops"]
+    if type(max_loops) is not int or max_loops < 1:
+        raise ConfigError(f"math_solver_verifier: workflow.params.max_loops must be an integer >= 1, got {max_loops!r}")
     untagged = team.params["untagged_verdict"]
     if untagged not in ("approve", "reject"):
         raise ConfigError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
