@@ -520,13 +520,15 @@ def test_user_input_errors_share_one_type():
     from masrl.config import ConfigError
     from masrl.ensemble.data import InputError
     from masrl.errors import UserInputError
+    from masrl.export import ExportError
     from masrl.models.hub import ModelLoadError
     from masrl.tasks.math_data import DatasetLoadError
     from masrl.tasks.qa import QADataError
     from masrl.tasks.retrieval.corpus import CorpusError
     from masrl.training.checkpoint import CheckpointError
 
-    for error in (ConfigError, DatasetLoadError, CheckpointError, ModelLoadError, QADataError, CorpusError, InputError):
+    for error in (ConfigError, DatasetLoadError, CheckpointError, ModelLoadError, QADataError, CorpusError, InputError,
+                  ExportError):
         assert issubclass(error, UserInputError), error
 
 
