@@ -282,6 +282,20 @@ def test_hashed_but_unloadable_checkpoint_falls_back_on_resume(run_copy, damage,
     assert "Traceback" not in captured.err
 
 
+def test_eval_of_a_run_falls_back_past_an_unloadable_checkpoint(run_copy, tmp_path):
+    """``masrl eval --checkpoint RUN_DIR`` picked the newest checksummed checkpoint, then failed to load it."""
+    run = run_copy
+    newest = run / "checkpoints" / "step_3"
+    shutil.copytree(run / "checkpoints" / "step_2", newest)
+    _garbage_safetensors_header(newest)
+    _rehash(newest)
+    out = tmp_path / "eval"
+    with pytest.warns(UserWarning, match=r"step_3.*falling back"):
+        assert main(["eval", str(run / "config.yaml"), "--checkpoint", str(run), "--n", "1", "--limit", "2",
+                     "--out", str(out)]) == 0
+    assert json.loads((out / "eval.json").read_text())["meta"]["checkpoint"] == str(run / "checkpoints" / "step_2")
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 def test_interrupted_save_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):

@@ -161,9 +161,8 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
             temperature: float | None = None, checkpoint: str | None = None, strict: bool = False,
             where: str = "config") -> tuple[list[dict], dict]:
     """Run the configured team on ``benches`` and return ``(rows, facts)`` (see :func:`episode_rows`)."""
-    from masrl.evaluation.cli import _resolve_checkpoint, load_bench_tasks
+    from masrl.evaluation.cli import load_bench_tasks, load_eval_checkpoint
     from masrl.evaluation.runner import repeat_tasks
-    from masrl.training.checkpoint import load_checkpoint
     from masrl.training.trainer import Trainer
     from masrl.workflows.base import get_workflow
 
@@ -173,8 +172,7 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the collection
         ckpt_path = None
         if checkpoint:
-            ckpt_path = _resolve_checkpoint(checkpoint)
-            load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
+            ckpt_path = load_eval_checkpoint(checkpoint, trainer.policies)
         rows: list[dict] = []
         facts: dict[str, Any] = {"models": None, "conflicts": 0, "checkpoint": str(ckpt_path) if ckpt_path else None,
                                  "benches": {}}

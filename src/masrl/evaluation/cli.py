@@ -53,16 +53,19 @@ def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
     return kept, skipped
 
 
-def _resolve_checkpoint(path: str) -> Path:
-    from masrl.training.checkpoint import latest_valid_checkpoint
+def load_eval_checkpoint(path: str, policies) -> Path:
+    """Load ``RUN_DIR/checkpoints/step_N`` (that one) or ``RUN_DIR`` (its newest checkpoint that loads, falling
+    back past broken ones as ``--resume`` does) into ``policies``, weights only; returns the step folder."""
+    from masrl.training.checkpoint import load_checkpoint, load_latest_checkpoint
 
     p = Path(path)
     if (p / "manifest.json").is_file():
+        load_checkpoint(p, policies, load_optimizer=False)
         return p
-    found = latest_valid_checkpoint(p)
+    found = load_latest_checkpoint(p, policies, load_optimizer=False)
     if found is None:
         raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
-    return found
+    return found[0]
 
 
 def run_eval(args) -> int:
@@ -110,12 +113,9 @@ def run_eval(args) -> int:
 def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
     from masrl.evaluation.runner import repeat_tasks, summarize_episodes
-    from masrl.training.checkpoint import load_checkpoint
-
     ckpt_path = None
     if args.checkpoint:
-        ckpt_path = _resolve_checkpoint(args.checkpoint)
-        load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
+        ckpt_path = load_eval_checkpoint(args.checkpoint, trainer.policies)
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
