@@ -545,3 +545,18 @@ def test_config_values_checked_outside_the_schema(write_cfg, capsys, over, needl
     some only after a step had run."""
     path = write_cfg(**over)
     _fails_clearly(["train", path], capsys, needle)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["select", "--out", "{data}"], "is a file, not a folder"),
+    (["select", "--combiner", "os:system"], "must be a function fn(item_id, proposals)"),
+    (["select", "--method", "proxy-fitness", "--weights", "nan,nan,nan"], "finite numbers"),
+    (["rl-focal", "--seeds", "1", "--episodes", "-1"], "--episodes must be >= 1"),
+    (["rl-focal", "--seeds", "1", "--gamma", "5"], "--gamma must be in [0, 1]"),
+], ids=["out_is_a_file", "summarizer_signature", "nan_weights", "negative_episodes", "gamma"])
+def test_ensemble_options_found_by_probing(tmp_path, capsys, argv, needle):
+    """A FileExistsError / TypeError traceback, or exit 0 on nonsense, before."""
+    path = tmp_path / "preds.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _ensemble_rows([0, 1, 2, 1] * 10)) + "\n")
+    code, err = _ensemble([argv[0], "--data", path, *[a.replace("{data}", str(path)) for a in argv[1:]]], capsys)
+    assert code == 2 and "Traceback" not in err and needle in err, err

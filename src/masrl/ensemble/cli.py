@@ -6,6 +6,7 @@ Bad input prints one ``masrl ensemble: error: ...`` line on stderr and returns e
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -119,8 +120,8 @@ def _weights(text: str) -> tuple[float, float, float]:
         w = tuple(float(x) for x in text.split(","))
     except ValueError:
         raise InputError(f"--weights must be three comma-separated numbers, got {text!r}") from None
-    if len(w) != 3:
-        raise InputError(f"--weights must be three comma-separated numbers, got {text!r}")
+    if len(w) != 3 or not all(math.isfinite(x) for x in w):
+        raise InputError(f"--weights must be three comma-separated finite numbers, got {text!r}")
     return w  # type: ignore[return-value]
 
 
@@ -141,8 +142,10 @@ def _load(args):
 
 
 def _out_dir(args) -> Path | None:
+    from masrl.errors import check_output_folder
+
     out = args.out or getattr(args, "out_default", None)
-    return Path(out) if out else None
+    return check_output_folder(out, "--out") if out else None
 
 
 def cmd_select(args) -> int:
@@ -228,6 +231,10 @@ def cmd_rlfocal(args) -> int:
         kw["fitness_weights"] = _weights(args.weights)
     if args.seeds < 1:
         raise InputError("--seeds must be >= 1")
+    if args.window < 1 or args.episodes < 1:
+        raise InputError(f"--window and --episodes must be >= 1, got {args.window} and {args.episodes}")
+    if not 0.0 <= args.gamma <= 1.0 or not math.isfinite(kw.get("alpha", 0.0)):
+        raise InputError(f"--gamma must be in [0, 1] and --alpha a finite number, got {args.gamma} and {args.alpha}")
     cfg = RLFocalConfig(window=args.window, episodes=args.episodes, algo=args.algo, reward=args.reward,
                         gamma=args.gamma, test_window=args.test_window, fusion=not args.no_fusion,
                         fusion_loss=args.fusion_loss, **kw)

@@ -262,6 +262,13 @@ def get_combiner(spec: str | Combiner, data: EnsembleData | None = None, *, seed
                 raise InputError(f"cannot load summarizer {spec!r}: {e}") from None
             if inspect.isclass(fn):
                 fn = fn()
+            try:
+                inspect.signature(fn).bind("item_id", [])
+            except TypeError as e:  # not callable, or not fn(item_id, proposals)
+                raise InputError(f"summarizer {spec!r} must be a function fn(item_id, proposals) -> answer "
+                                 f"({e})") from None
+            except ValueError:  # a builtin without a signature: let it run
+                pass
             comb = Summarizer(fn, name=spec)
         else:
             raise InputError(f"unknown combiner {spec!r}; use one of {', '.join(COMBINER_NAMES)} "
