@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from masrl.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages
+from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
 from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
@@ -58,9 +58,6 @@ class Trainer:
         if missing or extra:
             raise ConfigError(f"workflow {self.spec.name!r} has agents {list(self.spec.agents)}; the config's "
                               f"agents section is missing {missing} and has unknown {extra}")
-        if cfg.algorithm.estimator not in ADVANTAGE_ESTIMATORS:  # (a workflow module may register its own)
-            raise ConfigError(f"algorithm.estimator: unknown estimator {cfg.algorithm.estimator!r}; "
-                              f"known: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
         unknown_prompts = sorted(set(cfg.workflow.prompts) - set(self.spec.prompts))
         if unknown_prompts:
             raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
