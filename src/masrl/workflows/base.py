@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
+from masrl.errors import ConfigError
 from masrl.types import Episode, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
@@ -65,24 +66,24 @@ def get_workflow(name: str) -> WorkflowSpec:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ValueError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
+            raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
         obj = getattr(mod, attr, None)
         if obj is None:
-            raise ValueError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
         if isinstance(obj, WorkflowSpec):
             return obj
         for spec in WORKFLOWS.values():  # registered by the import
             if spec.fn is obj:
                 return spec
         if not inspect.iscoroutinefunction(obj):
-            raise ValueError(f"workflow {name!r} must be an async function (task, team) -> Episode")
+            raise ConfigError(f"workflow {name!r} must be an async function (task, team) -> Episode")
         agents = getattr(obj, "agents", None)
         if not agents:
-            raise ValueError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
-                             "or set a function attribute `agents = (...)`")
+            raise ConfigError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
+                              "or set a function attribute `agents = (...)`")
         return WorkflowSpec(name, obj, tuple(agents), dict(getattr(obj, "prompts", {})), {})
     known = ", ".join(sorted(WORKFLOWS))
-    raise ValueError(f"unknown workflow {name!r}; known workflows: {known} (or use 'package.module:function')")
+    raise ConfigError(f"unknown workflow {name!r}; known workflows: {known} (or use 'package.module:function')")
 
 
 def _load_builtin() -> None:
