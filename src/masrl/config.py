@@ -5,19 +5,52 @@ Dotted overrides from the command line: ``trainer.total_steps=50 algorithm.estim
 """
 from __future__ import annotations
 
+import types
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from masrl.errors import ConfigError, UserInputError, read_user_text  # noqa: F401 (ConfigError lives on here)
 
-class ConfigError(ValueError):
-    """A configuration problem, with one clear message (what, where, what to do)."""
+
+SEED_MAX = 2**32 - 1  # the widest range every seeded generator (random, numpy, torch, vLLM) accepts
+
+
+def _bool_in_number_slot(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` puts a boolean where ``annotation`` wants a number (also inside lists/dicts)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _bool_in_number_slot(args[0], value)
+    if origin in (Union, types.UnionType):
+        return bool not in args and any(_bool_in_number_slot(a, value) for a in args)
+    if origin is Literal:
+        return isinstance(value, bool) and all(type(a) is int for a in args)
+    if annotation in (int, float):
+        return isinstance(value, bool)
+    if origin in (list, tuple) and isinstance(value, (list, tuple)) and args:
+        slots = args if origin is tuple and Ellipsis not in args else (args[0],) * len(value)
+        return any(_bool_in_number_slot(a, v) for a, v in zip(slots, value))
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return any(_bool_in_number_slot(args[1], v) for v in value.values())
+    return False
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys are errors; NaN/inf are not numbers; neither are booleans (YAML 1.1 reads
+    ``on``/``off``/``yes``/``no`` as booleans, which pydantic would take as 1/0)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info) -> Any:
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _bool_in_number_slot(field.annotation, value):
+            raise ValueError("expected a number, got a boolean (YAML reads on/off/yes/no/true/false as "
+                             "booleans); write a number")
+        return value
 
 
 class TaskConfig(_Strict):
@@ -30,8 +63,8 @@ class TaskConfig(_Strict):
         "the source's options (dataset: {train: PATH or hf:ID[:split], test: ..., format: jsonl|json|parquet|hf, "
         "fields: {question: ..., answer: ...}, reward: math|qa_em|qa_f1|code|pkg.module:function}); "
         "docs/training.md"))
-    train_limit: Optional[int] = Field(None, description="use only the first N training tasks")
-    test_limit: Optional[int] = Field(None, description="use only the first N held-out tasks")
+    train_limit: Optional[int] = Field(None, ge=0, description="use only the first N training tasks")
+    test_limit: Optional[int] = Field(None, ge=0, description="use only the first N held-out tasks")
     strict: bool = Field(False, description=(
         "stop at the first data row that does not parse (else it is skipped with a warning naming file and line)"))
 
@@ -75,7 +108,7 @@ class OptimConfig(_Strict):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW decoupled weight decay")
     grad_clip: Optional[float] = Field(1.0, gt=0.0, description="clip the gradient norm to this (None: no clipping)")
-    eps: float = Field(1e-8, description="AdamW epsilon")
+    eps: float = Field(1e-8, ge=0.0, description="AdamW epsilon")
     fused: bool = Field(False, description="torch's fused AdamW kernel (much faster steps for large models)")
 
 
@@ -106,7 +139,8 @@ class PolicyConfig(_Strict):
     trust_remote_code: bool = Field(False, description="run the model repository's own Python code (off for safety)")
     lora: Optional[LoraConfig] = Field(None, description="train LoRA adapters instead of the full model")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="the policy's AdamW settings")
-    init_seed: Optional[int] = Field(None, description="seed of a tiny model's random init (None: the run's seed)")
+    init_seed: Optional[int] = Field(None, ge=0, le=SEED_MAX, description="seed of a tiny model's random init "
+                                                                           "(None: the run's seed)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra arguments of the tokenizer's chat template (Qwen3: {enable_thinking: false})"))
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (memory for time)")
@@ -192,7 +226,7 @@ class AlgorithmConfig(_Strict):
     estimator: str = Field("drmas", description=(
         "advantage estimator, a name in masrl.algorithms.ADVANTAGE_ESTIMATORS: drmas (agent-wise), grpo, "
         "drmas_mean_only, drmas_std_only, rloo, ..."))
-    eps: float = Field(1e-6, description="added to the standard deviation")
+    eps: float = Field(1e-6, ge=0.0, description="added to the standard deviation")
     unbiased_std: bool = Field(True, description="standard deviation with N-1 (as the reference)")
     singleton: Literal["zero", "raw"] = Field("zero", description="advantage of a group of one value: 0 or the "
                                                                    "raw score")
@@ -263,7 +297,7 @@ class TrainerConfig(_Strict):
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
-    threads: Optional[int] = Field(None, description="torch CPU threads (None: torch's default)")
+    threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (None: torch's default)")
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")
@@ -282,9 +316,10 @@ class TrainerConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only before/after)")
     n: int = Field(4, gt=0, description="samples per task (avg@n)")
-    k: list[int] = Field(default_factory=lambda: [1, 4], description="k values of pass@k and maj@k")
-    temperature: Optional[float] = Field(None, description="sampling temperature (None: each agent's)")
-    limit: Optional[int] = Field(None, description="tasks per benchmark (None: all)")
+    k: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4],
+                                                 description="k values of pass@k and maj@k")
+    temperature: Optional[float] = Field(None, ge=0.0, description="sampling temperature (None: each agent's)")
+    limit: Optional[int] = Field(None, gt=0, description="tasks per benchmark (None: all)")
     benches: list[str] = Field(default_factory=list, description="benchmarks besides the held-out split")
     before_after: bool = Field(True, description="evaluate before RL (after SFT) and at the end")
     prices: dict[str, float] = Field(default_factory=dict,
@@ -396,7 +431,7 @@ class LoggingConfig(_Strict):
 class RunConfig(_Strict):
     """One masrl run: ``masrl train CONFIG``."""
 
-    seed: int = Field(0, description="seed of sampling, tiny-model init and task order")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="seed of sampling, tiny-model init and task order")
     output_dir: str = Field("runs/{name}-{estimator}-seed{seed}", description=(
         "the run folder; placeholders {name} {estimator} {seed}"))
     name: str = Field("run", description="the run's name (in output_dir, reports and trackers)")
@@ -470,11 +505,100 @@ class RunConfig(_Strict):
 
 # ----------------------------------------------------------------------------- loading
 
-def _parse_scalar(text: str) -> Any:
+CONFIG_MAX_BYTES = 1 << 20  # a config file is a few KB
+YAML_MAX_DEPTH = 64  # nesting of mappings/lists in one config file
+YAML_MAX_NODES = 100_000  # values in a config once every alias is expanded (a real config has hundreds)
+
+
+class _YamlLimit(Exception):
+    def __init__(self, message: str, mark=None):
+        super().__init__(message)
+        self.mark = mark
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses nesting deeper than ``YAML_MAX_DEPTH`` while composing (the
+    composer recurses: 20,000 levels were a RecursionError) and aliases that expand to more than
+    ``YAML_MAX_NODES`` values or refer to themselves (an alias bomb expands exponentially)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise _YamlLimit(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expanded_size(root) -> int:
+    """Values in the document with every alias expanded (iterative; shared nodes counted per use)."""
+    sizes: dict[int, int] = {}
+    stack, open_ = [(root, False)], set()
+    while stack:
+        node, done = stack.pop()
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in _children(node)), YAML_MAX_NODES + 1)
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_:
+            raise _YamlLimit("an alias refers to a value that contains it (a recursive structure)", node.start_mark)
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _load_bounded(text: str) -> Any:
+    loader = _BoundedLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node) > YAML_MAX_NODES:
+            raise _YamlLimit(f"aliases expand to more than {YAML_MAX_NODES:,} values (an alias bomb?); "
+                             "write the values out or use fewer aliases", node.start_mark)
+        return loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+
+
+def _where(mark) -> str:
+    return f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document of a config with the limits of ``_BoundedLoader``.
+
+    Errors are one ``ConfigError`` naming ``source`` and, where known, the line and column.
+    """
+    try:
+        return _load_bounded(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{source}{_where(mark)}: malformed YAML ({getattr(e, 'problem', e)})") from None
+    except _YamlLimit as e:
+        raise ConfigError(f"{source}{_where(e.mark)}: YAML refused: {e}") from None
+
+
+def _parse_scalar(text: str, item: str = "") -> Any:
+    """An override's value as YAML (``5`` is a number, ``[1, 4]`` a list); text that is not YAML stays text."""
+    try:
+        return _load_bounded(text)
     except yaml.YAMLError:
         return text
+    except _YamlLimit as e:
+        raise ConfigError(f"override {item!r}: YAML refused: {e}") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -489,7 +613,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node.get(part, {}), dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_scalar(raw)
+        node[parts[-1]] = _parse_scalar(raw, item)
     return data
 
 
@@ -520,14 +644,13 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML ({getattr(e, 'problem', e)})") from None
+        text = read_user_text(path, "config file", max_bytes=CONFIG_MAX_BYTES)
+    except UserInputError as e:
+        raise ConfigError(str(e)) from None
+    data = load_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     data = apply_overrides(data, overrides or [])
