@@ -71,11 +71,10 @@ class EpisodeReward:
     Called with an answer string (as a ``ScoreFn``) it sees an episode with no turns.
     """
 
-    takes_episode = True
-
     def __init__(self, fn: Callable[[Task, Episode], Any], name: str):
         self.fn, self.name = fn, name
         self.__name__ = name
+        self.takes_episode = True  # an instance attribute: functools.wraps (Team's never_raises guard) copies it
 
     def __call__(self, task: Task, answer_or_episode: Episode | str | None) -> dict:
         episode = answer_or_episode
