@@ -60,6 +60,12 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from masrl.sweep import main as sweep_main
+
+    return sweep_main(args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="masrl", description="Stable RL for teams of LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
 
+    sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
+                           "summarize it (masrl sweep report DIR)")
+    sweep.add_argument("argv", nargs=argparse.REMAINDER)
+    sweep.set_defaults(func=_cmd_sweep)
+
     for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli"):
         try:
             mod = __import__(module, fromlist=["register"])
@@ -109,7 +120,11 @@ def _input_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # its own parsers (masrl.sweep): `masrl sweep SPEC` and `masrl sweep report DIR`
+        args = argparse.Namespace(func=_cmd_sweep, argv=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
