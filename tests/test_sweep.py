@@ -119,6 +119,16 @@ def test_dry_run_prints_every_argv(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 
+def test_shipped_example_spec_expands(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    spec = load_spec("examples/sweeps/quickstart_estimators.yaml")
+    runs = expand_runs(spec, tmp_path)
+    assert len(runs) == 20 and runs[1].cell.name == "estimator=grpo__mapping=separate"
+    cfg = runs[1].config()
+    assert cfg.agents["Verifier"].policy == "verifier" and set(cfg.policies) == {"shared", "verifier"}
+    assert cfg.trainer.threads == 1 and cfg.algorithm.estimator == "grpo"
+
+
 # ---------------------------------------------------------------------- resumability
 
 def finish_run(run, steps: int | None = None, report_text: str | None = None) -> None:
@@ -172,6 +182,10 @@ def test_sweep_runs_only_unfinished_runs_and_reports_failures(tmp_path, monkeypa
     assert sweep_run.sweep(spec, tmp_path, jobs=1) == 1 and started == [runs[3]]  # only the failed one again
     assert json.loads((tmp_path / "sweep.json").read_text())["axes"] == {"estimator": ["grpo", "drmas"],
                                                                          "mapping": ["shared", "separate"]}
+    held = sweep_run._lock(tmp_path)  # another sweep on the same folder
+    with pytest.raises(ConfigError, match="another masrl sweep is running on"):
+        sweep_run.sweep(spec, tmp_path)
+    held.close()
 
 
 # ---------------------------------------------------------------------- statistics
@@ -297,3 +311,20 @@ def test_quick_sweep_end_to_end(tmp_path, monkeypatch):
     assert s["runs"] == {"ok": 2, "total": 2} and s["not_finished"] == []
     assert s["metrics"]["avg@2_rl"]["comparisons"][0]["arm"] == "estimator=drmas"
     assert (out / "grad_norms.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_sweep_on_a_local_ray_cluster(tmp_path, monkeypatch):
+    """--ray local: each run is a Ray task (1 CPU) starting the same masrl train process; a failing run is
+    reported and does not stop the other."""
+    pytest.importorskip("ray")
+    monkeypatch.chdir(REPO)
+    spec = write_spec(tmp_path, seeds=[0], axes={"estimator": {"key": "algorithm.estimator",
+                                                               "values": ["grpo", "no_such_estimator"]}})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "masrl.cli", "sweep", str(spec), "--quick", "--ray", "local", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "estimator=grpo seed 0: rc 0" in proc.stdout and "1 of 2 runs failed" in proc.stdout
+    assert json.loads((out / "estimator=grpo" / "seed0" / "report.json").read_text())["steps"] == 2
+    assert json.loads((out / "estimator=no_such_estimator" / "seed0.json").read_text())["rc"] != 0

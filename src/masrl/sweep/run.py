@@ -167,6 +167,8 @@ def run_ray(runs: Sequence[Run], address: str, gpus: float, nice: int, progress:
     except ImportError:
         raise ImportError("masrl sweep --ray needs Ray: pip install 'masrl[ray]'") from None
     ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False)
+    slots = ray.cluster_resources().get("GPU", 0) / gpus if gpus else ray.cluster_resources().get("CPU", 1)
+    progress.parallel = max(1, int(slots))
     task = ray.remote(execute).options(num_cpus=1, num_gpus=gpus, max_retries=0)
     env = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else None
     pending = {}
@@ -185,6 +187,20 @@ def _result(get: Callable[[], dict]) -> dict:
         return get()
     except Exception as e:  # noqa: BLE001 — reported as a failed run, never stops the others
         return {"argv": [], "rc": -1, "wall_s": 0.0, "cpu_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+
+
+def _lock(out: Path):
+    """An exclusive lock on OUT/.sweep.lock: two sweeps writing the same runs would overwrite each other."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".sweep.lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ConfigError(f"another masrl sweep is running on {out}; wait for it, or use another --out") from None
+    return handle
 
 
 def write_manifest(spec: SweepSpec, out: Path, quick: bool) -> None:
@@ -214,6 +230,7 @@ def sweep(spec: SweepSpec, out: Path, *, jobs: int = 1, nice: int = 0, ray_addre
             state = "finished, skipped" if run in done else "to run"
             print(f"# {run.cell.name} seed {run.seed} ({state})\n{subprocess.list2cmdline(run_argv(run, nice))}")
         return 0
+    lock = _lock(out)  # noqa: F841 — held until this function returns (the process ends)
     write_manifest(spec, out, quick)
     parallel = jobs if ray_address is None else len(todo)
     print(f"[sweep] {spec.name}: {len(cells)} cells x {len(spec.seeds)} seeds = {len(runs)} runs; "
