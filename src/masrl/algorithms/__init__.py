@@ -22,6 +22,7 @@ from masrl.algorithms.losses import (
     entropy_from_logits,
     kl_penalty,
     policy_loss,
+    role_balanced_weights,
 )
 from masrl.algorithms.rollout_correction import IS_LEVELS, IS_MODES, truncated_is_weights
 
@@ -43,5 +44,6 @@ __all__ = [
     "kl_penalty",
     "policy_loss",
     "register_advantage",
+    "role_balanced_weights",
     "truncated_is_weights",
 ]
