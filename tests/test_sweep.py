@@ -221,7 +221,7 @@ def test_paired_difference_by_hand():
 # ---------------------------------------------------------------------- report
 
 def fabricate(out: Path, cell: str, seed: int, sft: float, rl: float, norms: list[float], spikes: list[int],
-              rc: int | None = 0) -> None:
+              rc: int | None = 0, mid: float | None = None) -> None:
     """A run folder as ``masrl train`` writes it (report.json, metrics.jsonl, config.yaml) and its record."""
     run_dir = out / cell / f"seed{seed}"
     run_dir.mkdir(parents=True)
@@ -237,8 +237,11 @@ def fabricate(out: Path, cell: str, seed: int, sft: float, rl: float, norms: lis
     records = [{"step": 0, "phase": "eval", "eval/test/avg@n": sft}]
     for i, (g, s) in enumerate(zip(norms, spikes), start=1):
         records.append({"step": i, "phase": "train", "team/reward": 0.5 + 0.01 * i, "agent/Solver/grad_norm": g,
-                        **({"agent/Solver/grad_spike": 1.0} if s else {}),
+                        "agent/Solver/chi2_drift": 0.1 * i, **({"agent/Solver/grad_spike": 1.0} if s else {}),
+                        **({"agent/Solver/role_capture": 1.0} if s else {}),
                         **({"policy/shared/nonfinite_skipped": 1.0} if g is None else {})})
+        if i == 1 and mid is not None:
+            records.append({"step": i, "phase": "eval", "eval/test/avg@n": mid})
     records.append({"step": steps, "phase": "eval", "eval/test/avg@n": rl})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -248,7 +251,7 @@ def test_report_on_fabricated_runs(tmp_path):
     (out).mkdir()
     (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1, 2], "axes": {"est": ["grpo", "drmas"]},
                                                 "cells": ["est=grpo", "est=drmas"]}))
-    fabricate(out, "est=grpo", 0, 0.30, 0.40, [1.0, 3.0, 2.0], [0, 1, 0])
+    fabricate(out, "est=grpo", 0, 0.30, 0.40, [1.0, 3.0, 2.0], [0, 1, 0], mid=0.55)
     fabricate(out, "est=grpo", 1, 0.32, 0.36, [1.0, 1.0, 0.0], [0, 0, 0])
     fabricate(out, "est=grpo", 2, 0.30, 0.41, [2.0, None, 4.0], [0, 0, 0])
     fabricate(out, "est=drmas", 0, 0.30, 0.45, [1.0, 1.5, 2.0], [0, 0, 0])
@@ -273,6 +276,10 @@ def test_report_on_fabricated_runs(tmp_path):
     assert s["metrics"]["grad_norm_median/Solver"]["arms"]["est=grpo"]["values"]["1"] == 1.0  # the 0 left out
     assert s["metrics"]["spikes/Solver"]["arms"]["est=grpo"]["values"] == {"0": 1.0, "1": 0.0, "2": 0.0}
     assert s["metrics"]["nonfinite_steps"]["arms"]["est=grpo"]["values"]["2"] == 1.0
+    assert s["metrics"]["avg@4_peak_drop"]["arms"]["est=grpo"]["values"] == {"0": pytest.approx(15.0), "1": 0.0,
+                                                                            "2": 0.0}
+    assert s["metrics"]["role_captures/Solver"]["arms"]["est=grpo"]["values"]["0"] == 1.0
+    assert s["metrics"]["chi2_drift_final/Solver"]["arms"]["est=drmas"]["values"]["0"] == pytest.approx(0.3)
     assert s["metrics"]["train_reward_final"]["arms"]["est=drmas"]["mean"] == pytest.approx(0.52)
     assert s["metrics"]["wall_s"]["arms"]["est=drmas"]["values"] == {"0": 100.0, "1": 101.0}
     ((failed),) = s["not_finished"]

@@ -66,6 +66,8 @@ def run_metrics(run_dir: Path, report: dict, records: Sequence[dict]) -> dict[st
         out[f"{name}_gain"] = after - before if before is not None and after is not None else None
     evals = [_pct(r.get("eval/test/avg@n")) for r in records if r.get("phase") == "eval"]
     out[f"{avg}_peak"] = max((v for v in evals if v is not None), default=None)
+    final_acc = out.get(f"{avg}_rl")
+    out[f"{avg}_peak_drop"] = out[f"{avg}_peak"] - final_acc if None not in (out[f"{avg}_peak"], final_acc) else None
     train = [r for r in records if r.get("phase") == "train"]
     rewards = [r.get("team/reward") for r in train[-TRAIN_REWARD_WINDOW:]]
     out["train_reward_final"] = statistics.fmean(rewards) if rewards and None not in rewards else None
@@ -75,6 +77,9 @@ def run_metrics(run_dir: Path, report: dict, records: Sequence[dict]) -> dict[st
         out[f"grad_norm_max/{agent}"] = max(ok) if ok else None
         out[f"grad_norm_median/{agent}"] = statistics.median(ok) if ok else None
         out[f"spikes/{agent}"] = float(sum(1 for r in train if r.get(f"agent/{agent}/grad_spike")))
+        out[f"role_captures/{agent}"] = float(sum(1 for r in train if r.get(f"agent/{agent}/role_capture")))
+        drift = [r[f"agent/{agent}/chi2_drift"] for r in train if r.get(f"agent/{agent}/chi2_drift") is not None]
+        out[f"chi2_drift_final/{agent}"] = drift[-1] if drift else None
     out["nonfinite_steps"] = float(sum(1 for r in train if _any(r, "nonfinite_skipped")))
     out["skipped_steps"] = float(sum(1 for r in train if _any(r, "_skipped")))
     return out
@@ -219,14 +224,16 @@ def metric_list(runs: Sequence[RunResult]) -> list[Metric]:
 
 
 def _describe(name: str) -> Metric:
-    stage = {"sft": "after SFT", "rl": "after RL", "gain": "gain (after RL − after SFT)", "peak": "peak over evals"}
+    stage = {"sft": "after SFT", "rl": "after RL", "gain": "gain (after RL − after SFT)", "peak": "peak over evals",
+             "peak_drop": "drop from peak to final (peak − after RL)"}
     if name.startswith(("avg@", "pass@")):
-        key, _, when = name.rpartition("_")
-        return Metric(name, f"held-out {key} {stage[when]}", "higher", "%")
+        key, _, when = name.partition("_")
+        return Metric(name, f"held-out {key} {stage[when]}", "lower" if when == "peak_drop" else "higher", "%")
     if "/" in name:
         kind, agent = name.split("/", 1)
         label = {"grad_norm_max": "grad-norm max", "grad_norm_median": "grad-norm median",
-                 "spikes": "grad spikes (count)"}[kind]
+                 "spikes": "grad spikes (count)", "role_captures": "role-capture events (count)",
+                 "chi2_drift_final": "χ² drift at the last RL step"}[kind]
         return Metric(name, f"{agent}: {label}", "lower" if kind in ("grad_norm_max", "spikes") else None)
     labels = {"train_reward_final": (f"train reward, last {TRAIN_REWARD_WINDOW} steps", "higher"),
               "nonfinite_steps": ("steps with a non-finite gradient", "lower"),
