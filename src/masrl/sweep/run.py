@@ -57,9 +57,9 @@ def config_diff(run_dir: Path, cfg: RunConfig) -> list[str]:
         old = load_config(run_dir / "config.yaml").model_dump(mode="json")
     except ConfigError as e:
         return [f"config.yaml no longer loads: {e}"]
-    new = cfg.model_dump(mode="json")
-    return [f"{k}: {_flat(old).get(k)!r} -> {v!r}" for k, v in _flat(new).items() if _flat(old).get(k) != v] + \
-        [f"{k}: removed" for k in _flat(old) if k not in _flat(new)]
+    old, new = _flat(old), _flat(cfg.model_dump(mode="json"))
+    return [f"{k}: {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v] + \
+        [f"{k}: removed" for k in old if k not in new]
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -84,7 +84,10 @@ def plan(runs: Sequence[Run]) -> tuple[list[Run], list[Run]]:
             todo.append(run)
             continue
         diff = config_diff(run.run_dir, cfg)
-        (changed.append((run, diff)) if diff else done.append(run))
+        if diff:
+            changed.append((run, diff))
+        else:
+            done.append(run)
     if changed:
         lines = [f"  {run.run_dir}: {'; '.join(diff[:3])}{' ...' if len(diff) > 3 else ''}" for run, diff in changed]
         raise ConfigError("finished runs were made with another config than the spec asks for now:\n"
