@@ -50,6 +50,8 @@ def write_spec(tmp_path: Path, **over) -> Path:
     ({"axes": {"m": {"shared": {"overrides": [], "bsae": "x.yaml"}}}}, "unknown key 'axes.m.shared.bsae'"),
     ({"axes": {"m": {"shared": ["trainer.threads"]}}}, "axes.m.shared: override 'trainer.threads'"),
     ({"overrides": ["seed=3"]}, "'seed' is set by the sweep"),
+    ({"axes": {"k": {"key": "eval.k", "values": [[1, 2]]}}}, "value [1, 2] is not a string, number"),
+    ({"axes": {"m": {"shared": "trainer.threads=1"}}}, "label 'shared': give a list of overrides"),
 ])
 def test_spec_errors_name_the_key(tmp_path, over, needle):
     with pytest.raises(ConfigError) as e:
@@ -297,22 +299,23 @@ def test_report_on_fabricated_runs(tmp_path):
 
 # ---------------------------------------------------------------------- end to end
 
-def test_quick_sweep_end_to_end(tmp_path, monkeypatch):
-    """A real 2-arm x 1-seed --quick sweep (two masrl train processes), then the report, then a rerun that skips."""
+def test_quick_sweep_end_to_end(tmp_path, monkeypatch, capsys):
+    """A real 2-arm x 1-seed --quick sweep (two masrl train processes), then a rerun that skips, then the report."""
     monkeypatch.chdir(REPO)
     spec = write_spec(tmp_path, seeds=[0], axes={"estimator": {"key": "algorithm.estimator",
                                                                "values": ["grpo", "drmas"]}})
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "masrl.cli", "sweep", str(spec), "--quick", "--jobs", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[sweep 2/2]" in proc.stdout and "rc 0" in proc.stdout
+    argv = ["sweep", str(spec), "--quick", "--jobs", "2", "--out", str(out)]
+    rc = cli_main(argv)
+    printed = capsys.readouterr().out
+    logs = "".join(p.read_text() for p in out.glob("*/seed0.log"))
+    assert rc == 0, printed + logs
+    assert "[sweep 2/2]" in printed and "rc 0" in printed
     for est in ("grpo", "drmas"):
         run_dir = out / f"estimator={est}" / "seed0"
         assert json.loads((run_dir / "report.json").read_text())["steps"] == 2
         assert load_config(run_dir / "config.yaml").algorithm.estimator == est
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and "2 finished (skipped), 0 to run" in again.stdout
+    assert cli_main(argv) == 0 and "2 finished (skipped), 0 to run" in capsys.readouterr().out
     assert cli_main(["sweep", "report", str(out)]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["runs"] == {"ok": 2, "total": 2} and s["not_finished"] == []

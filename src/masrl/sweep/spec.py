@@ -38,15 +38,30 @@ class Axis(_Strict):
     """``{key: a.b, values: [...]}`` (label = str(value)) or ``{label: [overrides] | {base, overrides}}``."""
 
     key: Optional[str] = None
-    values: Optional[list[Scalar]] = None
+    values: Optional[list[Any]] = None
     arms: dict[str, Arm] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
     def _labelled_form(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not ({"key", "values"} & set(data)):
-            return {"arms": {label: ({"overrides": v} if isinstance(v, list) else v) for label, v in data.items()}}
-        return data
+        if not isinstance(data, dict):
+            raise ValueError("an axis is {key: a.b, values: [...]} or {label: [overrides], ...}")
+        if {"key", "values"} & set(data):
+            return data
+        for label, arm in data.items():
+            if not isinstance(arm, (list, dict)):
+                raise ValueError(f"label {label!r}: give a list of overrides or {{base: ..., overrides: [...]}}, "
+                                 f"got {arm!r}")
+        return {"arms": {label: ({"overrides": v} if isinstance(v, list) else v) for label, v in data.items()}}
+
+    @field_validator("values")
+    @classmethod
+    def _scalar_values(cls, values: Optional[list[Any]]) -> Optional[list[Any]]:
+        for v in values or []:
+            if not isinstance(v, (bool, int, float, str)):
+                raise ValueError(f"value {v!r} is not a string, number or true/false; for lists, mappings or "
+                                 "null use the labelled form {label: [key=value]}")
+        return values
 
     @model_validator(mode="after")
     def _one_form(self):
