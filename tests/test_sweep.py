@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,27 @@ def test_sweep_runs_only_unfinished_runs_and_reports_failures(tmp_path, monkeypa
     with pytest.raises(ConfigError, match="another masrl sweep is running on"):
         sweep_run.sweep(spec, tmp_path)
     held.close()
+
+
+def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = SweepSpec.model_validate(spec_dict())
+    runs = expand_runs(spec, tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(sweep_run, "run_argv", lambda run, nice: sleeper)
+    real_wait = sweep_run.wait
+
+    def interrupt(pending, return_when):  # Ctrl-C once the first run is under way
+        while not sweep_run._RUNNING:
+            real_wait(pending, timeout=0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_run, "wait", interrupt)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        sweep_run.sweep(spec, tmp_path, jobs=1)
+    assert time.monotonic() - t0 < 30 and not sweep_run._RUNNING  # the 60 s run was terminated
+    assert runs[0].log_path.exists() and not any(r.log_path.exists() for r in runs[1:])  # nothing else started
 
 
 # ---------------------------------------------------------------------- statistics

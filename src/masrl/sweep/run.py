@@ -99,6 +99,9 @@ def run_argv(run: Run, nice: int) -> list[str]:
     return (["nice", "-n", str(nice)] if nice else []) + run.argv(sys.executable)
 
 
+_RUNNING: set[subprocess.Popen] = set()  # this process's runs in flight (terminated when the sweep is interrupted)
+
+
 def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None) -> dict:
     """Run one process, stdout+stderr to ``log_path``; its exit code, wall and CPU seconds."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -106,7 +109,11 @@ def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None) -
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                 env={**os.environ, **(env or {})})
-        _, status, usage = os.wait4(proc.pid, 0)
+        _RUNNING.add(proc)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            _RUNNING.discard(proc)
         proc.returncode = os.waitstatus_to_exitcode(status)
     return {"argv": argv, "rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 2),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "started": started, "finished": time.time(),
@@ -148,7 +155,10 @@ def _finish(run: Run, rec: dict, progress: Progress) -> None:
 
 
 def run_local(runs: Sequence[Run], jobs: int, nice: int, progress: Progress) -> None:
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    """``jobs`` runs at a time. Interrupted (Ctrl-C), no further run starts and the running ones are
+    terminated: they are partial runs, started over by the next ``masrl sweep``."""
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
         pending = {}
         for run in runs:
             record_path(run).unlink(missing_ok=True)
@@ -157,6 +167,13 @@ def run_local(runs: Sequence[Run], jobs: int, nice: int, progress: Progress) -> 
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
                 _finish(pending.pop(fut), _result(fut.result), progress)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(_RUNNING):
+            proc.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def run_ray(runs: Sequence[Run], address: str, gpus: float, nice: int, progress: Progress) -> None:
