@@ -273,7 +273,7 @@ def fabricate(out: Path, cell: str, seed: int, sft: float, rl: float, norms: lis
 def test_report_on_fabricated_runs(tmp_path):
     out = tmp_path / "sweep"
     (out).mkdir()
-    (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1, 2], "axes": {"est": ["grpo", "drmas"]},
+    (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1, 2, 3], "axes": {"est": ["grpo", "drmas"]},
                                                 "cells": ["est=grpo", "est=drmas"]}))
     fabricate(out, "est=grpo", 0, 0.30, 0.40, [1.0, 3.0, 2.0], [0, 1, 0], mid=0.55)
     fabricate(out, "est=grpo", 1, 0.32, 0.36, [1.0, 1.0, 0.0], [0, 0, 0])
@@ -281,6 +281,8 @@ def test_report_on_fabricated_runs(tmp_path):
     fabricate(out, "est=drmas", 0, 0.30, 0.45, [1.0, 1.5, 2.0], [0, 0, 0])
     fabricate(out, "est=drmas", 1, 0.32, 0.44, [1.0, 1.0, 1.0], [0, 0, 0])
     fabricate(out, "est=drmas", 2, 0, 0, [], [], rc=1)  # failed: listed, never dropped
+    (out / "est=grpo" / "seed3").mkdir()  # still running (or killed): no report.json, no exit record
+    (out / "est=grpo" / "seed3.log").write_text("[RL 3/40] reward 0.41\n")
     paths = report(out)
     assert {p.name for p in paths} == {"summary.json", "summary.md", "heldout_accuracy.png", "grad_norms.png",
                                        "spike_rate.png"}
@@ -306,7 +308,12 @@ def test_report_on_fabricated_runs(tmp_path):
     assert s["metrics"]["chi2_drift_final/Solver"]["arms"]["est=drmas"]["values"]["0"] == pytest.approx(0.3)
     assert s["metrics"]["train_reward_final"]["arms"]["est=drmas"]["mean"] == pytest.approx(0.52)
     assert s["metrics"]["wall_s"]["arms"]["est=drmas"]["values"] == {"0": 100.0, "1": 101.0}
-    ((failed),) = s["not_finished"]
+    failed, missing, unfinished = sorted(s["not_finished"], key=lambda r: r["status"])
+    assert (unfinished["cell"], unfinished["seed"], unfinished["status"]) == ("est=grpo", 3, "unfinished")
+    assert "still running, or interrupted" in unfinished["reason"] and "[RL 3/40]" in unfinished["reason"]
+    assert (missing["cell"], missing["seed"], missing["status"], missing["reason"]) == ("est=drmas", 3, "missing",
+                                                                                        "not run yet")
+    assert s["runs"] == {"ok": 5, "total": 8}
     assert (failed["cell"], failed["seed"], failed["status"]) == ("est=drmas", 2, "failed")
     assert "exit code 1" in failed["reason"] and "masrl: error: out of memory" in failed["reason"]
     md = (out / "summary.md").read_text()
