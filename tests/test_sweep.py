@@ -66,6 +66,11 @@ def test_spec_cli_errors_exit_2(tmp_path, capsys):
     assert cli_main(["sweep", str(tmp_path / "nope.yaml")]) == 2
     assert cli_main(["sweep", str(write_spec(tmp_path, base="missing.yaml")), "--dry-run"]) == 2
     assert "base config 'missing.yaml' does not exist" in capsys.readouterr().err
+    assert cli_main(["sweep", str(write_spec(tmp_path)), "--jobs", "0"]) == 2
+    assert cli_main(["sweep", str(write_spec(tmp_path)), "--gpus-per-run", "1"]) == 2
+    assert "--jobs must be >= 1" in (err := capsys.readouterr().err) and "--gpus-per-run needs --ray" in err
+    assert cli_main(["sweep", "report", str(tmp_path)]) == 2
+    assert "no sweep.json and no run folders" in capsys.readouterr().err
     bad = write_spec(tmp_path, axes={"lr": {"key": "policies.shared.optim.lr", "values": ["fast"]}})
     assert cli_main(["sweep", str(bad), "--dry-run", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
