@@ -363,12 +363,12 @@ def test_quick_sweep_on_a_local_ray_cluster(tmp_path, monkeypatch):
     reported and does not stop the other."""
     pytest.importorskip("ray")
     monkeypatch.chdir(REPO)
-    spec = write_spec(tmp_path, seeds=[0], axes={"estimator": {"key": "algorithm.estimator",
-                                                               "values": ["grpo", "no_such_estimator"]}})
+    spec = write_spec(tmp_path, seeds=[0], axes={"task": {"ok": [], "broken": ["task.name=no_such_task"]}})
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "masrl.cli", "sweep", str(spec), "--quick", "--ray", "local", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "estimator=grpo seed 0: rc 0" in proc.stdout and "1 of 2 runs failed" in proc.stdout
-    assert json.loads((out / "estimator=grpo" / "seed0" / "report.json").read_text())["steps"] == 2
-    assert json.loads((out / "estimator=no_such_estimator" / "seed0.json").read_text())["rc"] != 0
+    assert "task=ok seed 0: rc 0" in proc.stdout and "1 of 2 runs failed" in proc.stdout
+    assert json.loads((out / "task=ok" / "seed0" / "report.json").read_text())["steps"] == 2
+    assert json.loads((out / "task=broken" / "seed0.json").read_text())["rc"] == 2  # unknown task: a runtime error
+    assert "no_such_task" in (out / "task=broken" / "seed0.log").read_text()
