@@ -179,8 +179,8 @@ class LossConfig(_Strict):
     clip_high: float = Field(0.2, ge=0.0, description="ratio clip above 1 (1 + clip_high; clip-higher when larger)")
     dual_clip: Optional[float] = Field(None, gt=1.0, description="dual-clip constant c for negative advantages")
     agg: str = Field("token-mean", description=(
-        "how token losses are averaged into the batch loss: token-mean, seq-mean-token-mean, "
-        "seq-mean-token-sum-norm"))
+        "token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or role-balanced: token mean within each agent, "
+        "then the mean over the agents in the policy batch (every role the same weight; docs/algorithms.md)"))
     kl_coef: float = Field(0.0, ge=0.0, description="weight of the KL to the reference policy (0: off)")
     kl_kind: str = Field("k3", description="KL estimator: k1, k2, k3")
     entropy_coef: float = Field(0.0, description="entropy bonus weight")
