@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
-from masrl.rollout.engine import GenRequest, TransformersEngine
+from masrl.rollout.engine import Engine, GenRequest, TransformersEngine
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.training.update import Row, pack_rows, response_logits, token_logprobs
 
@@ -60,7 +60,7 @@ def test_sampling_is_seeded(model_tok):
     assert one == two and one != other
 
 
-class _CountingEngine:
+class _CountingEngine(Engine):
     def __init__(self):
         self.calls = []
 
