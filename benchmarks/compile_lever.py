@@ -129,7 +129,7 @@ def section_quickstart(a) -> dict:
     if a.mode == "compile":
         install_compile_patches()
     from masrl.config import load_config
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(a.config, BASE_OVERRIDES + [f"trainer.threads={a.threads}", f"trainer.total_steps={a.steps}"])
     trainer = Trainer(cfg, progress=False)

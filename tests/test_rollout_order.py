@@ -19,7 +19,7 @@ from masrl.rollout.engine import Engine, GenRequest, GenResult
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.retrieval import BM25Retriever
 from masrl.training.sft import collect_demonstrations
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 _jitter = random.SystemRandom()
 

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 
 from masrl.types import Task
-from masrl.workflows.parsing import extract_boxed
+from masrl.tasks.parsing import extract_boxed
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any
 
 from masrl.paths import data_dir
 from masrl.types import Task
-from masrl.workflows.parsing import extract_boxed
+from masrl.tasks.parsing import extract_boxed
 
 __all__ = [
     "BENCHMARKS",

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from masrl.config import TaskConfig
-from masrl.types import Task
-from masrl.workflows.base import ScoreFn
+from pathlib import Path
+
+from masrl.config import ConfigError, TaskConfig
+from masrl.types import ScoreFn, Task
 
 # (agent, prompt, task) -> demonstration text, for cold-start SFT
 Teacher = Callable[[str, str, Task], str]
@@ -130,3 +131,19 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
                "check task.params (e.g. train_size) or the data file")
         raise ValueError(f"task {cfg.name!r}: the training split is empty ({why})")
     return source
+
+
+def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
+    """``(tasks, score)``: 'test' is the task source's held-out split; otherwise a math or QA benchmark
+    name, or a QA file; each is scored by its kind's reward (math-verify or EM)."""
+    if name == "test":
+        return (source.test[:limit] if limit else source.test), source.score
+    from masrl.tasks.math_data import BENCHMARKS, load_benchmark
+    from masrl.tasks.qa import QA_DATASETS, load_qa
+
+    if name in BENCHMARKS:
+        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
+    if name in QA_DATASETS or Path(name).is_file():
+        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
+    known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
+    raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")

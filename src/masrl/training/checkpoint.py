@@ -221,3 +221,17 @@ def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors
     from masrl.training.policy import after_update
 
     after_update(policy)  # a separate rollout engine (vLLM) serves the restored weights
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder (``RUN_DIR/checkpoints/step_N``, or a run folder: its latest valid checkpoint);
+    ``ConfigError`` naming ``--checkpoint`` when there is none."""
+    from masrl.config import ConfigError
+
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    found = latest_valid_checkpoint(p)
+    if found is None:
+        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
+    return found

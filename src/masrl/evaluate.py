@@ -7,40 +7,11 @@ from pathlib import Path
 from masrl.config import ConfigError, load_config
 
 
-def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
-    """``(tasks, score)``: 'test' is the task source's held-out split; otherwise a math or QA benchmark
-    name, or a QA file; each is scored by its kind's reward (math-verify or EM)."""
-    if name == "test":
-        return (source.test[:limit] if limit else source.test), source.score
-    from masrl.tasks.math_data import BENCHMARKS, load_benchmark
-    from masrl.tasks.qa import QA_DATASETS, load_qa
-    from masrl.tasks.registry import _math_score, _qa_score
-
-    if name in BENCHMARKS:
-        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
-    if name in QA_DATASETS or Path(name).is_file():
-        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
-    known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
-    raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")
-
-
-def _resolve_checkpoint(path: str) -> Path:
-    from masrl.training.checkpoint import latest_valid_checkpoint
-
-    p = Path(path)
-    if (p / "manifest.json").is_file():
-        return p
-    found = latest_valid_checkpoint(p)
-    if found is None:
-        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
-    return found
-
-
 def run_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     n = args.n or cfg.eval.n
@@ -71,12 +42,14 @@ def run_eval(args) -> int:
 
 def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
-    from masrl.evaluation.runner import repeat_tasks, summarize_episodes
-    from masrl.training.checkpoint import load_checkpoint
+    from masrl.evaluation.runner import summarize_episodes
+    from masrl.rollout.runner import repeat_tasks
+    from masrl.tasks.registry import load_bench_tasks
+    from masrl.training.checkpoint import load_checkpoint, resolve_checkpoint
 
     ckpt_path = None
     if args.checkpoint:
-        ckpt_path = _resolve_checkpoint(args.checkpoint)
+        ckpt_path = resolve_checkpoint(args.checkpoint)
         load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
     out.mkdir(parents=True, exist_ok=True)
