@@ -60,6 +60,9 @@ class LoraConfig(_Strict):
     per_agent: bool = Field(False, description=(
         "Isolated-Policy: one adapter per agent mapped to this policy, all trained in one optimizer step "
         "from one mixed batch; false: one adapter shared by the policy's agents (Shared-Policy)"))
+    init_from: Optional[str] = Field(None, description=(
+        "folder holding one PEFT adapter folder per adapter name (a role, or the policy's name when shared), "
+        "as `masrl export` writes in POLICY/adapters: the adapters start from those weights instead of zero"))
 
 
 class PolicyConfig(_Strict):
@@ -186,6 +189,9 @@ class TrainerConfig(_Strict):
         "gradients and optimizer state, loss math in float32). The PPO old log-probs are then the "
         "trainer's own (free with 1 epoch x 1 minibatch), not the engine's. The in-process engine decodes "
         "under the same autocast. docs/performance.md"))
+    export: bool = Field(False, description=(
+        "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
+        "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))
 
 
 class EvalConfig(_Strict):
