@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from masrl.config import PolicyConfig, RolloutConfig
+from masrl.errors import ConfigError
 from masrl.rollout.base import Engine
 from masrl.rollout.engine import TransformersEngine
 
@@ -46,7 +47,7 @@ def _vllm_engine(name: str, cfg: PolicyConfig, rollout: RolloutConfig, model, to
 
     if cfg.model == "tiny":  # built in memory: vLLM loads it from a folder
         if workdir is None:
-            raise ValueError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
+            raise ConfigError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
         source = save_for_vllm(model, tokenizer, Path(workdir) / name)
     else:
         from masrl.models.hub import resolve_model_source
