@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss, truncated_is_weights
+from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_loss, role_balanced_weights,
+                              truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
 from masrl.training.distributed import DataParallel
@@ -267,6 +268,9 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
     params, dp, trainer = u.params, u.dp, u.trainer
     total_tokens = sum(len(r.response_ids) for r in minibatch)
     total_rows = sum(1 for r in minibatch if r.response_ids)
+    # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
+    role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
+        if u.algo.loss.agg == "role-balanced" else None
     before = [torch.zeros_like(p) for p in params] if u.per_agent_norms and not u.routed else None
     summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None
     agent_norms: dict[str, float] = {}
@@ -276,7 +280,7 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
         unit = [r for r in unit if r.response_ids]
         mine = dp.shard(unit) if dp else unit
         for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
-            if not _backward_chunk(u, chunk, total_tokens, total_rows):
+            if not _backward_chunk(u, chunk, total_tokens, total_rows, role_w):
                 finite = False
                 break
         if not finite and dp is None:
@@ -305,7 +309,8 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
     return finite, agent_norms
 
 
-def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_rows: int) -> bool:
+def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_rows: int,
+                    role_w: dict[str, float] | None) -> bool:
     """Loss of one micro-batch (policy loss, entropy bonus, KL), backward with its share of the minibatch;
     False (nothing backwarded) when the loss is not finite."""
     lc, trainer, metrics, norm_length = u.algo.loss, u.trainer, u.metrics, u.norm_length
@@ -318,6 +323,7 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     if u.recompute and u.single_pass:  # nothing has changed the policy yet: its own log-probs are old
         old, engine_logprobs = logprobs.detach(), batch.old_logprobs
     is_weights = None
+    row_w = torch.tensor([role_w[r.agent] for r in chunk], device=u.device) if role_w else None
     ris = u.algo.rollout_is
     if ris.enabled:
         is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
@@ -327,10 +333,11 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
-                              is_weights=is_weights)
+                              is_weights=is_weights, row_weights=row_w)
     if lc.entropy_coef:
         entropy = entropy_from_logits(logits)
-        loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg, norm_length=norm_length)
+        loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg, norm_length=norm_length,
+                                                 row_weights=row_w)
     else:  # a metric only: no graph, and the log-probs' logsumexp reused
         with torch.no_grad():
             entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
@@ -339,9 +346,11 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
             ref = reference_logprobs(u.policy, batch)
         kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
         if lc.kl_coef:
-            loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length)
+            loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length,
+                                                row_weights=row_w)
         _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
-    weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean" else len(chunk) / max(total_rows, 1))
+    weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
+              else 1.0 if role_w else len(chunk) / max(total_rows, 1))  # role-balanced: weights are global
     if not torch.isfinite(loss):
         return False
     (loss * weight).backward()
