@@ -69,11 +69,12 @@ def install_compile_patches() -> None:
 
 
 def static_decode(self, model, requests, compiled=True):
-    """``TransformersEngine._decode`` with a ``StaticCache`` and the full-length mask (fixed shapes per batch)."""
+    """``TransformersEngine._decode`` with a ``StaticCache`` and the full-length mask (fixed shapes per batch);
+    the sampling and stopping are the engine's own decode loop (:func:`masrl.rollout.engine.run_decode`)."""
     import torch
     from transformers.cache_utils import StaticCache
 
-    from masrl.rollout.engine import GenResult, _sample, _SamplePlan
+    from masrl.rollout.engine import DecodeState, run_decode
 
     device = next(model.parameters()).device
     batch = len(requests)
@@ -84,54 +85,26 @@ def static_decode(self, model, requests, compiled=True):
     for i, r in enumerate(requests):
         input_ids[i, width - lengths[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
         attention[i, width - lengths[i]:] = 1
-    temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
-    top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
-    budget = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
-    max_new = int(budget.max())
-    full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
+    state = DecodeState(requests, eos=self.eos, pad_token_id=self.pad_token_id, device=device,
+                        generator=self.generator)
+    full_mask = torch.cat([attention, torch.ones((batch, state.max_new), dtype=attention.dtype)], 1).to(device)
     positions = (full_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-    is_eos = torch.zeros(int(self.eos.max()) + 2, dtype=torch.bool)
-    is_eos[self.eos] = True
-    eos_limit = is_eos.numel() - 1
-    temperature, top_p = temperature.to(device), top_p.to(device)
-    plan = _SamplePlan(temperature, top_p)
-    cache = StaticCache(config=model.config, max_cache_len=width + max_new)
+    cache = StaticCache(config=model.config, max_cache_len=width + state.max_new)
     out = model(input_ids=input_ids.to(device), attention_mask=full_mask, position_ids=positions, use_cache=True,
                 past_key_values=cache, logits_to_keep=1, cache_position=torch.arange(width, device=device))
-    logits = out.logits[:, -1, :]
-    next_pos = positions[:, -1] + 1
-    tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long)
-    logps_out = torch.zeros((batch, max_new), dtype=torch.float32)
-    n_emitted = torch.zeros(batch, dtype=torch.long)
-    stopped = torch.zeros(batch, dtype=torch.bool)
-    done = budget <= 0
-    pad = torch.full((batch,), self.pad_token_id, dtype=torch.long)
-    zero = torch.zeros((), dtype=torch.float32)
     step_fn = compiled_module(model) if compiled else model
-    for step in range(max_new):
-        tok, lp = _sample(logits, temperature, top_p, self.generator, plan=plan)
-        tok, lp = tok.cpu(), lp.cpu()
-        active = ~done
-        tokens_out[:, step] = torch.where(active, tok, pad)
-        logps_out[:, step] = torch.where(active, lp, zero)
-        n_emitted += active
-        hit_eos = is_eos[tok.clamp(max=eos_limit)] & active
-        stopped |= hit_eos
-        done |= hit_eos | (n_emitted >= budget)
-        if bool(done.all()):
-            break
-        feed = torch.where(done, pad, tok).to(device)
-        out = step_fn(input_ids=feed[:, None], attention_mask=full_mask, position_ids=next_pos[:, None],
-                      past_key_values=cache, use_cache=True,
+    next_pos = [positions[:, -1] + 1]
+
+    def forward(step, logits):
+        out = step_fn(input_ids=state.feed().to(device)[:, None], attention_mask=full_mask,
+                      position_ids=next_pos[0][:, None], past_key_values=cache, use_cache=True,
                       cache_position=torch.tensor([width + step], device=device))
-        logits = out.logits[:, -1, :]
-        next_pos = next_pos + 1
-    results = []
-    for i in range(batch):
-        n = int(n_emitted[i])
-        self.tokens_generated += n
-        results.append(GenResult(tokens_out[i, :n].tolist(), logps_out[i, :n].tolist(),
-                                 truncated=not bool(stopped[i])))
+        next_pos[0] = next_pos[0] + 1
+        return out.logits[:, -1, :]
+
+    run_decode(state, out.logits[:, -1, :], forward)
+    results = state.results()
+    self.tokens_generated += sum(len(r.response_ids) for r in results)
     return results
 
 
@@ -156,7 +129,7 @@ def section_quickstart(a) -> dict:
     if a.mode == "compile":
         install_compile_patches()
     from masrl.config import load_config
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(a.config, BASE_OVERRIDES + [f"trainer.threads={a.threads}", f"trainer.total_steps={a.steps}"])
     trainer = Trainer(cfg, progress=False)

@@ -62,7 +62,7 @@ def single_config(threads: int, batch: int, extra: list[str]):
 # ----------------------------------------------------------------------------- throughput worker
 
 def worker_throughput(a) -> dict:
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_team_config(a.threads, a.override) if a.kind == "team" else single_config(a.threads, a.batch, a.override)
     trainer = Trainer(cfg, progress=False)
@@ -97,7 +97,7 @@ def mapping_config(model: str, mapping: str, threads: int):
 
 
 def worker_memory(a) -> dict:
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     rss0 = current_rss_mib()
     try:

@@ -57,7 +57,7 @@ def profile_quickstart(a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from masrl.config import load_config
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(REPO / "examples" / "quickstart.yaml", BASE_OVERRIDES + [f"trainer.threads={a.threads}"] + a.override)
     trainer = Trainer(cfg, progress=False)
@@ -219,7 +219,7 @@ def lever_bucketing(a):
     token budget filled in arrival order (no sorting), plus the padding each leaves."""
     import masrl.training.update as upd
     from masrl.config import load_config
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(REPO / "examples" / "quickstart.yaml", BASE_OVERRIDES + [f"trainer.threads={a.threads}"])
     trainer = Trainer(cfg, progress=False)

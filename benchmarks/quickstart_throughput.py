@@ -77,7 +77,7 @@ def summarize(steps: list[dict]) -> dict:
 def worker_main(a) -> None:
     set_threads(a.threads)
     from masrl.config import load_config
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(a.config, BASE_OVERRIDES + [f"trainer.threads={a.threads}"] + a.override)
     t = time.perf_counter()

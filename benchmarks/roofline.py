@@ -77,7 +77,7 @@ def worker_update(a) -> dict:
     import torch
 
     from masrl.config import config_from_dict
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
     from masrl.workflows.single import SINGLE_PROMPTS
 
     cfg = config_from_dict({

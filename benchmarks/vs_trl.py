@@ -105,7 +105,7 @@ def warm_reward() -> None:
 
 def worker_masrl(a) -> dict:
     from masrl.config import config_from_dict
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = config_from_dict({
         "name": "bench-vs-trl", "seed": a.seed, "output_dir": str(Path(tempfile.gettempdir()) / "masrl-bench-unused"),

@@ -5,7 +5,7 @@ import torch
 from masrl.config import ConfigError, config_from_dict
 from masrl.models.lora import adapter_parameters
 from masrl.training import checkpoint as ckpt
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 
 def _cfg(tiny_cfg, tmp_path):

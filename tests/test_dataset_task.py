@@ -13,7 +13,7 @@ from masrl.tasks.dataset import load_rows_as_tasks
 from masrl.tasks.math_data import DatasetLoadError
 from masrl.tasks.rows import MalformedRowWarning
 from masrl.tasks.registry import load_task_source
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = data_dir()

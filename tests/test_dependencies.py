@@ -84,7 +84,7 @@ def test_run_folder_records_the_library_versions(tiny_cfg):
     import yaml
 
     from masrl.config import config_from_dict
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = config_from_dict(tiny_cfg(**{"sft.steps": 0, "trainer.total_steps": 1, "trainer.batch_size": 1,
                                        "trainer.group_size": 2, "eval.before_after": False, "logging.plots": False}))

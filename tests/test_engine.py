@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
-from masrl.rollout.engine import GenRequest, TransformersEngine
+from masrl.rollout.engine import Engine, GenRequest, GenResult, TransformersEngine
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.training.update import Row, pack_rows, response_logits, token_logprobs
 
@@ -60,7 +60,7 @@ def test_sampling_is_seeded(model_tok):
     assert one == two and one != other
 
 
-class _CountingEngine:
+class _CountingEngine(Engine):
     def __init__(self):
         self.calls = []
 
@@ -102,3 +102,35 @@ def test_scheduler_propagates_workflow_errors():
 
     with pytest.raises(RuntimeError, match="workflow bug"):
         sched.run([bad(), good()])
+
+
+def test_a_backend_needs_only_generate_and_reseed():
+    """The Engine protocol's defaults cover what the scheduler and the update hooks ask of a backend."""
+    from types import SimpleNamespace
+
+    from masrl.config import RolloutConfig
+    from masrl.training.policy import after_update, before_update
+
+    class Echo(Engine):
+        def __init__(self):
+            self.batches = []
+
+        def generate(self, requests):
+            self.batches.append(len(requests))
+            return [GenResult(list(r.prompt_ids), [0.0] * len(r.prompt_ids), False) for r in requests]
+
+        def reseed(self, seed):
+            pass
+
+    engine = Echo()
+    sched = RolloutScheduler({"p": engine})
+
+    async def episode(i):
+        return (await sched.generate("p", GenRequest([i, i]))).response_ids
+
+    assert sched.run([episode(i) for i in range(3)]) == [[0, 0], [1, 1], [2, 2]]
+    assert engine.batches == [3]  # submitted once, generated in one call at collect
+    policy = SimpleNamespace(engine=engine, model=None, cfg=SimpleNamespace(lora=None), base_trained=False)
+    before_update(policy, RolloutConfig(sleep_level=1))  # cannot sleep: not asked to
+    after_update(policy)
+    assert not engine.shares_training_model and not engine.can_sleep

@@ -5,7 +5,7 @@ import yaml
 
 from masrl.cli import main
 from masrl.config import config_from_dict
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 
 def test_eval_of_tiny_checkpoint_writes_all_outputs(tmp_path, tiny_cfg, capsys):

@@ -14,7 +14,7 @@ from masrl.config import config_from_dict, dump_config
 from masrl.export import ExportError, export_run
 from masrl.models.lora import adapter_state_dict, mixed_adapters
 from masrl.models.tiny import build_char_tokenizer
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 TEXT = "<s>Q 3+4=?\nS \\boxed{7}</s><pad> <verify>approve</verify> x"
 

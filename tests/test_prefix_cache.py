@@ -165,8 +165,8 @@ def test_lookup_checks_tokens_not_only_hashes():
     store = PrefixCache(block=4)
     store._chain = lambda tokens, adapter: ((4 * (k + 1), 0) for k in range(len(tokens) // 4))  # all collide
     keys = [torch.zeros(1, 1, 8, 2)]
-    from masrl.rollout.engine import _StoredBatch
-    store.add(_StoredBatch(keys, keys, [(1, 2, 3, 4, 5, 6)], [torch.arange(6)], [None], 64))
+    from masrl.rollout.prefix_cache import StoredBatch
+    store.add(StoredBatch(keys, keys, [(1, 2, 3, 4, 5, 6)], [torch.arange(6)], [None], 64))
     assert store.lookup((1, 2, 3, 4, 5, 9, 9), None)[2] == 5
     assert store.lookup((9, 9, 9, 9, 9, 9, 9), None) is None  # same hash chain, other tokens
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from masrl.config import ConfigError, config_from_dict
 from masrl.runtime import WorkerGroupError
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 from masrl.training.update import Row
 
 ray = pytest.importorskip("ray")

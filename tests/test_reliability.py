@@ -22,7 +22,7 @@ from masrl.monitoring.logger import read_metrics
 from masrl.training import checkpoint as ckpt
 from masrl.training.checkpoint import (CheckpointError, latest_valid_checkpoint, list_checkpoints,
                                        verify_checkpoint)
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 # fast runs: no SFT, no before/after evaluation, no TensorBoard/plots, one thread
 FAST = {"sft.steps": 0, "eval.before_after": False, "logging.tensorboard": False, "logging.plots": False,

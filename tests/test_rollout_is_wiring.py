@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig
+from masrl.rollout.base import Engine
 from masrl.training.policy import build_policy
 from masrl.training.update import Row, summarize_update, update_policy_raw, with_trainer_logprobs
 
@@ -15,7 +16,7 @@ TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "nu
 GAP = 0.5
 
 
-class SeparateEngine:  # stands for vLLM: not the trainer's model
+class SeparateEngine(Engine):  # stands for vLLM: not the trainer's model
     def generate(self, requests):
         raise AssertionError("not used")
 

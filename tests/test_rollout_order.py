@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from masrl.config import load_config
-from masrl.rollout.engine import GenRequest, GenResult
+from masrl.rollout.engine import Engine, GenRequest, GenResult
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.retrieval import BM25Retriever
 from masrl.training.sft import collect_demonstrations
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 _jitter = random.SystemRandom()
 
@@ -52,7 +52,7 @@ def test_demonstrations_do_not_depend_on_thread_timing(trainer):
     assert collect() == collect()
 
 
-class _RecordingEngine:
+class _RecordingEngine(Engine):
     """Answers every request with its own prompt; records the order of each batch."""
 
     def __init__(self):

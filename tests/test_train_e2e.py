@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from masrl.config import config_from_dict
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 
 
 def _records(run_dir, phase="train"):

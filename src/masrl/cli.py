@@ -10,7 +10,7 @@ from masrl.errors import ConfigError, UserInputError, check_output_folder
 
 
 def _cmd_train(args) -> int:
-    from masrl.training.trainer import Trainer, format_before_after
+    from masrl.trainer import Trainer, format_before_after
 
     if args.config and "=" in args.config:  # `masrl train --resume DIR key=value ...`
         args.overrides, args.config = [args.config, *args.overrides], None
@@ -63,7 +63,7 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from masrl.evaluation.cli import run_eval
+    from masrl.evaluate import run_eval
 
     return run_eval(args)
 

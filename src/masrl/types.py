@@ -7,7 +7,7 @@ sampled for the same task.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass
@@ -68,3 +68,7 @@ class Episode:
         if "correct" in self.info:
             return bool(self.info["correct"])
         return self.reward >= 1.0
+
+
+# (task, final answer text) -> {"reward": float, "correct": bool, ...}: a task's reward function
+ScoreFn = Callable[[Task, str | None], dict]

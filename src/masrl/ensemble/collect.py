@@ -2,7 +2,7 @@
 each proposer's answer as an ensemble predictions file (the JSONL read by :mod:`masrl.ensemble.data`).
 
 The team is built exactly as ``masrl eval`` builds it (config + dotted overrides, optional trained
-checkpoint, :class:`~masrl.training.trainer.Trainer` rollout, ``load_bench_tasks`` for the tasks and
+checkpoint, :class:`~masrl.trainer.Trainer` rollout, ``load_bench_tasks`` for the tasks and
 their score function). The workflow must record the proposers' answers in
 ``episode.info["proposals"]`` (one entry per proposer slot, as ``proposers_summarizer`` does).
 
@@ -96,7 +96,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     """Prediction rows (see module doc), one per episode, and facts about the collection.
 
     ``episodes`` are in task order with ``n_samples`` consecutive episodes per task (as
-    :func:`masrl.evaluation.runner.repeat_tasks` makes them). Raises ``ValueError`` if an episode has
+    :func:`masrl.rollout.runner.repeat_tasks` makes them). Raises ``ValueError`` if an episode has
     no proposals or the proposer set changes between episodes.
     """
     from masrl.ensemble.data import _vocab_key
@@ -161,9 +161,10 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
             temperature: float | None = None, checkpoint: str | None = None, strict: bool = False,
             where: str = "config") -> tuple[list[dict], dict]:
     """Run the configured team on ``benches`` and return ``(rows, facts)`` (see :func:`episode_rows`)."""
-    from masrl.evaluation.cli import load_bench_tasks, load_eval_checkpoint
-    from masrl.evaluation.runner import repeat_tasks
-    from masrl.training.trainer import Trainer
+    from masrl.rollout.runner import repeat_tasks
+    from masrl.tasks.registry import load_bench_tasks
+    from masrl.trainer import Trainer
+    from masrl.training.checkpoint import load_eval_checkpoint
     from masrl.workflows.base import get_workflow
 
     if n_samples < 1:

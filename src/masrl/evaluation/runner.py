@@ -5,12 +5,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from masrl.evaluation.metrics import TaskResult, summarize_groups
-from masrl.types import Episode, Task
-
-
-def repeat_tasks(tasks: Sequence[Task], n: int) -> tuple[list[Task], list[int]]:
-    """Each task n times in a row; the group id is the task's index."""
-    return [t for t in tasks for _ in range(n)], [i for i in range(len(tasks)) for _ in range(n)]
+from masrl.types import Episode
 
 
 def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: str = "test") -> dict[str, float]:

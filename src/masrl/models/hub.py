@@ -14,13 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from masrl.errors import UserInputError
+from masrl.models.errors import ModelLoadError
 
 __all__ = ["ALIASES", "ModelLoadError", "load_pretrained", "resolve_model_source"]
-
-
-class ModelLoadError(UserInputError, RuntimeError):
-    """A model or tokenizer could not be found or loaded; the message is one line."""
 
 
 def _smollm2_135m_instruct() -> str:

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from masrl.models.hub import ModelLoadError
+from masrl.models.errors import ModelLoadError
 from masrl.paths import cache_dir
 
 __all__ = ["ALIAS", "SMOLLM2_CHAT_TEMPLATE", "conversion_info", "find_smollm2_gguf", "smollm2_path"]

@@ -15,29 +15,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from masrl.rollout.base import Engine, GenRequest, GenResult
+from masrl.rollout.kv_cache import preallocated_cache
+from masrl.rollout.prefix_cache import PrefixCache, StoredBatch
 
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    adapter: str | None = None  # LoRA adapter this row decodes with (per-agent adapters)
-
-
-@dataclass
-class GenResult:
-    response_ids: list[int]
-    logprobs: list[float]
-    truncated: bool  # hit max_new_tokens without emitting a stop token
-
-
-class Engine(Protocol):
-    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]: ...
+__all__ = ["DecodeState", "Engine", "GenRequest", "GenResult", "PrefixCache", "TransformersEngine", "run_decode"]
 
 
 def _sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
@@ -78,203 +64,147 @@ class _SamplePlan:
         self.any_top_p = bool((top_p < 1.0).any())
 
 
-class _PreallocatedLayer:
-    """Factory of the preallocated cache layer class (built lazily: transformers is imported on use)."""
-
-    cls = None
-
-    @classmethod
-    def get(cls):
-        if cls.cls is None:
-            from transformers.cache_utils import DynamicLayer
-
-            class PreallocatedLayer(DynamicLayer):
-                """Keys/values written in place into ``[batch, heads, capacity, head_dim]`` buffers.
-
-                ``prefill(keys, values, filled)`` starts the layer from buffers whose first ``filled``
-                positions are already set (reused prefixes); otherwise the first update allocates them.
-                """
-
-                def __init__(self, capacity: int):
-                    super().__init__()
-                    self.capacity = capacity
-                    self._filled = 0
-                    self._rows = slice(None)  # the batch rows the next forward covers (prefill chunks)
-                    self._total_rows: int | None = None
-
-                def prefill(self, keys: torch.Tensor, values: torch.Tensor, filled: int) -> None:
-                    self._k, self._v, self._filled = keys, values, filled
-                    self.dtype, self.device = keys.dtype, keys.device
-                    self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
-                    self.is_initialized = True
-
-                def focus(self, rows: slice, filled: int, total_rows: int) -> None:
-                    """The next forward covers batch ``rows`` only, after ``filled`` positions."""
-                    self._rows, self._filled, self._total_rows = rows, filled, total_rows
-                    if self.is_initialized:
-                        self.keys, self.values = self._k[rows, :, :filled], self._v[rows, :, :filled]
-
-                def update(self, key_states, value_states, *args, **kwargs):
-                    if not self.is_initialized:
-                        self.dtype, self.device = key_states.dtype, key_states.device
-                        b, h, _, d = key_states.shape
-                        b = self._total_rows or b
-                        self._k = key_states.new_zeros((b, h, self.capacity, d))
-                        self._v = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
-                        self.is_initialized = True
-                    start, end = self._filled, self._filled + key_states.shape[-2]
-                    if end > self._k.shape[-2]:  # longer than planned: grow (never happens in _decode)
-                        grow = max(end, 2 * self._k.shape[-2]) - self._k.shape[-2]
-                        self._k = torch.cat([self._k, self._k.new_empty((*self._k.shape[:2], grow, self._k.shape[-1]))], -2)
-                        self._v = torch.cat([self._v, self._v.new_empty((*self._v.shape[:2], grow, self._v.shape[-1]))], -2)
-                    rows = self._rows
-                    self._k[rows, :, start:end].copy_(key_states)
-                    self._v[rows, :, start:end].copy_(value_states)
-                    self._filled = end
-                    self.keys, self.values = self._k[rows, :, :end], self._v[rows, :, :end]
-                    return self.keys, self.values
-
-                def select_rows(self, index: torch.Tensor) -> None:
-                    """Keep/duplicate batch rows (``index`` into the current rows)."""
-                    self._k, self._v = self._k.index_select(0, index), self._v.index_select(0, index)
-                    self.keys, self.values = self._k[:, :, :self._filled], self._v[:, :, :self._filled]
-
-            cls.cls = PreallocatedLayer
-        return cls.cls
 
 
-def _preallocated_cache(model: torch.nn.Module, capacity: int):
-    """A transformers ``DynamicCache`` whose layers write into buffers of ``capacity`` positions.
+class DecodeState:
+    """What every decode step of one batch reads and writes: per-row sampling settings, the tokens and
+    log-probs emitted so far, and which rows are done (a stop token or the row's token budget)."""
 
-    The default dynamic cache grows every layer's keys and values by ``torch.cat`` at every decode
-    step (a copy of the whole cache per step: O(length^2) traffic, the largest rollout op on small
-    models). Here each layer allocates ``[batch, heads, capacity, head_dim]`` once, writes new
-    positions in place and hands attention the view of the filled prefix: the same values, so the
-    same logits. Returns None (the model builds its default cache) unless every layer of the
-    model's default cache is a plain full-attention ``DynamicLayer``.
-    """
-    try:
-        from transformers.cache_utils import DynamicCache, DynamicLayer
-    except ImportError:  # pragma: no cover - other transformers versions
-        return None
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    try:
-        cache = DynamicCache(config=config)
-    except Exception:  # noqa: BLE001 - unusual configs: keep the model's own cache
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    layer_cls = _PreallocatedLayer.get()
-    cache.layers = [layer_cls(capacity) for _ in cache.layers]
-    return cache
+    def __init__(self, requests: Sequence[GenRequest], *, eos: torch.Tensor, pad_token_id: int, device,
+                 generator: torch.Generator):
+        batch = len(requests)
+        temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
+        top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
+        self.budget = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
+        self.max_new = int(self.budget.max())
+        self.is_eos = torch.zeros(int(eos.max()) + 2, dtype=torch.bool)  # token id -> stop token? (CPU lookup)
+        self.is_eos[eos] = True
+        self.eos_limit = self.is_eos.numel() - 1  # ids past the table (never stop tokens) are clamped onto a False entry
+        self.temperature, self.top_p = temperature.to(device), top_p.to(device)  # sampling runs where the logits are
+        self.plan = _SamplePlan(self.temperature, self.top_p)
+        self.generator = generator
+        self.tokens_out = torch.full((batch, self.max_new), pad_token_id, dtype=torch.long)
+        self.logps_out = torch.zeros((batch, self.max_new), dtype=torch.float32)
+        self.n_emitted = torch.zeros(batch, dtype=torch.long)
+        self.stopped = torch.zeros(batch, dtype=torch.bool)   # emitted a stop token
+        self.done = self.budget <= 0
+        self.pad = torch.full((batch,), pad_token_id, dtype=torch.long)
+        self.zero = torch.zeros((), dtype=torch.float32)
+        self.last: torch.Tensor | None = None  # the tokens sampled at the last step (every row)
+
+    def sample(self, step: int, logits: torch.Tensor) -> bool:
+        """Sample token ``step`` of every row from ``logits`` and record it for the rows still going;
+        True when every row is done."""
+        tok, lp = _sample(logits, self.temperature, self.top_p, self.generator, plan=self.plan)
+        tok, lp = tok.cpu(), lp.cpu()
+        active = ~self.done
+        self.tokens_out[:, step] = torch.where(active, tok, self.pad)
+        self.logps_out[:, step] = torch.where(active, lp, self.zero)
+        self.n_emitted += active
+        hit_eos = self.is_eos[tok.clamp(max=self.eos_limit)] & active
+        self.stopped |= hit_eos
+        self.done |= hit_eos | (self.n_emitted >= self.budget)
+        self.last = tok
+        return bool(self.done.all())
+
+    def feed(self) -> torch.Tensor:
+        """The tokens the next forward reads (every row, on the CPU): the last sample, padding once done."""
+        return torch.where(self.done, self.pad, self.last)
+
+    def results(self) -> list[GenResult]:
+        results = []
+        for i in range(self.done.numel()):
+            n = int(self.n_emitted[i])
+            results.append(GenResult(self.tokens_out[i, :n].tolist(), self.logps_out[i, :n].tolist(),
+                                     truncated=not bool(self.stopped[i])))
+        return results
+
+
+def run_decode(state: DecodeState, logits: torch.Tensor,
+               forward: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+    """The decode loop: sample every row from ``logits``; until every row is done, ``forward(step, logits)``
+    runs the model on :meth:`DecodeState.feed` and returns the next logits of every row."""
+    for step in range(state.max_new):
+        if state.sample(step, logits):
+            break
+        logits = forward(step, logits)
 
 
 @dataclass
-class _StoredBatch:
-    """One earlier engine call's cache buffers (per layer ``[rows, heads, capacity, head_dim]``)."""
+class _PromptLayout:
+    """How one call's prompts enter the model: distinct prompts ("unique rows") once, each with the prefix it
+    reuses; row ``i`` decodes from unique row ``inverse[i]``."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    tokens: list[tuple[int, ...]]     # row -> the tokens whose keys/values are in the buffers, in order
-    slots: list[torch.Tensor]         # row -> buffer position of each of those tokens
-    adapters: list[str | None]
-    nbytes: int
+    adapters: list[str | None]                   # per row
+    uniq: list[tuple[str | None, tuple[int, ...]]]  # per unique row: (adapter, prompt tokens)
+    inverse: list[int]
+    hits: list                                   # per unique row: (stored batch, row, reused length) or None
+    reuse: list[int]
+    lengths: list[int]
+    suffix: list[int]                            # prompt tokens left to prefill
+    prefix_width: int
+    width: int
+    input_ids: torch.Tensor
+    attention: torch.Tensor
+    positions: torch.Tensor
 
-
-class PrefixCache:
-    """Keys and values of the rows generated since the last :meth:`clear`, found again by token prefix.
-
-    A stored row covers its prompt and every response token that was fed back (all but the last).
-    Lookup walks a chain of hashes over blocks of ``block`` tokens (like vLLM's automatic prefix
-    caching), checks the match token by token, and extends it past the last full block; only rows
-    decoded with the same adapter match. Keys and values only depend on the tokens, their positions
-    (kept: reused rows keep their true position ids) and the weights, so the cache is dropped when
-    the weights change (:meth:`check_weights`, and :func:`masrl.training.policy.after_update`) and at the end
-    of every rollout. ``max_bytes`` bounds the stored buffers (oldest calls are dropped first).
-    """
-
-    def __init__(self, max_bytes: int = 1 << 30, block: int = 16):
-        self.max_bytes, self.block = max_bytes, block
-        self.batches: list[_StoredBatch] = []
-        self._index: dict[int, list[tuple[_StoredBatch, int]]] = {}  # block-chain hash -> rows with it
-        self._weights: tuple | None = None
-        self.lookups = self.hits = self.reused_tokens = self.prompt_tokens = 0
-
-    def clear(self) -> None:
-        self.batches, self._index = [], {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.batches)
-
-    def check_weights(self, model: torch.nn.Module) -> None:
-        """Drop everything if any parameter was replaced or changed in place since the last call."""
-        try:
-            key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-        except RuntimeError:  # inference tensors have no version counter: never trust stored rows
-            key = None
-        if key is None or key != self._weights:
-            self.clear()
-            self._weights = key
-
-    def _chain(self, tokens: Sequence[int], adapter: str | None):
-        h = hash(("masrl-prefix", adapter))
-        for k in range(len(tokens) // self.block):
-            h = hash((h, tuple(tokens[k * self.block:(k + 1) * self.block])))
-            yield (k + 1) * self.block, h
-
-    def lookup(self, tokens: tuple[int, ...], adapter: str | None) -> tuple[_StoredBatch, int, int] | None:
-        """(stored batch, row, reused length) of the longest stored prefix of ``tokens[:-1]``, or None."""
-        self.lookups += 1
-        deepest, n = None, 0
-        for length, h in self._chain(tokens[:-1], adapter):
-            rows = self._index.get(h)
-            if rows is None:
-                break
-            deepest, n = rows, length
-        if deepest is None:
-            return None
-        limit = len(tokens) - 1  # the last prompt token is always fed (its logits start decoding)
-        best = None
-        for batch, row in reversed(deepest):  # rows sharing the deepest block: the longest match wins
-            source = batch.tokens[row]
-            if source[:n] != tokens[:n]:  # a hash collision: not this row
-                continue
-            m, end = n, min(len(source), limit)
-            while m < end and source[m] == tokens[m]:
-                m += 1
-            if best is None or m > best[2]:
-                best = (batch, row, m)
-        if best is not None:
-            self.hits += 1
-        return best
-
-    def add(self, batch: _StoredBatch) -> None:
-        if batch.nbytes > self.max_bytes:
-            return
-        self.batches.append(batch)
-        if self.nbytes <= self.max_bytes:
-            self._add_to_index(batch)
-            return
-        while self.nbytes > self.max_bytes:
-            self.batches.pop(0)
-        self._reindex()
-
-    def _add_to_index(self, batch: _StoredBatch) -> None:
-        for row, tokens in enumerate(batch.tokens):
-            for _, h in self._chain(tokens, batch.adapters[row]):
-                self._index.setdefault(h, []).append((batch, row))
-
-    def _reindex(self) -> None:
-        self._index = {}
-        for batch in self.batches:
-            self._add_to_index(batch)
+    @classmethod
+    def build(cls, adapters, uniq, inverse, hits, reuse, lengths, suffix, pad_token_id: int) -> "_PromptLayout":
+        n_uniq = len(uniq)
+        prefix_width, suffix_width = max(reuse), max(suffix)
+        width = prefix_width + suffix_width
+        # layout of unique row u: reused prefix right-aligned to `prefix_width`, a masked gap, then its
+        # remaining prompt tokens right-aligned to `width` (left padding when nothing is reused)
+        input_ids = torch.full((n_uniq, suffix_width), pad_token_id, dtype=torch.long)
+        attention = torch.zeros((n_uniq, width), dtype=torch.long)
+        positions = torch.zeros((n_uniq, suffix_width), dtype=torch.long)
+        for u, (_, tokens) in enumerate(uniq):
+            r, n = reuse[u], suffix[u]
+            input_ids[u, suffix_width - n:] = torch.tensor(tokens[r:], dtype=torch.long)
+            attention[u, prefix_width - r:prefix_width] = 1
+            attention[u, width - n:] = 1
+            positions[u, suffix_width - n:] = torch.arange(r, r + n)
+        return cls(adapters, uniq, inverse, hits, reuse, lengths, suffix, prefix_width, width, input_ids,
+                   attention, positions)
 
 
-class TransformersEngine:
+class _LiveRows:
+    """The rows still in the model's batch (``live``: None = all) with their cache, mask and next positions.
+    Finished rows may leave it (:meth:`keep`); sampling always covers every row."""
+
+    def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor, batch: int, device):
+        self.cache, self.mask, self.pos, self.batch, self.device = cache, mask, pos, batch, device
+        self.live: torch.Tensor | None = None
+        self.live_dev: torch.Tensor | None = None
+
+    def should_compact(self, done: torch.Tensor) -> bool:
+        """A quarter of the rows in the model's batch are done."""
+        in_batch = self.batch if self.live is None else self.live.numel()
+        return in_batch - int((~done).sum()) >= max(1, in_batch // 4)
+
+    def keep(self, local: torch.Tensor, keep_rows: torch.Tensor) -> None:
+        """Keep only ``keep_rows`` (``local``: their index among the rows in the batch now)."""
+        local_dev = local.to(self.device)
+        for layer in self.cache.layers:
+            layer.select_rows(local_dev)
+        self.mask, self.pos = self.mask.index_select(0, local_dev), self.pos.index_select(0, local_dev)
+        self.live, self.live_dev = keep_rows, keep_rows.to(self.device)
+
+    def forward(self, model, feed: torch.Tensor, logits: torch.Tensor, mask_len: int) -> torch.Tensor:
+        """One decode step on the rows in the batch; returns every row's next logits."""
+        feed = (feed if self.live is None else feed.index_select(0, self.live)).to(self.device)
+        out = model(input_ids=feed[:, None], attention_mask=self.mask[:, :mask_len],
+                    position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        logits = out.logits[:, -1, :] if self.live is None else logits.index_copy(0, self.live_dev, out.logits[:, -1, :])
+        self.pos = self.pos + 1
+        return logits
+
+
+class TransformersEngine(Engine):
     """Batched sampling with a KV cache; the model is shared with the trainer (no weight copies)."""
+
+    shares_training_model = True
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
@@ -308,6 +238,11 @@ class TransformersEngine:
         """Free the stored keys/values (end of a rollout; the weights are about to change)."""
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+
+    def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
+        """The engine decodes with the trainer's model, so it serves new weights as they are; the keys/values
+        kept for prefix reuse belong to the old ones."""
+        self.clear_prefix_cache()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The CPU generator, or one on ``device`` (seeded alike) when the logits live there."""
@@ -354,7 +289,7 @@ class TransformersEngine:
         """Whether ``model``'s cache can be preallocated (prefix reuse works on those buffers)."""
         key = id(model)
         if getattr(self, "_preallocatable_for", None) != key:
-            self._preallocatable_ok = _preallocated_cache(model, 1) is not None
+            self._preallocatable_ok = preallocated_cache(model, 1) is not None
             self._preallocatable_for = key
         return self._preallocatable_ok
 
@@ -368,11 +303,35 @@ class TransformersEngine:
         return mixed_adapters(model, list(adapters))
 
     def _decode(self, model, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """Lay out the prompts, prefill them (reusing stored prefixes), then sample until every row is done."""
         device = next(model.parameters()).device
+        store = self.prefix_cache if self._preallocatable(model) else None
+        layout = self._layout(model, requests, store)
+        state = DecodeState(requests, eos=self.eos, pad_token_id=self.pad_token_id, device=device,
+                            generator=self._generator(torch.device(device)))
+        cache, logits, rows = self._start(model, layout, state.max_new, device, store)
+        with contextlib.ExitStack() as routing:
+            routing.enter_context(self._routing(model, layout.adapters))
+            compact = self.compact_finished and self.preallocate_cache and self._preallocatable(model)
+
+            def forward(step: int, logits: torch.Tensor) -> torch.Tensor:
+                if compact and rows.should_compact(state.done):
+                    self._compact(model, rows, state, layout, store, routing)
+                return rows.forward(model, state.feed(), logits, layout.width + step + 1)
+
+            run_decode(state, logits, forward)
+        results = state.results()
+        self.tokens_generated += sum(len(r.response_ids) for r in results)
+        if store is not None:
+            kept = list(range(len(requests))) if rows.live is None else rows.live.tolist()
+            self._store_rows(store, rows.cache, kept, rows.live, layout, state)
+        return results
+
+    def _layout(self, model, requests: Sequence[GenRequest], store: PrefixCache | None) -> "_PromptLayout":
+        """Distinct prompts ("unique rows", prefilled once), their reused prefixes and the padded inputs."""
         batch = len(requests)
         adapters = [r.adapter for r in requests]
         prompts = [tuple(r.prompt_ids) for r in requests]
-        store = self.prefix_cache if self._preallocatable(model) else None
         # distinct prompts ("unique rows") are prefilled once; `inverse[i]`: row i's unique row
         if store is not None:
             store.check_weights(model)
@@ -393,111 +352,49 @@ class TransformersEngine:
             rank = {u: i for i, u in enumerate(order)}
             uniq, hits, reuse, lengths, suffix = ([seq[u] for u in order] for seq in (uniq, hits, reuse, lengths, suffix))
             inverse = [rank[u] for u in inverse]
-        prefix_width, suffix_width = max(reuse), max(suffix)
-        width = prefix_width + suffix_width
-        # layout of unique row u: reused prefix right-aligned to `prefix_width`, a masked gap, then its
-        # remaining prompt tokens right-aligned to `width` (left padding when nothing is reused)
-        input_ids = torch.full((n_uniq, suffix_width), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((n_uniq, width), dtype=torch.long)
-        positions = torch.zeros((n_uniq, suffix_width), dtype=torch.long)
-        for u, (_, tokens) in enumerate(uniq):
-            r, n = reuse[u], suffix[u]
-            input_ids[u, suffix_width - n:] = torch.tensor(tokens[r:], dtype=torch.long)
-            attention[u, prefix_width - r:prefix_width] = 1
-            attention[u, width - n:] = 1
-            positions[u, suffix_width - n:] = torch.arange(r, r + n)
         if store is not None:
             store.prompt_tokens += sum(lengths)
             store.reused_tokens += sum(reuse)
         self.prefill_tokens += sum(suffix)
-        temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
-        top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
-        budget = torch.tensor([r.max_new_tokens for r in requests], dtype=torch.long)
-        max_new = int(budget.max())
-        input_ids, positions = input_ids.to(device), positions.to(device)
-        is_eos = torch.zeros(int(self.eos.max()) + 2, dtype=torch.bool)  # token id -> stop token? (CPU lookup)
-        is_eos[self.eos] = True
-        eos_limit = is_eos.numel() - 1  # ids past the table (never stop tokens) are clamped onto a False entry
-        temperature, top_p = temperature.to(device), top_p.to(device)  # sampling runs where the logits are
-        plan = _SamplePlan(temperature, top_p)
-        generator = self._generator(torch.device(device))
-        cache = _preallocated_cache(model, width + max_new) if self.preallocate_cache else None
-        if prefix_width:
-            self._fill_prefixes(cache, hits, reuse, prefix_width, width + max_new, device)
+        return _PromptLayout.build(adapters, uniq, inverse, hits, reuse, lengths, suffix, self.pad_token_id)
 
-        cache, logits = self._prefill(model, cache, input_ids, attention.to(device), positions, uniq, suffix,
-                                      prefix_width, chunked=store is not None)
-        next_pos = torch.tensor(lengths, dtype=torch.long)
-        if inverse != list(range(batch)):  # every row of a group gets its unique row's cache and first logits
-            rows = torch.tensor(inverse, dtype=torch.long, device=device)
+    def _start(self, model, layout: "_PromptLayout", max_new: int, device, store: PrefixCache | None):
+        """Prefill every unique row and give each row its unique row's cache: (cache, first logits, rows)."""
+        batch, width = len(layout.inverse), layout.width
+        input_ids, positions = layout.input_ids.to(device), layout.positions.to(device)
+        cache = preallocated_cache(model, width + max_new) if self.preallocate_cache else None
+        if layout.prefix_width:
+            self._fill_prefixes(cache, layout.hits, layout.reuse, layout.prefix_width, width + max_new, device)
+        cache, logits = self._prefill(model, cache, input_ids, layout.attention.to(device), positions, layout.uniq,
+                                      layout.suffix, layout.prefix_width, chunked=store is not None)
+        attention, next_pos = layout.attention, torch.tensor(layout.lengths, dtype=torch.long)
+        if layout.inverse != list(range(batch)):  # every row of a group gets its unique row's cache and first logits
+            rows = torch.tensor(layout.inverse, dtype=torch.long, device=device)
             for layer in cache.layers:
                 layer.select_rows(rows)
-            logits, attention = logits.index_select(0, rows), attention[inverse]
-            next_pos = next_pos[inverse]
+            logits, attention = logits.index_select(0, rows), attention[layout.inverse]
+            next_pos = next_pos[layout.inverse]
         next_pos = next_pos.to(device)
         # the mask for prompt + every decode step, allocated once (sliced per step)
         full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
-        tokens_out = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long)
-        logps_out = torch.zeros((batch, max_new), dtype=torch.float32)
-        n_emitted = torch.zeros(batch, dtype=torch.long)
-        stopped = torch.zeros(batch, dtype=torch.bool)   # emitted a stop token
-        done = budget <= 0
-        pad = torch.full((batch,), self.pad_token_id, dtype=torch.long)
-        zero = torch.zeros((), dtype=torch.float32)
-        compact = self.compact_finished and self.preallocate_cache and self._preallocatable(model)
-        live = None  # the rows still in the model's batch (None: all); sampling always covers every row
-        live_dev, mask, pos = None, full_mask, next_pos
-        with contextlib.ExitStack() as routing:
-            routing.enter_context(self._routing(model, adapters))
-            for step in range(max_new):
-                tok, lp = _sample(logits, temperature, top_p, generator, plan=plan)
-                tok, lp = tok.cpu(), lp.cpu()
-                active = ~done
-                tokens_out[:, step] = torch.where(active, tok, pad)
-                logps_out[:, step] = torch.where(active, lp, zero)
-                n_emitted += active
-                hit_eos = is_eos[tok.clamp(max=eos_limit)] & active
-                stopped |= hit_eos
-                done |= hit_eos | (n_emitted >= budget)
-                if bool(done.all()):
-                    break
-                in_batch = batch if live is None else live.numel()
-                if compact and in_batch - int((~done).sum()) >= max(1, in_batch // 4):
-                    # a quarter of the batch has finished: drop those rows (their keys/values go to the
-                    # prefix store) instead of decoding padding for them until the longest row ends
-                    keep_rows = (~done).nonzero().squeeze(1)
-                    local = keep_rows if live is None else torch.searchsorted(live, keep_rows)
-                    if store is not None:
-                        gone = done.clone() if live is None else torch.zeros(batch, dtype=torch.bool).index_fill_(0, live, True) & done
-                        self._store_rows(store, cache, gone.nonzero().squeeze(1).tolist(), live, uniq, inverse,
-                                         reuse, suffix, prefix_width, width, tokens_out, n_emitted)
-                    local_dev = local.to(device)
-                    for layer in cache.layers:
-                        layer.select_rows(local_dev)
-                    mask, pos = mask.index_select(0, local_dev), pos.index_select(0, local_dev)
-                    live, live_dev = keep_rows, keep_rows.to(device)
-                    if any(a is not None for a in adapters):  # route the remaining rows (even if all base)
-                        from masrl.models.lora import mixed_adapters
+        return cache, logits, _LiveRows(cache, full_mask, next_pos, batch, device)
 
-                        routing.enter_context(mixed_adapters(model, [adapters[i] for i in live.tolist()]))
-                feed = torch.where(done, pad, tok)
-                feed = (feed if live is None else feed.index_select(0, live)).to(device)
-                out = model(input_ids=feed[:, None], attention_mask=mask[:, :width + step + 1],
-                            position_ids=pos[:, None], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
-                logits = out.logits[:, -1, :] if live is None else logits.index_copy(0, live_dev, out.logits[:, -1, :])
-                pos = pos + 1
-        results = []
-        for i in range(batch):
-            n = int(n_emitted[i])
-            self.tokens_generated += n
-            results.append(GenResult(tokens_out[i, :n].tolist(), logps_out[i, :n].tolist(),
-                                     truncated=not bool(stopped[i])))
+    def _compact(self, model, rows: "_LiveRows", state: "DecodeState", layout: "_PromptLayout",
+                 store: PrefixCache | None, routing: contextlib.ExitStack) -> None:
+        """A quarter of the batch has finished: drop those rows (their keys/values go to the prefix store)
+        instead of decoding padding for them until the longest row ends."""
+        done, live = state.done, rows.live
+        keep_rows = (~done).nonzero().squeeze(1)
+        local = keep_rows if live is None else torch.searchsorted(live, keep_rows)
         if store is not None:
-            rows = list(range(batch)) if live is None else live.tolist()
-            self._store_rows(store, cache, rows, live, uniq, inverse, reuse, suffix, prefix_width, width,
-                             tokens_out, n_emitted)
-        return results
+            batch = done.numel()
+            gone = done.clone() if live is None else torch.zeros(batch, dtype=torch.bool).index_fill_(0, live, True) & done
+            self._store_rows(store, rows.cache, gone.nonzero().squeeze(1).tolist(), live, layout, state)
+        rows.keep(local, keep_rows)
+        if any(a is not None for a in layout.adapters):  # route the remaining rows (even if all base)
+            from masrl.models.lora import mixed_adapters
+
+            routing.enter_context(mixed_adapters(model, [layout.adapters[i] for i in rows.live.tolist()]))
 
     def _prefill(self, model, cache, input_ids, attention, positions, uniq, suffix, prefix_width: int,
                  chunked: bool):
@@ -554,7 +451,7 @@ class TransformersEngine:
     @staticmethod
     def _fill_prefixes(cache, hits, reuse, prefix_width: int, capacity: int, device) -> None:
         """Start every layer of ``cache`` from new buffers holding each unique row's reused prefix."""
-        sources: dict[int, tuple[_StoredBatch, list[int], list[int], list[list[int]]]] = {}
+        sources: dict[int, tuple[StoredBatch, list[int], list[int], list[list[int]]]] = {}
         for u, hit in enumerate(hits):
             if hit is None:
                 continue
@@ -579,13 +476,14 @@ class TransformersEngine:
             layer.prefill(k, v, prefix_width)
 
     @staticmethod
-    def _store_rows(store: PrefixCache, cache, rows: Sequence[int], live: torch.Tensor | None, uniq, inverse,
-                    reuse, suffix, prefix_width: int, width: int, tokens_out: torch.Tensor,
-                    n_emitted: torch.Tensor) -> None:
+    def _store_rows(store: PrefixCache, cache, rows: Sequence[int], live: torch.Tensor | None,
+                    layout: "_PromptLayout", state: DecodeState) -> None:
         """Keep ``rows``' keys/values (prompt + fed response tokens) in ``store``; ``live``: the batch rows
         the cache buffers hold now (None: all)."""
         if not rows:
             return
+        tokens_out, n_emitted = state.tokens_out, state.n_emitted
+        prefix_width, width = layout.prefix_width, layout.width
         local = torch.tensor(rows) if live is None else torch.searchsorted(live, torch.tensor(rows))
         in_batch = tokens_out.shape[0] if live is None else live.numel()
         index = None if len(rows) == in_batch else local.to(cache.layers[0]._k.device)
@@ -593,13 +491,13 @@ class TransformersEngine:
         values = [layer._v if index is None else layer._v.index_select(0, index) for layer in cache.layers]
         tokens, slots, adapters = [], [], []
         for i in rows:
-            u = inverse[i]
-            adapter, prompt = uniq[u]
+            u = layout.inverse[i]
+            adapter, prompt = layout.uniq[u]
             n = int(n_emitted[i])
             fed = tokens_out[i, :max(n - 1, 0)].tolist()  # the last sampled token was never fed back
             tokens.append(prompt + tuple(fed))
-            slots.append(torch.cat([torch.arange(prefix_width - reuse[u], prefix_width),
-                                    torch.arange(width - suffix[u], width + len(fed))]))
+            slots.append(torch.cat([torch.arange(prefix_width - layout.reuse[u], prefix_width),
+                                    torch.arange(width - layout.suffix[u], width + len(fed))]))
             adapters.append(adapter)
         nbytes = sum(t.numel() * t.element_size() for t in keys + values)
-        store.add(_StoredBatch(keys, values, tokens, slots, adapters, nbytes))
+        store.add(StoredBatch(keys, values, tokens, slots, adapters, nbytes))

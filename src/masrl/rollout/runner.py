@@ -10,6 +10,11 @@ from masrl.types import Episode, Task, Turn
 from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
 
 
+def repeat_tasks(tasks: Sequence[Task], n: int) -> tuple[list[Task], list[int]]:
+    """Each task n times in a row; the group id is the task's index."""
+    return [t for t in tasks for _ in range(n)], [i for i in range(len(tasks)) for _ in range(n)]
+
+
 def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: RolloutScheduler,
               temperature: float | None = None):
     """The ``team.call`` backend: chat-encode the prompt, generate with the agent's policy."""

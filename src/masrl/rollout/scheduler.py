@@ -88,9 +88,7 @@ class RolloutScheduler:
             for t in tasks:
                 t.cancel()
             for engine in self.engines.values():  # reused keys/values live for one rollout
-                clear = getattr(engine, "clear_prefix_cache", None)
-                if clear is not None:
-                    clear()
+                engine.clear_prefix_cache()
 
     def _maybe_wake(self) -> None:
         if self._wake is not None and (len(self._pending) >= self._active or self._active == 0):
@@ -106,12 +104,9 @@ class RolloutScheduler:
         self.stats.flushes += 1
         start = time.perf_counter()
         # remote engines (Ray worker groups) generate concurrently: submit every policy's batch first
-        handles = {policy: self.engines[policy].submit([r for r, _ in items])
-                   for policy, items in by_policy.items() if hasattr(self.engines[policy], "submit")}
+        handles = {policy: self.engines[policy].submit([r for r, _ in items]) for policy, items in by_policy.items()}
         for policy, items in by_policy.items():
-            engine = self.engines[policy]
-            results = (engine.collect(handles[policy]) if policy in handles
-                       else engine.generate([r for r, _ in items]))
+            results = self.engines[policy].collect(handles[policy])
             self.stats.engine_calls += 1
             self.stats.requests += len(items)
             self.stats.batch_sizes.append(len(items))

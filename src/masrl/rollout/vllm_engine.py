@@ -61,7 +61,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from masrl.rollout.engine import GenRequest, GenResult
+from masrl.rollout.base import Engine, GenRequest, GenResult
 
 VLLM_INSTALL_HINT = ("VLLMEngine needs vLLM: pip install 'masrl[vllm]' on a Linux machine with a CUDA GPU "
                      "(the transformers engine is the CPU path)")
@@ -147,7 +147,7 @@ def _json_default(value: Any):
     return str(value)
 
 
-class VLLMEngine:
+class VLLMEngine(Engine):
     """Rollouts with vLLM's offline ``LLM``; see the module docstring for log-probs, sync and LoRA.
 
     ``model`` is a hub id or a local HF folder (see :func:`save_for_vllm`). ``eos_token_ids``
@@ -324,6 +324,14 @@ class VLLMEngine:
         if reset is not None:
             reset()
 
+    def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
+        """Serve ``model``'s new weights: the base when it changed (or sleep(2) dropped it), then the LoRA
+        adapters when the engine serves adapters."""
+        if base_changed or self.weights_stale:
+            self.sync_weights(hf_named_tensors(model))
+        if self.enable_lora:
+            self.sync_adapters(model)
+
     # ------------------------------------------------------------------ LoRA
 
     def load_adapter(self, name: str, path_or_state: str | os.PathLike | Mapping[str, torch.Tensor], *,
@@ -453,6 +461,10 @@ class VLLMEngine:
             for name in list(self._adapters):  # new ids: vLLM reloads them from disk
                 self._register(name, self._adapter_versions[name], self._adapter_paths[name],
                                owned=name in self._adapter_dirs)
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.enable_sleep_mode
 
     @property
     def is_sleeping(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from masrl.rollout.engine import GenRequest, GenResult
+from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.runtime.local import WorkerGroupError, base_trained, policy_build_args
 from masrl.training.policy import PolicyText
 from masrl.training.update import GLOBAL_METRICS, Row, summarize_update
@@ -68,7 +68,7 @@ class _Group:
         return self.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], what or method)
 
 
-class RemoteEngine:
+class RemoteEngine(Engine):
     """The rollout engine of a worker group: requests are split over the ranks and generated in parallel."""
 
     def __init__(self, group: _Group):

@@ -16,7 +16,7 @@ import torch
 
 from masrl.config import AlgorithmConfig, PolicyConfig, RolloutConfig, SFTConfig, TrainerConfig
 from masrl.monitoring.spike import SpikeDetector
-from masrl.rollout.engine import GenRequest, TransformersEngine
+from masrl.rollout.base import GenRequest
 from masrl.training.distributed import DataParallel, init_process_group
 from masrl.training.policy import after_update, before_update, build_policy
 from masrl.training.sft import run_sft
@@ -77,9 +77,8 @@ class PolicyWorker:
         """Weights and optimizer state to CPU (colocated policies take turns on the devices)."""
         if not self.offload_enabled or not self.on_device:
             return
-        clear = getattr(self.policy.engine, "clear_prefix_cache", None)
-        if clear is not None:  # kept keys/values would hold device memory (and belong to the old weights)
-            clear()
+        # kept keys/values would hold device memory (and belong to the old weights)
+        self.policy.engine.clear_prefix_cache()
         self.policy.model.to("cpu")
         if self.policy.ref_model is not None:
             self.policy.ref_model.to("cpu")
@@ -94,7 +93,7 @@ class PolicyWorker:
         self.policy.engine.reseed(seed)
 
     def generate(self, requests: list[dict]) -> list[dict]:
-        if isinstance(self.policy.engine, TransformersEngine):  # it decodes with the training model
+        if self.policy.engine.shares_training_model:  # it decodes with the training model
             self.onload()
         results = self.policy.engine.generate([GenRequest(**r) for r in requests])
         return [dataclasses.asdict(r) for r in results]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from masrl.errors import ConfigError
 from masrl.types import Task
-from masrl.workflows.parsing import extract_boxed
+from masrl.tasks.parsing import extract_boxed
 
 
 @dataclass

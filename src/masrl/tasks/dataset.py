@@ -147,7 +147,7 @@ def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | Non
 
 def dataset_source(cfg: TaskConfig, sft_teacher: dict):
     """The ``dataset`` task source (see the module docstring)."""
-    from masrl.tasks.registry import TaskSource
+    from masrl.tasks.source import TaskSource
     from masrl.tasks.rewards import resolve_reward
 
     params = cfg.params

@@ -33,7 +33,7 @@ from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
 from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
 from masrl.types import Task
-from masrl.workflows.parsing import extract_boxed
+from masrl.tasks.parsing import extract_boxed
 
 __all__ = [
     "BENCHMARKS",

@@ -33,7 +33,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from masrl.types import Task
-from masrl.workflows.parsing import extract_boxed
+from masrl.tasks.parsing import extract_boxed
 
 __all__ = ["TIMEOUT_S", "MAX_PRED_CHARS", "math_score", "normalize_number", "is_equiv", "extract_prediction"]
 

@@ -1,27 +1,12 @@
 """Task sources: a train split, a held-out split, the score function and an optional teacher."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
 from masrl.config import TaskConfig
 from masrl.errors import ConfigError
-from masrl.types import Task
-from masrl.workflows.base import ScoreFn
-
-# (agent, prompt, task) -> demonstration text, for cold-start SFT
-Teacher = Callable[[str, str, Task], str]
-
-
-@dataclass
-class TaskSource:
-    name: str
-    train: list[Task]
-    test: list[Task]
-    score: ScoreFn
-    teacher: Teacher | None = None
-    workflow_params: dict[str, Any] = field(default_factory=dict)  # runtime objects (e.g. a retriever)
-
+from masrl.tasks.source import TaskSource, Teacher  # noqa: F401  (public here too)
 
 def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.arithmetic import ArithmeticConfig, ArithmeticTeacher, make_arithmetic_tasks
@@ -145,3 +130,19 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
                "check task.params (e.g. train_size) or the data file")
         raise ConfigError(f"task {cfg.name!r}: the training split is empty ({why})")
     return source
+
+
+def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
+    """``(tasks, score)``: 'test' is the task source's held-out split; otherwise a math or QA benchmark
+    name, or a QA file; each is scored by its kind's reward (math-verify or EM)."""
+    if name == "test":
+        return (source.test[:limit] if limit else source.test), source.score
+    from masrl.tasks.math_data import BENCHMARKS, load_benchmark
+    from masrl.tasks.qa import QA_DATASETS, load_qa
+
+    if name in BENCHMARKS:
+        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
+    if name in QA_DATASETS or Path(name).is_file():
+        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
+    known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
+    raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")

@@ -277,3 +277,19 @@ def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors
     from masrl.training.policy import after_update
 
     after_update(policy)  # a separate rollout engine (vLLM) serves the restored weights
+
+
+def load_eval_checkpoint(path: str | Path, policies) -> Path:
+    """Load ``RUN_DIR/checkpoints/step_N`` (that one) or ``RUN_DIR`` (its newest checkpoint that loads, falling
+    back past broken ones as ``--resume`` does) into ``policies``, weights only; returns the step folder
+    (``masrl eval`` and ``masrl ensemble collect`` ``--checkpoint``)."""
+    from masrl.errors import ConfigError
+
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        load_checkpoint(p, policies, load_optimizer=False)
+        return p
+    found = load_latest_checkpoint(p, policies, load_optimizer=False)
+    if found is None:
+        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
+    return found[0]

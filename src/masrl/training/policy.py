@@ -9,9 +9,9 @@ from typing import Any, Mapping
 import torch
 
 from masrl.config import PolicyConfig, RolloutConfig
-from masrl.errors import ConfigError
 from masrl.models.loading import load_model_and_tokenizer
-from masrl.rollout.engine import TransformersEngine
+from masrl.rollout.base import Engine
+from masrl.rollout.factory import make_engine
 
 
 class PolicyText:
@@ -52,7 +52,7 @@ class Policy(PolicyText):
     cfg: PolicyConfig
     model: torch.nn.Module
     tokenizer: object
-    engine: TransformersEngine
+    engine: Engine
     optimizer: torch.optim.Optimizer | None = None
     ref_model: torch.nn.Module | None = None
     agents: list[str] = field(default_factory=list)
@@ -100,20 +100,9 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     if not cfg.trainable:
         for p in model.parameters():
             p.requires_grad_(False)
-    eos_ids = {int(tokenizer.eos_token_id)}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        eos_ids.add(gen_eos)
-    elif isinstance(gen_eos, (list, tuple)):
-        eos_ids.update(int(e) for e in gen_eos)
     rollout = RolloutConfig.model_validate(rollout) if isinstance(rollout, dict) else rollout
-    if rollout is not None and rollout.engine == "vllm":
-        engine = _vllm_engine(name, cfg, rollout, model, tokenizer, sorted(eos_ids), seed, workdir)
-    else:
-        prefix = {} if rollout is None else {"prefix_cache": rollout.prefix_cache,
-                                             "prefix_cache_mib": rollout.prefix_cache_mib}
-        engine = TransformersEngine(model, eos_token_ids=sorted(eos_ids), pad_token_id=int(tokenizer.pad_token_id),
-                                    max_batch_size=max_rollout_batch, seed=seed, autocast=autocast, **prefix)
+    engine = make_engine(rollout, model, tokenizer, name=name, policy=cfg, seed=seed,
+                         max_batch_size=max_rollout_batch, autocast=autocast, workdir=workdir)
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:
@@ -144,53 +133,13 @@ def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -
     return groups
 
 
-def _vllm_engine(name: str, cfg: PolicyConfig, rollout: RolloutConfig, model, tokenizer, eos_ids: list[int],
-                 seed: int, workdir: str | Path | None):
-    from masrl.rollout.vllm_engine import VLLMEngine, save_for_vllm
-
-    if cfg.model == "tiny":  # built in memory: vLLM loads it from a folder
-        if workdir is None:
-            raise ConfigError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
-        source = save_for_vllm(model, tokenizer, Path(workdir) / name)
-    else:
-        from masrl.models.hub import resolve_model_source
-
-        source = resolve_model_source(cfg.model)
-    lora = cfg.lora
-    rank = next((r for r in (8, 16, 32, 64, 128, 256, 512) if lora is not None and r >= lora.r), 16)
-    engine = VLLMEngine(source, dtype=rollout.dtype or cfg.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
-                        enable_sleep_mode=rollout.enable_sleep_mode and rollout.sleep_level > 0,
-                        eos_token_ids=eos_ids, seed=seed, max_model_len=rollout.max_model_len,
-                        enable_lora=lora is not None, max_loras=rollout.max_loras, max_lora_rank=rank,
-                        enforce_eager=rollout.enforce_eager, tokenizer=str(Path(workdir) / name) if cfg.model == "tiny"
-                        else (cfg.tokenizer and str(cfg.tokenizer)), trust_remote_code=cfg.trust_remote_code,
-                        **rollout.kwargs)
-    if lora is not None:
-        engine.sync_adapters(model)
-        if not lora.per_agent:
-            engine.default_adapter = name
-    return engine
-
-
 def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
-    """A separate rollout engine (vLLM) releases its GPU memory while the trainer updates."""
-    engine = policy.engine
-    if rollout is not None and rollout.sleep_level and getattr(engine, "enable_sleep_mode", False):
-        engine.sleep(rollout.sleep_level)
+    """A separate rollout engine (vLLM) releases its accelerator memory while the trainer updates."""
+    if rollout is not None and rollout.sleep_level and policy.engine.can_sleep:
+        policy.engine.sleep(rollout.sleep_level)
 
 
 def after_update(policy: Policy) -> None:
-    """A separate rollout engine (vLLM) gets the new weights in place (no reload from disk); the
-    in-process engine drops the keys/values it kept for prefix reuse."""
-    engine = policy.engine
-    clear = getattr(engine, "clear_prefix_cache", None)
-    if clear is not None:
-        clear()
-    if not hasattr(engine, "sync_weights"):
-        return  # TransformersEngine shares the trainer's model
-    from masrl.rollout.vllm_engine import hf_named_tensors
-
-    if policy.cfg.lora is None or policy.base_trained or getattr(engine, "weights_stale", False):
-        engine.sync_weights(hf_named_tensors(policy.model))
-    if policy.cfg.lora is not None:
-        engine.sync_adapters(policy.model)
+    """The rollout engine serves the new weights from now on (vLLM gets them in place, no reload from disk;
+    the in-process engine drops the keys/values it kept for prefix reuse)."""
+    policy.engine.weights_changed(policy.model, base_changed=policy.cfg.lora is None or policy.base_trained)

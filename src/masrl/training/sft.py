@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from masrl.config import AgentConfig, SFTConfig
-from masrl.tasks.registry import Teacher
+from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 from masrl.training.update import Row, micro_batches, pack_rows, response_logits, token_logprobs

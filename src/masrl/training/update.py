@@ -24,7 +24,6 @@ from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_
                               truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
-from masrl.rollout.engine import TransformersEngine
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 
@@ -192,31 +191,14 @@ def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence
 def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
                       *, step: int, seed: int, guard: GradGuard | None = None, track_kl: bool = False,
                       dp: DataParallel | None = None) -> dict[str, list[float]]:
-    """:func:`update_policy` before averaging: every metric's list of values (mergeable across ranks)."""
-    assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
-    lc = algo.loss
-    params = policy.trainable_parameters()
-    model = policy.model
-    model.train()
-    pad = int(policy.tokenizer.pad_token_id)
-    device = next(model.parameters()).device  # where the runtime put it (a Ray worker's GPU, or trainer.device)
-    agents = sorted({r.agent for r in rows})
-    per_agent_norms = trainer.per_agent_grad_norm and len(agents) > 1
-    rng = random.Random(seed * 1_000_003 + step)
-    metrics: dict[str, list[float]] = defaultdict(list)
-    norm_length = max(len(r.response_ids) for r in rows)
+    """:func:`update_policy` before averaging: every metric's list of values (mergeable across ranks).
 
-    routed = bool(policy.adapter_of)  # per-agent LoRA adapters: mixed batches, rows routed by agent
-    # A separate rollout engine (vLLM) computes other log-probs than the trainer: the PPO "old" log-probs
-    # are the trainer's, and with rollout_is the engine's give the importance weights (docs/scaling.md).
-    ris = algo.rollout_is
-    # Under trainer.autocast the trainer's low-precision log-probs differ from any engine's (even a bf16
-    # engine's: other kernels, other rounding; ~0.02 mean |diff| on SmolLM2), so they are recomputed
-    # too: free with one epoch and one minibatch (the ratio is then exactly 1 at the first step).
-    recompute = (ris.enabled or not isinstance(policy.engine, TransformersEngine)
-                 or bool(getattr(trainer, "autocast", None)))
-    single_pass = trainer.epochs == 1 and min(trainer.minibatches, len(rows)) == 1
-    if recompute and not single_pass:  # the pre-update policy's log-probs, before the first step
+    Stages: per minibatch, :func:`_accumulate_gradients` (micro-batches by :func:`_backward_chunk`), then
+    :func:`_optimizer_step` (finite check, spike guard, clipping, the step and the gradient metrics)."""
+    assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
+    u = _UpdateRun.start(policy, rows, algo, trainer, step=step, guard=guard, track_kl=track_kl, dp=dp)
+    rng = random.Random(seed * 1_000_003 + step)
+    if u.recompute and not u.single_pass:  # the pre-update policy's log-probs, before the first step
         rows = with_trainer_logprobs(policy, rows, trainer)
     for epoch in range(trainer.epochs):
         order = list(rows)
@@ -224,129 +206,197 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
         n_mb = min(trainer.minibatches, len(order))
         for mb_index in range(n_mb):
             minibatch = order[mb_index::n_mb]
-            total_tokens = sum(len(r.response_ids) for r in minibatch)
-            total_rows = sum(1 for r in minibatch if r.response_ids)
-            if total_tokens == 0:
+            if sum(len(r.response_ids) for r in minibatch) == 0:
                 continue
-            # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
-            role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
-                if lc.agg == "role-balanced" else None
             policy.optimizer.zero_grad(set_to_none=True)
-            before = [torch.zeros_like(p) for p in params] if per_agent_norms and not routed else None
-            summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None
-            agent_norms: dict[str, float] = {}
-            finite = True
-            # one unit per agent (its part of the gradient is measured by differencing), or one mixed unit
-            units = [(None, minibatch)] if routed else [(a, [r for r in minibatch if r.agent == a]) for a in agents]
-            for unit_agent, unit in units:
-                unit = [r for r in unit if r.response_ids]
-                mine = dp.shard(unit) if dp else unit
-                for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
-                    chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
-                    batch = pack_rows(chunk, pad, device)
-                    with _routing(policy, chunk), autocast(trainer, device):
-                        logits = response_logits(model, batch)
-                    logprobs, lse = token_logprobs_lse(logits, batch.targets)
-                    old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
-                    if recompute and single_pass:  # nothing has changed the policy yet: its own log-probs are old
-                        old, engine_logprobs = logprobs.detach(), batch.old_logprobs
-                    is_weights = None
-                    row_w = torch.tensor([role_w[r.agent] for r in chunk], device=device) if role_w else None
-                    if ris.enabled:
-                        is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
-                                                                    cap=ris.cap, level=ris.level, mode=ris.mode)
-                        for key, value in is_stats.items():
-                            metrics[f"rollout_is/{key}"].append(float(value))
-                    loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
-                                              loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
-                                              dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
-                                              is_weights=is_weights, row_weights=row_w)
-                    if lc.entropy_coef:
-                        entropy = entropy_from_logits(logits)
-                        loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
-                                                                 norm_length=norm_length, row_weights=row_w)
-                    else:  # a metric only: no graph, and the log-probs' logsumexp reused
-                        with torch.no_grad():
-                            entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
-                    if lc.kl_coef or track_kl:
-                        with autocast(trainer, device):
-                            ref = reference_logprobs(policy, batch)
-                        kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
-                        if lc.kl_coef:
-                            loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg,
-                                                                norm_length=norm_length, row_weights=row_w)
-                        _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
-                    weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
-                              else 1.0 if role_w else len(chunk) / max(total_rows, 1))  # role-balanced: weights are global
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    (loss * weight).backward()
-                    _per_agent_token_mean(entropy, batch.response_mask, chunk, "entropy", metrics)
-                    metrics["pg_loss"].append(float(loss.detach()))
-                    for key, value in stats.items():
-                        metrics[key].append(float(value))
-                if not finite and dp is None:
-                    break
-                if before is not None and unit:  # ranks agree on `unit` (the whole minibatch's), so on collectives
-                    now = _grad_list(params)
-                    delta = [a - b for a, b in zip(now, before)]
-                    if dp is not None:  # the agent's all-reduced gradient, summed into the step's gradient
-                        dp.all_reduce_(delta)
-                        for acc, d in zip(summed, delta):
-                            acc.add_(d)
-                    agent_norms[unit_agent] = _norm(delta)
-                    before = [g.detach().clone() for g in now]
-            if dp is not None:
-                finite = dp.all_true(finite)
-                if summed is not None:
-                    for p, g in zip(params, summed):
-                        p.grad = g
-                else:
-                    grads = _grad_list(params)
-                    dp.all_reduce_(grads)
-                    for p, g in zip(params, grads):
-                        p.grad = g
-            if finite and routed and trainer.per_agent_grad_norm:
-                from masrl.models.lora import adapter_parameters
+            finite, agent_norms = _accumulate_gradients(u, minibatch)
+            _optimizer_step(u, finite, agent_norms)
+    return dict(u.metrics)
 
-                for agent in agents:
-                    agent_norms[agent] = _norm(_grad_list(adapter_parameters(model, policy.adapter_of[agent])))
-            grad_norm = _norm(_grad_list(params)) if finite else float("nan")
-            prefix = f"policy/{policy.name}"
-            if not finite or not math.isfinite(grad_norm):
-                metrics[f"{prefix}/nonfinite_skipped"].append(1.0)
+
+@dataclass
+class _UpdateRun:
+    """What the stages of one :func:`update_policy_raw` call share, and the metrics they append to."""
+
+    policy: Policy
+    algo: AlgorithmConfig
+    trainer: TrainerConfig
+    step: int
+    guard: GradGuard | None
+    track_kl: bool
+    dp: DataParallel | None
+    params: list[torch.nn.Parameter]
+    pad: int
+    device: torch.device
+    agents: list[str]
+    per_agent_norms: bool
+    norm_length: int
+    routed: bool      # per-agent LoRA adapters: mixed batches, rows routed by agent
+    recompute: bool   # the trainer's own log-probs are the PPO "old" ones
+    single_pass: bool
+    metrics: dict[str, list[float]]
+
+    @classmethod
+    def start(cls, policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig, *,
+              step: int, guard: GradGuard | None, track_kl: bool, dp: DataParallel | None) -> "_UpdateRun":
+        params = policy.trainable_parameters()
+        model = policy.model
+        model.train()
+        agents = sorted({r.agent for r in rows})
+        # A separate rollout engine (vLLM) computes other log-probs than the trainer: the PPO "old" log-probs
+        # are the trainer's, and with rollout_is the engine's give the importance weights (docs/scaling.md).
+        # Under trainer.autocast the trainer's low-precision log-probs differ from any engine's (even a bf16
+        # engine's: other kernels, other rounding; ~0.02 mean |diff| on SmolLM2), so they are recomputed
+        # too: free with one epoch and one minibatch (the ratio is then exactly 1 at the first step).
+        recompute = (algo.rollout_is.enabled or not policy.engine.shares_training_model
+                     or bool(getattr(trainer, "autocast", None)))
+        return cls(policy=policy, algo=algo, trainer=trainer, step=step, guard=guard, track_kl=track_kl, dp=dp,
+                   params=params, pad=int(policy.tokenizer.pad_token_id),
+                   # where the runtime put the model (a Ray worker's GPU, or trainer.device)
+                   device=next(model.parameters()).device, agents=agents,
+                   per_agent_norms=trainer.per_agent_grad_norm and len(agents) > 1,
+                   norm_length=max(len(r.response_ids) for r in rows), routed=bool(policy.adapter_of),
+                   recompute=recompute, single_pass=trainer.epochs == 1 and min(trainer.minibatches, len(rows)) == 1,
+                   metrics=defaultdict(list))
+
+
+def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool, dict[str, float]]:
+    """Backward every micro-batch of ``minibatch`` (this rank's share); returns (finite, per-agent grad norms).
+
+    One unit per agent (its part of the gradient is measured by differencing), or one mixed unit when
+    rows are routed to per-agent adapters (an agent's gradient is then its adapter's)."""
+    params, dp, trainer = u.params, u.dp, u.trainer
+    total_tokens = sum(len(r.response_ids) for r in minibatch)
+    total_rows = sum(1 for r in minibatch if r.response_ids)
+    # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
+    role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
+        if u.algo.loss.agg == "role-balanced" else None
+    before = [torch.zeros_like(p) for p in params] if u.per_agent_norms and not u.routed else None
+    summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None
+    agent_norms: dict[str, float] = {}
+    finite = True
+    units = [(None, minibatch)] if u.routed else [(a, [r for r in minibatch if r.agent == a]) for a in u.agents]
+    for unit_agent, unit in units:
+        unit = [r for r in unit if r.response_ids]
+        mine = dp.shard(unit) if dp else unit
+        for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
+            if not _backward_chunk(u, chunk, total_tokens, total_rows, role_w):
+                finite = False
+                break
+        if not finite and dp is None:
+            break
+        if before is not None and unit:  # ranks agree on `unit` (the whole minibatch's), so on collectives
+            now = _grad_list(params)
+            delta = [a - b for a, b in zip(now, before)]
+            if dp is not None:  # the agent's all-reduced gradient, summed into the step's gradient
+                dp.all_reduce_(delta)
+                for acc, d in zip(summed, delta):
+                    acc.add_(d)
+            agent_norms[unit_agent] = _norm(delta)
+            before = [g.detach().clone() for g in now]
+    if dp is not None:
+        finite = dp.all_true(finite)
+        grads = summed if summed is not None else _grad_list(params)
+        if summed is None:
+            dp.all_reduce_(grads)
+        for p, g in zip(params, grads):
+            p.grad = g
+    if finite and u.routed and trainer.per_agent_grad_norm:
+        from masrl.models.lora import adapter_parameters
+
+        for agent in u.agents:
+            agent_norms[agent] = _norm(_grad_list(adapter_parameters(u.policy.model, u.policy.adapter_of[agent])))
+    return finite, agent_norms
+
+
+def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_rows: int,
+                    role_w: dict[str, float] | None) -> bool:
+    """Loss of one micro-batch (policy loss, entropy bonus, KL), backward with its share of the minibatch;
+    False (nothing backwarded) when the loss is not finite."""
+    lc, trainer, metrics, norm_length = u.algo.loss, u.trainer, u.metrics, u.norm_length
+    chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
+    batch = pack_rows(chunk, u.pad, u.device)
+    with _routing(u.policy, chunk), autocast(trainer, u.device):
+        logits = response_logits(u.policy.model, batch)
+    logprobs, lse = token_logprobs_lse(logits, batch.targets)
+    old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
+    if u.recompute and u.single_pass:  # nothing has changed the policy yet: its own log-probs are old
+        old, engine_logprobs = logprobs.detach(), batch.old_logprobs
+    is_weights = None
+    row_w = torch.tensor([role_w[r.agent] for r in chunk], device=u.device) if role_w else None
+    ris = u.algo.rollout_is
+    if ris.enabled:
+        is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
+                                                    cap=ris.cap, level=ris.level, mode=ris.mode)
+        for key, value in is_stats.items():
+            metrics[f"rollout_is/{key}"].append(float(value))
+    loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
+                              loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
+                              dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
+                              is_weights=is_weights, row_weights=row_w)
+    if lc.entropy_coef:
+        entropy = entropy_from_logits(logits)
+        loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg, norm_length=norm_length,
+                                                 row_weights=row_w)
+    else:  # a metric only: no graph, and the log-probs' logsumexp reused
+        with torch.no_grad():
+            entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
+    if lc.kl_coef or u.track_kl:
+        with autocast(trainer, u.device):
+            ref = reference_logprobs(u.policy, batch)
+        kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
+        if lc.kl_coef:
+            loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length,
+                                                row_weights=row_w)
+        _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
+    weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
+              else 1.0 if role_w else len(chunk) / max(total_rows, 1))  # role-balanced: weights are global
+    if not torch.isfinite(loss):
+        return False
+    (loss * weight).backward()
+    _per_agent_token_mean(entropy, batch.response_mask, chunk, "entropy", metrics)
+    metrics["pg_loss"].append(float(loss.detach()))
+    for key, value in stats.items():
+        metrics[key].append(float(value))
+    return True
+
+
+def _optimizer_step(u: _UpdateRun, finite: bool, agent_norms: dict[str, float]) -> None:
+    """Step on the accumulated gradient unless it is not finite or the spike guard skips it; gradient metrics."""
+    policy, params, metrics = u.policy, u.params, u.metrics
+    grad_norm = _norm(_grad_list(params)) if finite else float("nan")
+    prefix = f"policy/{policy.name}"
+    if not finite or not math.isfinite(grad_norm):
+        metrics[f"{prefix}/nonfinite_skipped"].append(1.0)
+        policy.optimizer.zero_grad(set_to_none=True)
+        if not u.trainer.skip_nonfinite:
+            raise FloatingPointError(f"non-finite loss or gradient in policy {policy.name} at step {u.step}")
+        return
+    if u.guard is not None:
+        decision = u.guard(policy.name, grad_norm, u.step)
+        if decision is not None:
+            action, scale = decision
+            metrics[f"{prefix}/grad_spike"].append(1.0)
+            if action == "skip":
+                metrics[f"{prefix}/spike_skipped"].append(1.0)
                 policy.optimizer.zero_grad(set_to_none=True)
-                if not trainer.skip_nonfinite:
-                    raise FloatingPointError(f"non-finite loss or gradient in policy {policy.name} at step {step}")
-                continue
-            scale = 1.0
-            if guard is not None:
-                decision = guard(policy.name, grad_norm, step)
-                if decision is not None:
-                    action, scale = decision
-                    metrics[f"{prefix}/grad_spike"].append(1.0)
-                    if action == "skip":
-                        metrics[f"{prefix}/spike_skipped"].append(1.0)
-                        policy.optimizer.zero_grad(set_to_none=True)
-                        continue
-                    if action == "scale":
-                        for p in params:
-                            if p.grad is not None:
-                                p.grad.mul_(scale)
-            clip = policy.cfg.optim.grad_clip
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            policy.optimizer.step()
-            metrics[f"{prefix}/grad_norm"].append(grad_norm)
-            total = sum(agent_norms.values())
-            for agent, value in agent_norms.items():
-                metrics[f"agent/{agent}/grad_norm"].append(value)
-                metrics[f"agent/{agent}/grad_share"].append(value / total if total > 0 else 0.0)
-            if not agent_norms:
-                for agent in agents:
-                    metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
-    return dict(metrics)
+                return
+            if action == "scale":
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+    clip = policy.cfg.optim.grad_clip
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    policy.optimizer.step()
+    metrics[f"{prefix}/grad_norm"].append(grad_norm)
+    total = sum(agent_norms.values())
+    for agent, value in agent_norms.items():
+        metrics[f"agent/{agent}/grad_norm"].append(value)
+        metrics[f"agent/{agent}/grad_share"].append(value / total if total > 0 else 0.0)
+    if not agent_norms:
+        for agent in u.agents:
+            metrics[f"agent/{agent}/grad_norm"].append(grad_norm)
 
 
 @torch.no_grad()

@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 from masrl.errors import ConfigError
-from masrl.types import Episode, Task, Turn
+from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
 # (agent, prompt_text) -> Turn ; the scheduler fills in ids and logprobs
 CallFn = Callable[[str, str], Awaitable[Turn]]
-# (task, final answer text) -> {"reward": float, "correct": bool, ...}
-ScoreFn = Callable[[Task, str | None], dict]
 log = logging.getLogger(__name__)
 
 

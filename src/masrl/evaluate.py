@@ -9,23 +9,6 @@ from masrl.config import load_config
 from masrl.errors import ConfigError, check_output_folder
 
 
-def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
-    """``(tasks, score)``: 'test' is the task source's held-out split; otherwise a math or QA benchmark
-    name, or a QA file; each is scored by its kind's reward (math-verify or EM)."""
-    if name == "test":
-        return (source.test[:limit] if limit else source.test), source.score
-    from masrl.tasks.math_data import BENCHMARKS, load_benchmark
-    from masrl.tasks.qa import QA_DATASETS, load_qa
-    from masrl.tasks.registry import _math_score, _qa_score
-
-    if name in BENCHMARKS:
-        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
-    if name in QA_DATASETS or Path(name).is_file():
-        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
-    known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
-    raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")
-
-
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
     """``(tasks that fit, one reason per task skipped)``: a task is skipped when its question alone is longer
     than some agent's context (the policy's max positions less the agent's max_new_tokens). A question is
@@ -53,26 +36,11 @@ def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
     return kept, skipped
 
 
-def load_eval_checkpoint(path: str, policies) -> Path:
-    """Load ``RUN_DIR/checkpoints/step_N`` (that one) or ``RUN_DIR`` (its newest checkpoint that loads, falling
-    back past broken ones as ``--resume`` does) into ``policies``, weights only; returns the step folder."""
-    from masrl.training.checkpoint import load_checkpoint, load_latest_checkpoint
-
-    p = Path(path)
-    if (p / "manifest.json").is_file():
-        load_checkpoint(p, policies, load_optimizer=False)
-        return p
-    found = load_latest_checkpoint(p, policies, load_optimizer=False)
-    if found is None:
-        raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
-    return found[0]
-
-
 def run_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     if (args.n is not None and args.n < 1) or (args.limit is not None and args.limit < 1):
@@ -112,7 +80,10 @@ def run_eval(args) -> int:
 
 def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
-    from masrl.evaluation.runner import repeat_tasks, summarize_episodes
+    from masrl.evaluation.runner import summarize_episodes
+    from masrl.rollout.runner import repeat_tasks
+    from masrl.tasks.registry import load_bench_tasks
+    from masrl.training.checkpoint import load_eval_checkpoint
     ckpt_path = None
     if args.checkpoint:
         ckpt_path = load_eval_checkpoint(args.checkpoint, trainer.policies)

@@ -23,15 +23,15 @@ import torch
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
-from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
+from masrl.evaluation.runner import agent_facts, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.registry_names import check_names
-from masrl.rollout.runner import make_call, run_episodes
+from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
-from masrl.tasks.registry import load_task_source
+from masrl.tasks.registry import load_bench_tasks, load_task_source
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError, make_runtime
 from masrl.training.policy import Policy
@@ -149,8 +149,6 @@ class Trainer:
 
         Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's.
         """
-        from masrl.evaluation.cli import load_bench_tasks
-
         ecfg = self.cfg.eval
         out: dict[str, float] = {}
         for bench in ["test", *ecfg.benches]:

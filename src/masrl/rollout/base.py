@@ -1,0 +1,75 @@
+"""The rollout engine contract: requests, results and the :class:`Engine` protocol.
+
+Everything outside ``rollout/`` (the scheduler's callers, the per-policy update, the runtimes)
+talks to an engine only through the methods below; none of them asks which backend it holds.
+A new backend subclasses :class:`Engine` (the defaults fit an engine that needs nothing at that
+point), implements ``generate`` and ``reseed``, and is built by :func:`masrl.rollout.factory.make_engine`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    adapter: str | None = None  # LoRA adapter this row decodes with (per-agent adapters)
+
+
+@dataclass
+class GenResult:
+    response_ids: list[int]
+    logprobs: list[float]
+    truncated: bool  # hit max_new_tokens without emitting a stop token
+
+
+class Engine(Protocol):
+    """A policy's rollout backend.
+
+    ``shares_training_model``: the engine decodes with the trainer's own model object (no weight
+    copy): it must be on the device to generate, and its log-probs are computed as the trainer
+    computes them. ``can_sleep``: :meth:`sleep` frees accelerator memory for the update.
+    """
+
+    shares_training_model: bool = False
+    can_sleep: bool = False
+
+    def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
+        """One result per request, in order."""
+        ...
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling stream (the same seed gives the same samples)."""
+        ...
+
+    def submit(self, requests: Sequence[GenRequest]) -> Any:
+        """Start generating; :meth:`collect` returns the results. Engines that generate elsewhere
+        (a worker group) start here, so several policies generate at once; by default nothing starts
+        before :meth:`collect`."""
+        return requests
+
+    def collect(self, handle: Any) -> list[GenResult]:
+        """The results of a :meth:`submit`."""
+        return self.generate(handle)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop keys/values kept for reuse (end of a rollout; device memory about to be freed)."""
+
+    def sleep(self, level: int) -> None:
+        """Free accelerator memory while the trainer updates (only called when ``can_sleep``)."""
+
+    def wake_up(self) -> None:
+        """Take the memory back (``generate`` also does it)."""
+
+    def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
+        """The trainer changed ``model`` (an update, SFT, a restored checkpoint): serve the new weights
+        from now on. ``base_changed``: the base weights changed too, not only LoRA adapters."""
+
+    def close(self) -> None:
+        """Release what the engine holds."""

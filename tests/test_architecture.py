@@ -1,0 +1,53 @@
+"""The import rule (docs/architecture.md): the import-linter contracts in pyproject.toml hold, and they
+catch a wrong-way import and a cycle (checked on a copy of the package with one bad import added)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("importlinter", reason="the import rule is checked with import-linter: pip install 'masrl[test]'")
+
+ROOT = Path(__file__).resolve().parents[1]
+_LINT = ("import sys; from importlinter.cli import lint_imports; "
+         "sys.exit(lint_imports(config_filename=sys.argv[1], no_cache=True, no_logo=True))")
+
+
+def _lint(src: Path, config: Path) -> subprocess.CompletedProcess:
+    """import-linter on the ``masrl`` package under ``src`` (a subprocess: grimp imports the package)."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    return subprocess.run([sys.executable, "-c", _LINT, str(config)], cwd=config.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold():
+    result = _lint(ROOT / "src", ROOT / "pyproject.toml")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "0 broken" in result.stdout
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(ROOT / "src" / "masrl", tmp_path / "src" / "masrl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path / "src" / "masrl"
+
+
+def _append(path: Path, code: str) -> None:
+    path.write_text(path.read_text() + "\n\n" + code + "\n")
+
+
+def test_contracts_catch_a_wrong_way_import_and_a_cycle(tmp_path):
+    pkg = _copy(tmp_path)
+    # rollout must not import training (even lazily, inside a function)
+    _append(pkg / "rollout" / "base.py", "def _upward():\n    from masrl.training.policy import Policy\n    return Policy")
+    # models.hub <-> models.loading: a cycle inside one layer
+    _append(pkg / "models" / "hub.py", "def _cycle():\n    from masrl.models.loading import load_model_and_tokenizer\n"
+                                       "    return load_model_and_tokenizer")
+    result = _lint(tmp_path / "src", tmp_path / "pyproject.toml")
+    assert result.returncode != 0
+    assert "masrl.rollout.base -> masrl.training.policy" in result.stdout
+    assert "No cycles are allowed in masrl.models" in result.stdout
