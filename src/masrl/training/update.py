@@ -147,6 +147,10 @@ def _grad_list(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
     if not tensors:
         return 0.0
+    if type(tensors[0]).__name__ == "DTensor":  # fsdp shards: local squared norms, all-reduced
+        from masrl.training.fsdp import sharded_norm
+
+        return sharded_norm(tensors)
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
@@ -237,7 +241,9 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
             for unit_agent, unit in units:
                 unit = [r for r in unit if r.response_ids]
                 mine = dp.shard(unit) if dp else unit
-                for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
+                chunks = micro_batches(mine, trainer.micro_batch_tokens) if finite else []
+                for chunk, padding in (dp.pad_chunks(chunks, unit) if dp else [(c, False) for c in chunks]):
+                    sink = defaultdict(list) if padding else metrics  # padding (fsdp) chunks: no metrics
                     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
                     batch = pack_rows(chunk, pad, device)
                     with _routing(policy, chunk), autocast(trainer, device):
@@ -251,7 +257,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                         is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
                                                                     cap=ris.cap, level=ris.level, mode=ris.mode)
                         for key, value in is_stats.items():
-                            metrics[f"rollout_is/{key}"].append(float(value))
+                            sink[f"rollout_is/{key}"].append(float(value))
                     loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
                                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
@@ -270,11 +276,14 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                         if lc.kl_coef:
                             loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg,
                                                                 norm_length=norm_length)
-                        _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
+                        _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", sink)
                     weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
                               else len(chunk) / max(total_rows, 1))
-                    if not torch.isfinite(loss):
-                        finite = False
+                    finite = finite and bool(torch.isfinite(loss))
+                    if padding or not finite:
+                        if dp is not None and dp.sharded:  # FSDP2: as many backwards as the other ranks
+                            (loss * 0.0).backward()
+                            continue
                         break
                     (loss * weight).backward()
                     _per_agent_token_mean(entropy, batch.response_mask, chunk, "entropy", metrics)
@@ -330,7 +339,11 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                             if p.grad is not None:
                                 p.grad.mul_(scale)
             clip = policy.cfg.optim.grad_clip
-            if clip is not None:
+            if clip is not None and dp is not None and dp.sharded:
+                from masrl.training.fsdp import clip_sharded_
+
+                clip_sharded_(params, clip)
+            elif clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip)
             policy.optimizer.step()
             metrics[f"{prefix}/grad_norm"].append(grad_norm)
