@@ -82,3 +82,16 @@ def test_fsdp_config_errors(tiny_cfg):
         config_from_dict(tiny_cfg(**{"runtime.strategy": "fsdp"}))
     with pytest.raises(ConfigError, match="runtime.strategy"):
         config_from_dict(tiny_cfg(**{"runtime.kind": "ray", "runtime.strategy": "zero3"}))
+
+
+def test_gpu_check_script_skips_every_check_without_cuda():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "MASRL_GPU_CHECK_DEVICE": ""}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["SKIP", f"{name}:"] for name in
+                                                    ("engine_logprobs_vs_trainer", "rl_step_bf16", "fsdp_one_rank",
+                                                     "peak_memory_vs_plan")]
