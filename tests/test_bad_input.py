@@ -121,7 +121,7 @@ GOOD_GSM8K = {"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}
                                         ({"answer": "#### 4"}, "missing field 'question'"),
                                         ({"question": "Q?", "answer": "four"}, "####"),
                                         ("[1, 2]", "expected a JSON object"),
-                                        ('{"question": "Q?", "answer": ', "bad JSON")])
+                                        ('{"question": "Q?", "answer": ', "invalid JSON")])
 def test_math_row_missing_fields_reports_file_and_line(tmp_path, bad, reason):
     path = tmp_path / "gsm8k_test.jsonl"
     lines = [json.dumps(GOOD_GSM8K), "", json.dumps(GOOD_GSM8K), bad if isinstance(bad, str) else json.dumps(bad)]
@@ -143,8 +143,8 @@ def test_qa_row_missing_fields_reports_file_and_line(tmp_path, bad, reason):
     path.write_text("\n".join(json.dumps(r) for r in (good, bad, good)) + "\n")
     with pytest.raises(QADataError) as e:
         load_qa(path, strict=True)
-    assert f"{path}:line 2" in str(e.value) and reason in str(e.value)
-    with pytest.warns(QADataWarning, match="line 2"):
+    assert f"{path}:2:" in str(e.value) and reason in str(e.value)
+    with pytest.warns(QADataWarning, match=r"nq_test\.jsonl:2:"):
         assert len(load_qa(path)) == 2
 
 
@@ -154,7 +154,7 @@ def test_eval_strict_bad_row_exits_2(write_cfg, tmp_path, capsys):
                      + json.dumps({"golden_answers": ["y"]}) + "\n")
     path = write_cfg()
     _fails_clearly(["eval", path, "--bench", bench, "--strict", "--out", tmp_path / "o"], capsys,
-                   f"{bench}:line 2", "'question'")
+                   f"{bench}:2:", "'question'")
 
 
 # ----------------------------------------------------------------------------- models

@@ -33,7 +33,18 @@ def _cmd_train(args) -> int:
     if table:
         print(table)
     print(f"run folder: {run_dir}  (report.md, metrics.jsonl, plots/, checkpoints/)")
+    if report and report.get("export"):
+        print(f"exported: {report['export']}  (Hugging Face / PEFT folders, README.md, config.yaml)")
     return 0 if report else 1
+
+
+def _cmd_export(args) -> int:
+    from masrl.export import export_run
+
+    out = export_run(args.run_dir, args.out, step=args.step, policies=args.policy, merge_lora=args.merge_lora,
+                     max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+    print(f"exported to {out}  (README.md, config.yaml for `masrl eval`, export.json)")
+    return 0
 
 
 def _cmd_eval(args) -> int:
@@ -104,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one device in GiB")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed longest prompt, in tokens")
     pl.set_defaults(func=_cmd_plan)
+
+    exp = sub.add_parser("export", help="write trained policies as Hugging Face model / PEFT adapter folders")
+    exp.add_argument("run_dir", help="a masrl run folder (config.yaml + checkpoints/)")
+    exp.add_argument("--out", required=True, help="folder to create (one sub-folder per policy)")
+    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last valid one)")
+    exp.add_argument("--policy", action="append", default=None, help="policy to export (repeatable; default: all)")
+    exp.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
+    exp.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
+    exp.set_defaults(func=_cmd_export)
 
     for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli"):
         try:

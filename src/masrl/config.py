@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -60,6 +60,9 @@ class LoraConfig(_Strict):
     per_agent: bool = Field(False, description=(
         "Isolated-Policy: one adapter per agent mapped to this policy, all trained in one optimizer step "
         "from one mixed batch; false: one adapter shared by the policy's agents (Shared-Policy)"))
+    init_from: Optional[str] = Field(None, description=(
+        "folder holding one PEFT adapter folder per adapter name (a role, or the policy's name when shared), "
+        "as `masrl export` writes in POLICY/adapters: the adapters start from those weights instead of zero"))
 
 
 class PolicyConfig(_Strict):
@@ -93,15 +96,47 @@ class PolicyConfig(_Strict):
         return self
 
 
+def _registered(kind: str, value: str, known) -> str:
+    """``value`` if it names an entry of ``known`` (a registry or tuple of masrl.algorithms), else one error
+    listing the known names."""
+    if value not in known:
+        raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
+    return value
+
+
 class LossConfig(_Strict):
-    loss: Literal["ppo", "gspo"] = "ppo"
+    """Choices are checked against masrl.algorithms (``LOSSES``, ``AGG_MODES``, ``KL_KINDS``), so a
+    loss added with ``@register_loss`` is accepted here."""
+
+    loss: str = "ppo"
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: Optional[float] = Field(None, gt=1.0)
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    agg: str = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0)
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_kind: str = "k3"
     entropy_coef: float = 0.0
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_registered(cls, v: str) -> str:
+        from masrl.algorithms.losses import LOSSES  # imports torch: only when a config is validated
+
+        return _registered("loss", v, LOSSES)
+
+    @field_validator("agg")
+    @classmethod
+    def _agg_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import AGG_MODES
+
+        return _registered("agg", v, AGG_MODES)
+
+    @field_validator("kl_kind")
+    @classmethod
+    def _kl_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import KL_KINDS
+
+        return _registered("KL kind", v, KL_KINDS)
 
 
 class RolloutISConfig(_Strict):
@@ -118,7 +153,7 @@ class RolloutISConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    estimator: str = "drmas"
+    estimator: str = Field("drmas", description="a name in masrl.algorithms.ADVANTAGE_ESTIMATORS")
     eps: float = 1e-6
     unbiased_std: bool = True
     singleton: Literal["zero", "raw"] = "zero"
@@ -127,6 +162,13 @@ class AlgorithmConfig(_Strict):
         "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
     loss: LossConfig = Field(default_factory=LossConfig)
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator_registered(cls, v: str) -> str:
+        from masrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        return _registered("estimator", v, sorted(ADVANTAGE_ESTIMATORS))
 
 
 class RolloutConfig(_Strict):
@@ -186,6 +228,9 @@ class TrainerConfig(_Strict):
         "gradients and optimizer state, loss math in float32). The PPO old log-probs are then the "
         "trainer's own (free with 1 epoch x 1 minibatch), not the engine's. The in-process engine decodes "
         "under the same autocast. docs/performance.md"))
+    export: bool = Field(False, description=(
+        "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
+        "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))
 
 
 class EvalConfig(_Strict):

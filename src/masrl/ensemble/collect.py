@@ -99,7 +99,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     no proposals or the proposer set changes between episodes.
     """
     from masrl.ensemble.data import _vocab_key
-    from masrl.workflows.study import normalize_answer
+    from masrl.workflows.common import normalize_answer
 
     rows: list[dict] = []
     models: list[str] | None = None

@@ -103,6 +103,9 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, trust_re
     Every failure raises :class:`ModelLoadError` with a single line. The model is in eval mode.
     """
     source = resolve_model_source(name_or_path)
+    base = peft_adapter_base(source)
+    if base is not None:
+        return _load_merged_adapter(source, base, dtype, trust_remote_code, **model_kwargs)
     torch_dtype = _dtype(dtype)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,3 +131,41 @@ def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, trust_re
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()
     return model, tokenizer
+
+
+def peft_adapter_base(source: str) -> str | None:
+    """The base model of a local PEFT adapter folder (``adapter_config.json``), None for anything else;
+    a relative base path is taken relative to the adapter folder when it exists there."""
+    import json
+
+    config = Path(source) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        base = json.loads(config.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{config}: unreadable adapter config ({_one_line(e)})") from None
+    if not base:
+        raise ModelLoadError(f"{config}: no base_model_name_or_path; load the base model and the adapter "
+                             "with PeftModel.from_pretrained, or set it")
+    near = Path(source) / base
+    return str(near.resolve()) if not Path(base).is_absolute() and near.exists() else base
+
+
+def _load_merged_adapter(source: str, base: str, dtype: Any, trust_remote_code: bool, **model_kwargs: Any):
+    """A PEFT adapter folder as a plain model: its base with the adapter merged in (tokenizer: the
+    adapter folder's when it has one, else the base's)."""
+    model, tokenizer = load_pretrained(base, dtype=dtype, trust_remote_code=trust_remote_code, **model_kwargs)
+    try:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, source).merge_and_unload()
+    except Exception as e:  # noqa: BLE001 - one clear line for every cause
+        raise ModelLoadError(f"cannot apply the PEFT adapter in {source} to {base}: {_one_line(e)}") from None
+    if (Path(source) / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer

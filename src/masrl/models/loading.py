@@ -1,6 +1,8 @@
 """Build a policy's model and tokenizer from its config: tiny-from-config, alias, hub id or folder."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from masrl.config import PolicyConfig
@@ -52,12 +54,15 @@ def load_tokenizer(cfg: PolicyConfig):
     else:
         from transformers import AutoTokenizer
 
-        from masrl.models.hub import resolve_model_source
+        from masrl.models.hub import peft_adapter_base, resolve_model_source
 
         name = cfg.tokenizer or cfg.model
         try:
-            tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(name),
-                                                      trust_remote_code=cfg.trust_remote_code)
+            source = resolve_model_source(name)
+            base = peft_adapter_base(source)  # a PEFT adapter folder without a tokenizer: its base's
+            if base is not None and not os.path.isfile(os.path.join(source, "tokenizer_config.json")):
+                source = resolve_model_source(base)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
         except ModelLoadError as e:
             raise ModelLoadError(f"policy tokenizer {name!r}: {e}") from None
         except Exception as e:  # one clear line

@@ -330,3 +330,24 @@ def load_adapter_state_dict(model: nn.Module, name: str, tensors: Mapping[str, t
     with torch.no_grad():
         for key, p in params.items():
             p.copy_(tensors[key].to(device=p.device, dtype=p.dtype))
+
+
+def load_adapter_folders(model: nn.Module, folder: str) -> None:
+    """Start every adapter of ``model`` from ``folder/<adapter>/adapter_model.safetensors`` (PEFT folders,
+    as ``masrl export`` writes them); the rank and target modules must match (a clear error otherwise)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(folder).expanduser()
+    for name in adapter_names(model):
+        path = root / name / "adapter_model.safetensors"
+        if not path.is_file():
+            found = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+            raise FileNotFoundError(f"lora.init_from: no adapter {name!r} ({path} missing); "
+                                    f"adapter folders there: {found or 'none'}")
+        try:
+            load_adapter_state_dict(model, name, load_file(str(path)))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"lora.init_from: {path} does not fit the policy's LoRA settings "
+                             f"(r, target_modules): {str(e).strip(chr(39))}") from None

@@ -37,10 +37,9 @@ def build_char_tokenizer(extra_tokens: list[str] | None = None) -> PreTrainedTok
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>",
-                                  eos_token="</s>", unk_token="<unk>")
+                                  eos_token="</s>", unk_token="<unk>", padding_side="left")
     tok.add_tokens(words)  # matched before the per-character split
     tok.chat_template = TINY_CHAT_TEMPLATE
-    tok.padding_side = "left"
     return tok
 
 

@@ -88,6 +88,10 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
         names = agents if cfg.lora.per_agent else [name]
         model = attach_adapters(model, names, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
                                 target_modules=cfg.lora.target_modules)
+        if cfg.lora.init_from:
+            from masrl.models.lora import load_adapter_folders
+
+            load_adapter_folders(model, cfg.lora.init_from)
         if cfg.lora.per_agent:
             adapter_of = {a: a for a in agents}
     if not cfg.trainable:

@@ -255,6 +255,15 @@ class Trainer:
         finally:
             self.logger.close()
         report = write_report(self)
+        if cfg.trainer.export:  # the end-of-run hook: the one place the driver reaches the export package
+            from masrl.export import ExportError, export_run
+
+            try:
+                report["export"] = str(export_run(self.run_dir, self.run_dir / "export", overwrite=True))
+            except Exception as e:  # the run itself is complete: say so, and how to export it again
+                raise ExportError(f"the run finished and is saved in {self.run_dir}, but trainer.export failed "
+                                  f"({type(e).__name__}: {e}); retry with `masrl export {self.run_dir} "
+                                  f"--out {self.run_dir / 'export'} --overwrite`") from e
         return report
 
     def close(self) -> None:
