@@ -11,6 +11,8 @@ KNOWN = {
     "qwen/qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                           head_dim=128, intermediate_size=9728, vocab_size=151936, tie_word_embeddings=True,
                           qk_norm=True),
+    "qwen/qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                            intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False, qkv_bias=True),
     "qwen/qwen2.5-7b-instruct": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                                      num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
                                      tie_word_embeddings=False, qkv_bias=True),
