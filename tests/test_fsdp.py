@@ -75,7 +75,8 @@ def test_sharded_update_equals_one_process_update_with_half_the_bytes_per_rank(t
 
 
 def test_lora_per_role_under_fsdp_trains_only_the_adapters(tiny_cfg, tmp_path):
-    lora = {"policies.shared.lora": {"r": 4, "alpha": 8, "per_agent": True}, "policies.shared.optim.lr": 1e-2}
+    lora = {"policies.shared.lora": {"r": 4, "alpha": 8, "per_agent": True}, "policies.shared.optim.lr": 1e-2,
+            "policies.shared.gradient_checkpointing": True}  # checkpointing inside FSDP units, too
     ml, before_l, after_l, _ = _update(tiny_cfg, tmp_path, "local", **lora)
     mf, before, after, _ = _update(tiny_cfg, tmp_path, "fsdp", **FSDP, **lora)
     adapters = [n for n in after if "lora_" in n]
