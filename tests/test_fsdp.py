@@ -58,8 +58,9 @@ def _update(tiny_cfg, tmp_path, kind: str, **over):
 
 
 def test_sharded_update_equals_one_process_update_with_half_the_bytes_per_rank(tiny_cfg, tmp_path):
-    ml, before, wl, (bl,) = _update(tiny_cfg, tmp_path, "local")
-    mf, _, wf, bytes_f = _update(tiny_cfg, tmp_path, "fsdp", **FSDP)
+    ckpt = {"policies.shared.gradient_checkpointing": True}  # recomputation inside the FSDP units, too
+    ml, before, wl, (bl,) = _update(tiny_cfg, tmp_path, "local", **ckpt)
+    mf, _, wf, bytes_f = _update(tiny_cfg, tmp_path, "fsdp", **FSDP, **ckpt)
     assert set(wf) == set(wl)
     moved = max(float((wl[n] - before[n]).abs().max()) for n in wl)
     assert moved > 1e-4  # the step did something (clipped: grad_norm above grad_clip)
@@ -75,8 +76,7 @@ def test_sharded_update_equals_one_process_update_with_half_the_bytes_per_rank(t
 
 
 def test_lora_per_role_under_fsdp_trains_only_the_adapters(tiny_cfg, tmp_path):
-    lora = {"policies.shared.lora": {"r": 4, "alpha": 8, "per_agent": True}, "policies.shared.optim.lr": 1e-2,
-            "policies.shared.gradient_checkpointing": True}  # checkpointing inside FSDP units, too
+    lora = {"policies.shared.lora": {"r": 4, "alpha": 8, "per_agent": True}, "policies.shared.optim.lr": 1e-2}
     ml, before_l, after_l, _ = _update(tiny_cfg, tmp_path, "local", **lora)
     mf, before, after, _ = _update(tiny_cfg, tmp_path, "fsdp", **FSDP, **lora)
     adapters = [n for n in after if "lora_" in n]
