@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from masrl.config import ConfigError, load_config
+from masrl.config import load_config
+from masrl.errors import ConfigError, UserInputError, check_output_folder
 
 
 def _cmd_train(args) -> int:
@@ -16,7 +17,7 @@ def _cmd_train(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
-        if not cfg_path.is_file():
+        if not cfg_path.exists():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a masrl run folder?")
         if args.config:
             raise ConfigError("masrl train --resume RUN_DIR takes its config from RUN_DIR/config.yaml; "
@@ -27,6 +28,7 @@ def _cmd_train(args) -> int:
             raise ConfigError("masrl train: give a config file (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
+    check_output_folder(run_dir, "--output-dir" if args.output_dir else "run folder")
     with Trainer(cfg, run_dir=run_dir) as trainer:
         report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history, cfg)
@@ -56,9 +58,15 @@ def _cmd_eval(args) -> int:
 def _cmd_plot(args) -> int:
     from masrl.monitoring.plots import plot_training_curves
 
+    from masrl.monitoring.logger import read_metrics
+
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"masrl plot: {run_dir} has no metrics.jsonl; is it a masrl run folder?")
+    if not read_metrics(run_dir):
+        raise UserInputError(f"masrl plot: {run_dir / 'metrics.jsonl'} holds no metrics records (JSON objects "
+                             "with a numeric step, one per line); nothing to plot")
+    check_output_folder(run_dir / "plots", "masrl plot: plots folder")
     paths = plot_training_curves(run_dir)
     try:
         from masrl.monitoring.dashboard import plot_dashboard
@@ -71,6 +79,7 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+<<<<<<< HEAD
 def _cmd_plan(args) -> int:
     from masrl.plan import format_plan, plan
 
@@ -78,6 +87,12 @@ def _cmd_plan(args) -> int:
     report = plan(cfg, devices=args.gpus, device_gib=args.gpu_gib, prompt_tokens=args.prompt_tokens)
     print(format_plan(report))
     return 0 if report["fits"] else 1
+=======
+def _cmd_sweep(args) -> int:
+    from masrl.sweep import main as sweep_main
+
+    return sweep_main(args.argv)
+>>>>>>> main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
 
+<<<<<<< HEAD
     pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
@@ -115,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one device in GiB")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed longest prompt, in tokens")
     pl.set_defaults(func=_cmd_plan)
+=======
+    sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
+                           "summarize it (masrl sweep report DIR)")
+    sweep.add_argument("argv", nargs=argparse.REMAINDER)
+    sweep.set_defaults(func=_cmd_sweep)
+>>>>>>> main
 
     exp = sub.add_parser("export", help="write trained policies as Hugging Face model / PEFT adapter folders")
     exp.add_argument("run_dir", help="a masrl run folder (config.yaml + checkpoints/)")
@@ -135,25 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    """Error types that mean "bad input" (exit 2, one line): a model, dataset or checkpoint that
-    cannot be found or read. Imported lazily: only evaluated when an exception is being handled."""
-    from masrl.models.hub import ModelLoadError
-    from masrl.tasks.math_data import DatasetLoadError
-    from masrl.training.checkpoint import CheckpointError
-
-    return (FileNotFoundError, ValueError, ModelLoadError, DatasetLoadError, CheckpointError)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # its own parsers (masrl.sweep): `masrl sweep SPEC` and `masrl sweep report DIR`
+        args = argparse.Namespace(func=_cmd_sweep, argv=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
-    except _input_errors() as e:
+    except (UserInputError, FileNotFoundError) as e:  # ModelLoadError, DatasetLoadError, CheckpointError, ...
         print(f"masrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
