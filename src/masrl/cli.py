@@ -79,7 +79,6 @@ def _cmd_plot(args) -> int:
     return 0
 
 
-<<<<<<< HEAD
 def _cmd_plan(args) -> int:
     from masrl.plan import format_plan, plan
 
@@ -87,12 +86,12 @@ def _cmd_plan(args) -> int:
     report = plan(cfg, devices=args.gpus, device_gib=args.gpu_gib, prompt_tokens=args.prompt_tokens)
     print(format_plan(report))
     return 0 if report["fits"] else 1
-=======
+
+
 def _cmd_sweep(args) -> int:
     from masrl.sweep import main as sweep_main
 
     return sweep_main(args.argv)
->>>>>>> main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
 
-<<<<<<< HEAD
     pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
@@ -131,12 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one device in GiB")
     pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed longest prompt, in tokens")
     pl.set_defaults(func=_cmd_plan)
-=======
+
     sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
                            "summarize it (masrl sweep report DIR)")
     sweep.add_argument("argv", nargs=argparse.REMAINDER)
     sweep.set_defaults(func=_cmd_sweep)
->>>>>>> main
 
     exp = sub.add_parser("export", help="write trained policies as Hugging Face model / PEFT adapter folders")
     exp.add_argument("run_dir", help="a masrl run folder (config.yaml + checkpoints/)")
