@@ -35,7 +35,20 @@ EXPECTED = {
         models={"verifier": "Qwen/Qwen2.5-7B", "search": "Qwen/Qwen2.5-3B", "answer": "Qwen/Qwen2.5-3B"},
         group_size=5, batch_size=128, minibatches=5, max_new_tokens=800, format_penalty=0.01, entropy_coef=0.001,
         workers=8),
+    "math_drmas_qwen3_8b_fsdp.yaml": dict(  # runtime.strategy: fsdp (docs/scaling.md)
+        workflow="math_solver_verifier", workflow_params={"max_loops": 2},
+        mapping={"Solver": "solver", "Verifier": "verifier"},
+        models={"solver": "Qwen/Qwen3-8B", "verifier": "Qwen/Qwen3-8B"},
+        group_size=8, batch_size=32, minibatches=1, max_new_tokens=4096, format_penalty=0.1, entropy_coef=0.0,
+        workers=8),
+    "search_drmas_qwen25_7b_fsdp.yaml": dict(
+        workflow="search_verifier_router", workflow_params={"max_turns": 4, "topk": 3, "history_length": 4},
+        mapping={"Verifier": "verifier", "Search": "search", "Answer": "answer"},
+        models={"verifier": "Qwen/Qwen2.5-7B", "search": "Qwen/Qwen2.5-7B", "answer": "Qwen/Qwen2.5-7B"},
+        group_size=5, batch_size=128, minibatches=5, max_new_tokens=800, format_penalty=0.01, entropy_coef=0.001,
+        workers=8),
 }
+VLLM_EXAMPLES = [p for p in GPU_EXAMPLES if not p.name.endswith("_fsdp.yaml")]  # fsdp: the in-process engine
 
 def test_every_gpu_example_declares_its_settings():
     assert GPU_EXAMPLES, "no examples/gpu/*.yaml"
@@ -85,7 +98,7 @@ def test_smoke_config_loads():
     assert cfg.trainer.device == "cuda" and cfg.policies["shared"].model == "/tmp/tiny"
 
 
-@pytest.mark.parametrize("path", GPU_EXAMPLES + [SMOKE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", VLLM_EXAMPLES + [SMOKE], ids=lambda p: p.name)
 def test_gpu_configs_use_vllm_rollouts_with_is_correction(path):
     cfg = load_config(path, ["policies.shared.model=/tmp/tiny"] if path == SMOKE else [])
     assert cfg.rollout.engine == "vllm" and cfg.rollout.enable_sleep_mode and cfg.rollout.sleep_level == 1

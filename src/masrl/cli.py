@@ -92,6 +92,15 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_plan(args) -> int:
+    from masrl.plan import format_plan, plan
+
+    cfg = load_config(args.config, args.overrides)
+    report = plan(cfg, devices=args.gpus, device_gib=args.gpu_gib, prompt_tokens=args.prompt_tokens)
+    print(format_plan(report))
+    return 0 if report["fits"] else 1
+
+
 def _cmd_sweep(args) -> int:
     from masrl.sweep import main as sweep_main
 
@@ -137,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw training curves and the per-role dashboard of a run")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
+
+    pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--gpus", type=int, default=None, help="devices (default: the config's worker groups)")
+    pl.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one device in GiB")
+    pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed longest prompt, in tokens")
+    pl.set_defaults(func=_cmd_plan)
 
     sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
                            "summarize it (masrl sweep report DIR)")

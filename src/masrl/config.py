@@ -359,6 +359,17 @@ class PlacementConfig(_Strict):
     offload: Optional[bool] = Field(None, description="runtime.offload for this policy")
 
 
+class FSDPConfig(_Strict):
+    """``runtime.strategy: fsdp`` (PyTorch FSDP2; docs/scaling.md)."""
+
+    param_dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="compute dtype of the unsharded parameters (auto: bfloat16 on CUDA, float32 on CPU); "
+                            "master weights and optimizer state stay float32")
+    reduce_dtype: Literal["bfloat16", "float32"] = Field("float32", description="gradient reduce-scatter dtype")
+    cpu_offload: bool = Field(False, description="CPUOffloadPolicy: parameter shards, gradients and optimizer "
+                                                 "state in CPU memory (the optimizer step runs on CPU)")
+
+
 class RuntimeConfig(_Strict):
     """How policies are run: in this process (``local``) or as Ray worker groups (``ray``).
 
@@ -384,6 +395,9 @@ class RuntimeConfig(_Strict):
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of each actor (fractions share a GPU)")
     offload: bool = Field(True, description="colocated: move idle policies' weights and optimizer state to CPU")
     policies: dict[str, PlacementConfig] = Field(default_factory=dict, description="per-policy overrides")
+    strategy: Literal["replica", "fsdp"] = Field("replica", description="replica: every rank holds the whole "
+                                                 "policy; fsdp: its ranks shard it with FSDP2 (runtime.kind: ray)")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
 
     def for_policy(self, name: str) -> PlacementConfig:
         """The effective placement of policy ``name`` (its overrides over the runtime defaults)."""
@@ -458,6 +472,12 @@ class RunConfig(_Strict):
         if len(set(colocated.values())) > 1:
             raise ValueError(f"colocated policies share one resource pool and need the same number of workers; "
                              f"got {colocated}: make them equal or set placement: dedicated")
+        if self.runtime.strategy == "fsdp" and self.runtime.kind != "ray":
+            raise ValueError("runtime.strategy = fsdp shards each policy over its Ray worker group: "
+                             "set runtime.kind: ray (runtime.workers: ranks per policy)")
+        if self.runtime.strategy == "fsdp" and self.rollout.engine != "transformers":
+            raise ValueError("runtime.strategy = fsdp decodes with the in-process engine through the sharded "
+                             "model: set rollout.engine: transformers (vLLM with fsdp is not supported yet)")
         return self
 
     @model_validator(mode="after")

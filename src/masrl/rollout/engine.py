@@ -226,6 +226,7 @@ class TransformersEngine(Engine):
         self.generator = torch.Generator().manual_seed(seed)
         self.seed = seed
         self._device_generators: dict[str, torch.Generator] = {}  # sampling on an accelerator needs its own
+        self.sharded_model = False  # set by masrl.training.fsdp.shard_policy
         self.tokens_generated = 0
         self.prefill_tokens = 0  # prompt tokens actually run through the model (after reuse)
 
@@ -277,8 +278,8 @@ class TransformersEngine(Engine):
         batch instead of once per decode step (a 49k x 576 LM head on 8 rows: 8.5 ms with the cache,
         44 ms without, 20 ms in float32).
         """
-        if not self.autocast:
-            return torch.inference_mode()
+        if not self.autocast:  # FSDP2 (sharded_model) must not allocate its unsharded weights as inference tensors
+            return torch.no_grad() if self.sharded_model else torch.inference_mode()
         dtype = getattr(torch, self.autocast) if isinstance(self.autocast, str) else self.autocast
         stack = contextlib.ExitStack()
         stack.enter_context(torch.no_grad())

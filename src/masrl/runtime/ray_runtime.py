@@ -71,14 +71,20 @@ class _Group:
 class RemoteEngine(Engine):
     """The rollout engine of a worker group: requests are split over the ranks and generated in parallel."""
 
-    def __init__(self, group: _Group):
+    def __init__(self, group: _Group, sharded: bool = False):
         self.group = group
+        # fsdp: every forward is a collective, so every rank decodes every request with the same seed
+        # (identical samples; rank 0's results are returned)
+        self.sharded = sharded
 
     def reseed(self, seed: int) -> None:  # rank 0 gets the seed the local engine would get
-        self.group.get([a.reseed.remote(seed + r * RANK_SEED_STRIDE) for r, a in enumerate(self.group.actors)],
-                       "reseed")
+        stride = 0 if self.sharded else RANK_SEED_STRIDE
+        self.group.get([a.reseed.remote(seed + r * stride) for r, a in enumerate(self.group.actors)], "reseed")
 
     def submit(self, requests: Sequence[GenRequest]):
+        if self.sharded:
+            payload = [dataclasses.asdict(r) for r in requests]
+            return [a.generate.remote(payload) if requests else None for a in self.group.actors]
         n, world = len(requests), len(self.group.actors)
         size = -(-n // world)
         shards = [requests[i * size:(i + 1) * size] for i in range(world)]
@@ -88,7 +94,8 @@ class RemoteEngine(Engine):
     def collect(self, handle) -> list[GenResult]:
         refs = [r for r in handle if r is not None]
         out: list[GenResult] = []
-        for part in self.group.get(refs, "generation"):
+        parts = self.group.get(refs, "generation")
+        for part in parts[:1] if self.sharded else parts:
             out.extend(GenResult(**d) for d in part)
         return out
 
@@ -115,6 +122,8 @@ class RayPolicy(PolicyText):
         return True if self.cfg.trainable else None
 
     def checkpoint_state(self):
+        if self.group.runtime.cfg.runtime.strategy == "fsdp":  # gathered: every rank takes part
+            return self.group.all("checkpoint_state", what="checkpoint save")[0]
         return self.group.get([self.group.actors[0].checkpoint_state.remote()], "checkpoint save")[0]
 
     def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
@@ -194,17 +203,18 @@ class RayRuntime:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pool, placement_group_bundle_index=rank),
             ).remote(name, cfg.policies[name].model_dump(mode="json"), build, rank=rank, world=place.workers,
                      threads=threads, device=device, base_trained=base_trained(cfg, name), spike=spike,
-                     offload=bool(place.offload and name in colocated and len(colocated) > 1))
+                     offload=bool(place.offload and name in colocated and len(colocated) > 1),
+                     fsdp=rc.fsdp.model_dump(mode="json") if rc.strategy == "fsdp" else None)
                 for rank in range(place.workers)]
             group = _Group(self, name, actors, place)
             info = group.get([actors[0].info.remote()], "start-up")[0]
-            if place.workers > 1:
+            if place.workers > 1 or rc.strategy == "fsdp":
                 address, port = group.get([actors[0].rendezvous.remote()], "start-up")[0]
                 backend = rc.backend if rc.backend != "auto" else ("nccl" if gpus > 0 else "gloo")
                 group.all("join_group", address, port, backend, what="process-group start-up")
             self.groups[name] = group
             policies[name] = RayPolicy(name=name, cfg=cfg.policies[name], tokenizer=load_tokenizer(cfg.policies[name]),
-                                       engine=RemoteEngine(group), group=group, max_positions=info["max_positions"],
+                                       engine=RemoteEngine(group, rc.strategy == "fsdp"), group=group, max_positions=info["max_positions"],
                                        agents=build["agents"], adapter_of=info["adapter_of"],
                                        colocated=name in colocated)
         return policies

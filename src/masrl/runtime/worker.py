@@ -32,7 +32,7 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device
 
 class PolicyWorker:
     def __init__(self, name: str, policy_cfg: dict, build: dict, *, rank: int, world: int, threads: int,
-                 device: str, base_trained: bool, spike: dict, offload: bool):
+                 device: str, base_trained: bool, spike: dict, offload: bool, fsdp: dict | None = None):
         torch.set_num_threads(max(1, threads))
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
@@ -40,7 +40,8 @@ class PolicyWorker:
         self.rollout = RolloutConfig.model_validate(build["rollout"])
         self.policy.base_trained = base_trained
         self.device = torch.device(device)
-        self.offload_enabled = offload and self.device.type != "cpu"
+        self.fsdp = fsdp  # runtime.fsdp when runtime.strategy = fsdp (sharded at join_group)
+        self.offload_enabled = offload and self.device.type != "cpu" and fsdp is None  # fsdp: cpu_offload
         self.on_device = False
         self.onload()
         self.dp = DataParallel(rank, world)
@@ -57,6 +58,11 @@ class PolicyWorker:
     def join_group(self, address: str, port: int, backend: str) -> None:
         self.dp = init_process_group(self.rank, self.world, address, port, backend)
         self.dp.broadcast_parameters(self.policy.model)
+        if self.fsdp is not None:
+            from masrl.training.fsdp import FSDPOptions, ShardedDataParallel, shard_policy
+
+            shard_policy(self.policy, FSDPOptions(**self.fsdp), self.device, backend)
+            self.dp = ShardedDataParallel(self.rank, self.world)
 
     def info(self) -> dict[str, Any]:
         return {"max_positions": self.policy.max_positions, "adapter_of": dict(self.policy.adapter_of),
@@ -120,7 +126,13 @@ class PolicyWorker:
 
     # -------------------------------------------------------------- state
     def checkpoint_state(self):
+        """Full weights and optimizer state (fsdp: gathered tensor by tensor; every rank must call)."""
         from masrl.training.checkpoint import optimizer_to_tensors, trainable_state
+
+        if self.fsdp is not None:
+            from masrl.training.fsdp import full_checkpoint_state
+
+            return full_checkpoint_state(self.policy)
 
         weights = {k: v.cpu() for k, v in trainable_state(self.policy).items()}
         tensors, meta = optimizer_to_tensors(self.policy.optimizer)
@@ -129,6 +141,12 @@ class PolicyWorker:
     def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
         from masrl.training.checkpoint import restore_policy
 
+        if self.fsdp is not None:
+            from masrl.training.fsdp import restore_sharded
+
+            restore_sharded(self.policy, weights, opt_tensors, opt_meta, where)
+            after_update(self.policy)
+            return
         restore_policy(self.policy, weights, opt_tensors, opt_meta, where)
         self.on_device = False
         self.onload()
@@ -148,4 +166,13 @@ class PolicyWorker:
         return h.hexdigest()
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu().clone() for n, p in self.policy.model.named_parameters()}
+        """Whole parameters on CPU (fsdp: gathered, so every rank must call)."""
+        from masrl.training.fsdp import _full
+
+        return {n: _full(p) for n, p in self.policy.model.named_parameters()}
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state (fsdp: its shards)."""
+        from masrl.training.fsdp import local_bytes
+
+        return local_bytes(self.policy)

@@ -28,9 +28,14 @@ T = TypeVar("T")
 class DataParallel:
     rank: int
     world: int
+    sharded = False  # the fsdp strategy's subclass (masrl.training.fsdp) reduces gradients in backward
 
     def shard(self, items: Sequence[T]) -> list[T]:
         return list(items[self.rank::self.world])
+
+    def pad_chunks(self, chunks: list[list[T]], unit: Sequence[T]) -> list[tuple[list[T], bool]]:
+        """(chunk, is_padding) pairs; replicas need no padding (one collective per minibatch)."""
+        return [(c, False) for c in chunks]
 
     def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> None:
         """In-place SUM over ranks, one flat buffer per dtype."""

@@ -147,6 +147,10 @@ def _grad_list(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
 def _norm(tensors: Sequence[torch.Tensor]) -> float:
     if not tensors:
         return 0.0
+    if type(tensors[0]).__name__ == "DTensor":  # fsdp shards: local squared norms, all-reduced
+        from masrl.training.fsdp import sharded_norm
+
+        return sharded_norm(tensors)
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
 
 
@@ -279,9 +283,10 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
     for unit_agent, unit in units:
         unit = [r for r in unit if r.response_ids]
         mine = dp.shard(unit) if dp else unit
-        for chunk in (micro_batches(mine, trainer.micro_batch_tokens) if finite else []):
-            if not _backward_chunk(u, chunk, total_tokens, total_rows, role_w):
-                finite = False
+        chunks = micro_batches(mine, trainer.micro_batch_tokens) if finite else []
+        for chunk, padding in (dp.pad_chunks(chunks, unit) if dp else [(c, False) for c in chunks]):
+            finite = _backward_chunk(u, chunk, total_tokens, total_rows, role_w, padding=padding, finite=finite)
+            if not finite and not (dp is not None and dp.sharded):
                 break
         if not finite and dp is None:
             break
@@ -310,10 +315,13 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
 
 
 def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_rows: int,
-                    role_w: dict[str, float] | None) -> bool:
+                    role_w: dict[str, float] | None, *, padding: bool = False, finite: bool = True) -> bool:
     """Loss of one micro-batch (policy loss, entropy bonus, KL), backward with its share of the minibatch;
-    False (nothing backwarded) when the loss is not finite."""
-    lc, trainer, metrics, norm_length = u.algo.loss, u.trainer, u.metrics, u.norm_length
+    returns whether the minibatch is still finite (nothing backwarded once it is not). Under FSDP2 every rank
+    runs as many backwards as the others: a padding chunk, or any chunk once the loss was not finite, is
+    backwarded with weight 0 and logs nothing."""
+    lc, trainer, norm_length = u.algo.loss, u.trainer, u.norm_length
+    metrics = defaultdict(list) if padding else u.metrics  # padding (fsdp) chunks: no metrics
     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
     batch = pack_rows(chunk, u.pad, u.device)
     with _routing(u.policy, chunk), autocast(trainer, u.device):
@@ -351,8 +359,11 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
         _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
     weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
               else 1.0 if role_w else len(chunk) / max(total_rows, 1))  # role-balanced: weights are global
-    if not torch.isfinite(loss):
-        return False
+    finite = finite and bool(torch.isfinite(loss))
+    if padding or not finite:
+        if u.dp is not None and u.dp.sharded:  # FSDP2: as many backwards as the other ranks
+            (loss * 0.0).backward()
+        return finite
     (loss * weight).backward()
     _per_agent_token_mean(entropy, batch.response_mask, chunk, "entropy", metrics)
     metrics["pg_loss"].append(float(loss.detach()))
@@ -386,7 +397,11 @@ def _optimizer_step(u: _UpdateRun, finite: bool, agent_norms: dict[str, float]) 
                     if p.grad is not None:
                         p.grad.mul_(scale)
     clip = policy.cfg.optim.grad_clip
-    if clip is not None:
+    if clip is not None and u.dp is not None and u.dp.sharded:
+        from masrl.training.fsdp import clip_sharded_
+
+        clip_sharded_(params, clip)
+    elif clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
     policy.optimizer.step()
     metrics[f"{prefix}/grad_norm"].append(grad_norm)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# One script for the moment a GPU is lent (needs torch, transformers, peft and masrl's own light deps;
+# no Ray, no vLLM). Prints one line per check (PASS / FAIL / SKIP) and exits non-zero on a failure.
+# Without CUDA every check is skipped (exit 0). MASRL_GPU_CHECK_DEVICE=cpu runs the checks on CPU.
+#   bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} exec python benchmarks/gpu_check.py "$@"

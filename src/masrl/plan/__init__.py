@@ -1,0 +1,147 @@
+"""``masrl plan``: the memory each policy needs per device, and whether the run fits.
+
+Formulas (docs/scaling.md, "Memory plan"), per policy and per device, in bytes:
+  weights   = P·b                      (b: bytes of the policy dtype; fsdp: /N + working set)
+  grads     = P_t·b                    (P_t: trainable parameters: all, or the LoRA adapters)
+  optimizer = 2·P_t·b                  (AdamW's two moments, in the parameter dtype)
+  activations (one micro-batch of T = trainer.micro_batch_tokens tokens, a = activation bytes):
+      without checkpointing: T·L·(8h + 2k + 3.5i)·a + L·attention + logits
+      with checkpointing:    T·L·h·a + T·(8h + 2k + 3.5i)·a + attention + logits
+      attention = T·S·H·4 (the CPU math kernel keeps the probabilities; 0 for flash kernels on CUDA)
+      logits    = 3·T_r·V·4            (T_r: response tokens in the micro-batch)
+  kv cache  = 2·L·k·rows·S·b           (rows = min(max_rollout_batch, batch_size·group_size))
+  vllm      = rollout.gpu_memory_utilization · device memory (a separate engine's pool)
+  fsdp: persistent terms (weights, grads, optimizer) /N, plus the unsharded root and two layers
+  (one computing, one prefetched) in the compute dtype.
+with h hidden size, k = kv heads·head dim, i intermediate size, L layers, V vocabulary,
+H attention heads, S = prompt_tokens + the longest max_new_tokens of the policy's agents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from masrl.plan.shapes import ModelShape, model_shape
+
+GiB = 2 ** 30
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class PolicyPlan:
+    name: str
+    shape: ModelShape
+    world: int
+    strategy: str
+    terms: dict[str, float] = field(default_factory=dict)  # bytes per device
+    checkpointing: bool = False
+
+
+def _lora_trainable(shape: ModelShape, lora, adapters: int) -> int:
+    dims = {"q_proj": (shape.hidden, shape.heads * shape.head_dim),
+            "k_proj": (shape.hidden, shape.kv_dim), "v_proj": (shape.hidden, shape.kv_dim),
+            "o_proj": (shape.heads * shape.head_dim, shape.hidden),
+            "gate_proj": (shape.hidden, shape.intermediate), "up_proj": (shape.hidden, shape.intermediate),
+            "down_proj": (shape.intermediate, shape.hidden)}
+    per_layer = sum(lora.r * (a + b) for name, (a, b) in dims.items() if name in lora.target_modules)
+    return per_layer * shape.layers * adapters
+
+
+def activation_bytes(shape: ModelShape, tokens: int, seq: int, response_tokens: int, act_bytes: int,
+                     checkpointing: bool, attention_probs: bool = True) -> float:
+    """Saved activations of one micro-batch's forward (what backward keeps), in bytes."""
+    per_token_layer = (16 * shape.hidden + 4 * shape.kv_dim + 7 * shape.intermediate) * act_bytes / 2
+    attention = tokens * seq * shape.heads * 4 if attention_probs else 0
+    logits = 3 * response_tokens * shape.vocab * 4
+    if checkpointing:
+        return tokens * shape.layers * shape.hidden * act_bytes + tokens * per_token_layer + attention + logits
+    return tokens * shape.layers * per_token_layer + shape.layers * attention + logits
+
+
+def plan_policy(cfg, name: str, prompt_tokens: int = 512, cuda: bool = True) -> PolicyPlan:
+    pcfg = cfg.policies[name]
+    shape = model_shape(pcfg)
+    place = cfg.runtime.for_policy(name) if cfg.runtime.kind == "ray" else None
+    world = place.workers if place is not None else 1
+    fsdp = cfg.runtime.strategy == "fsdp"
+    b = _BYTES[pcfg.dtype]
+    agents = [a for a, acfg in cfg.agents.items() if acfg.policy == name]
+    max_new = max((cfg.agents[a].max_new_tokens for a in agents), default=256)
+    seq = prompt_tokens + max_new
+    lora = pcfg.lora
+    trainable = 0 if not pcfg.trainable else (
+        _lora_trainable(shape, lora, len(agents) if lora.per_agent else 1) if lora else shape.params)
+    shard = world if fsdp else 1
+    terms = {"weights": (shape.params + (trainable if lora else 0)) * b / shard,
+             "grads": trainable * b / shard, "optimizer": 2 * trainable * b / shard}
+    if fsdp:
+        compute = 2 if (cfg.runtime.fsdp.param_dtype == "auto" and cuda) else _BYTES.get(cfg.runtime.fsdp.param_dtype, b)
+        terms["fsdp_unsharded"] = (shape.root_params + 2 * shape.layer_params) * compute
+    act_b = _BYTES[cfg.trainer.autocast] if cfg.trainer.autocast else b
+    tokens = cfg.trainer.micro_batch_tokens
+    response_tokens = tokens * max_new // seq
+    ckpt = bool(pcfg.gradient_checkpointing)
+    if pcfg.trainable:
+        terms["activations"] = activation_bytes(shape, tokens, seq, response_tokens, act_b, ckpt, not cuda)
+        terms["activations_no_ckpt" if ckpt else "activations_ckpt"] = activation_bytes(
+            shape, tokens, seq, response_tokens, act_b, not ckpt, not cuda)
+    rows = min(cfg.trainer.max_rollout_batch, cfg.trainer.batch_size * cfg.trainer.group_size)
+    if cfg.rollout.engine == "vllm":
+        terms["vllm"] = 0.0  # filled in by plan() (a fraction of the device)
+    else:
+        terms["kv_cache"] = 2 * shape.layers * shape.kv_dim * rows * seq * b / (1 if fsdp else world)
+    plan = PolicyPlan(name, shape, world, cfg.runtime.strategy if cfg.runtime.kind == "ray" else "replica", terms)
+    plan.checkpointing = ckpt
+    return plan
+
+
+def counted(plan: PolicyPlan) -> dict[str, float]:
+    """The terms that add up to the policy's peak (the other activation variant is shown, not added)."""
+    return {k: v for k, v in plan.terms.items() if k not in ("activations_ckpt", "activations_no_ckpt")}
+
+
+def plan(cfg, devices: int | None = None, device_gib: float = 80.0, prompt_tokens: int = 512) -> dict:
+    """Per policy its terms, per device the sum under the placement, and the verdict."""
+    policies = {n: plan_policy(cfg, n, prompt_tokens, cuda=cfg.trainer.device != "cpu" or
+                               cfg.runtime.gpus_per_worker > 0) for n in cfg.policies}
+    for p in policies.values():
+        if "vllm" in p.terms:
+            p.terms["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib * GiB
+    colocated = [n for n in policies if cfg.runtime.kind != "ray" or
+                 cfg.runtime.for_policy(n).placement == "colocated"]
+    dedicated = [n for n in policies if n not in colocated]
+    if devices is None:
+        devices = max([cfg.runtime.for_policy(n).workers for n in colocated] or [0]) + \
+            sum(cfg.runtime.for_policy(n).workers for n in dedicated) if cfg.runtime.kind == "ray" else 1
+    per_device: dict[str, float] = {}
+    offload = cfg.runtime.kind == "ray" and cfg.runtime.offload and len(colocated) > 1
+    for n in colocated:  # sharing devices: persistent state adds up unless idle policies are offloaded
+        for key, value in counted(policies[n]).items():
+            label = f"{n}/{key}"
+            per_device[label] = value
+    if offload:  # one policy's working set on the device at a time: the largest
+        totals = {n: sum(counted(policies[n]).values()) for n in colocated}
+        keep = max(totals, key=totals.get)
+        per_device = {k: v for k, v in per_device.items() if k.startswith(f"{keep}/")}
+    need = sum(per_device.values())
+    for n in dedicated:
+        need = max(need, sum(counted(policies[n]).values()))
+    largest = max(per_device.items(), key=lambda kv: kv[1]) if per_device else ("-", 0.0)
+    fits = need <= device_gib * GiB
+    return {"policies": policies, "per_device": per_device, "need": need, "devices": devices,
+            "device_gib": device_gib, "fits": fits, "largest": largest}
+
+
+def format_plan(report: dict) -> str:
+    lines = []
+    for p in report["policies"].values():
+        s = p.shape
+        lines.append(f"policy {p.name}: {s.name} {s.params / 1e9:.3g}B params, {p.strategy} over {p.world} "
+                     f"rank(s){', gradient checkpointing' if p.checkpointing else ''}")
+        for key, value in p.terms.items():
+            note = " (not counted)" if key in ("activations_ckpt", "activations_no_ckpt") else ""
+            lines.append(f"  {key:<22}{value / GiB:10.2f} GiB{note}")
+    verdict = "fits" if report["fits"] else "does not fit"
+    name, value = report["largest"]
+    lines.append(f"per device: {report['need'] / GiB:.2f} GiB -> {verdict} on {report['devices']} x "
+                 f"{report['device_gib']:g} GiB (largest term: {name} {value / GiB:.2f} GiB)")
+    return "\n".join(lines)

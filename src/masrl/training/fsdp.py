@@ -1,0 +1,226 @@
+"""The ``fsdp`` strategy: a policy's ranks shard its model with PyTorch FSDP2 (``fully_shard``).
+
+Every decoder layer is its own FSDP unit and the root holds the rest (embeddings, final norm,
+LM head), so a forward or backward unshards one layer at a time: no rank ever holds the whole
+model (rollout included: the in-process engine decodes through the same sharded module).
+Parameters, gradients and AdamW state live as ``DTensor`` shards (dim 0 split over the ranks).
+
+Arithmetic is the replica strategy's (masrl.training.distributed): every rank trains on its
+round-robin share of each minibatch with losses normalised by the whole minibatch's counts,
+and FSDP2 reduce-scatters gradients as a SUM (divide factor 1), so the sharded gradient is a
+shard of exactly the single-process gradient. FSDP2 runs collectives inside every forward and
+backward, so ranks must make the same number of calls: a rank with fewer micro-batches runs
+zero-weight padding ones (:meth:`ShardedDataParallel.pad_chunks`). Norms are exact: local
+squared norms of the shards, all-reduced (:func:`sharded_norm`).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import socket
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from masrl.training.distributed import DataParallel
+
+
+@dataclass
+class FSDPOptions:
+    """``runtime.fsdp`` as plain data (it crosses into Ray workers)."""
+
+    param_dtype: str = "auto"     # compute dtype of unsharded params: auto = bfloat16 on CUDA, float32 on CPU
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype (master weights stay float32)
+    cpu_offload: bool = False      # CPUOffloadPolicy: shards, grads and optimizer state in CPU memory
+
+    def mixed_precision(self, device_type: str):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        name = self.param_dtype
+        if name == "auto":
+            name = "bfloat16" if device_type == "cuda" else "float32"
+        return MixedPrecisionPolicy(param_dtype=getattr(torch, name), reduce_dtype=getattr(torch, self.reduce_dtype))
+
+
+class ShardedDataParallel(DataParallel):
+    """A :class:`DataParallel` whose gradients FSDP2 already reduced (and sharded) in backward."""
+
+    sharded = True
+
+    def all_reduce_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Nothing to do: FSDP2 reduce-scattered every gradient (SUM) in backward."""
+
+    def pad_chunks(self, chunks: list[list[Any]], unit: Sequence[Any]) -> list[tuple[list[Any], bool]]:
+        """``chunks`` plus zero-weight padding chunks up to the most any rank has: (chunk, is_padding)."""
+        out = [(c, False) for c in chunks]
+        if self.world == 1:
+            return out
+        import torch.distributed as dist
+
+        most = torch.tensor([len(chunks)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        filler = [chunks[0][0]] if chunks else [unit[0]] if unit else []
+        if not filler and int(most):
+            raise RuntimeError("fsdp: a rank must run a forward but its unit has no rows")
+        return out + [(list(filler), True)] * (int(most) - len(chunks))
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def sharded_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """Exact L2 norm over DTensor shards: local squared sums all-reduced (float64 accumulation)."""
+    import torch.distributed as dist
+
+    local = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        part = t.to_local() if is_sharded(t) else t
+        local += part.detach().double().pow(2).sum().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM)
+    return math.sqrt(float(local))
+
+
+def clip_sharded_(params: Sequence[torch.nn.Parameter], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` on sharded gradients (same formula); returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = sharded_norm(grads)
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    for g in grads:
+        g.mul_(coef)
+    return norm
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a HF causal LM (its ``_no_split_modules`` classes), PEFT-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"fsdp: cannot find the decoder layers of {type(base).__name__} "
+                         "(its _no_split_modules is empty); use runtime.strategy=replica for this model")
+    return layers
+
+
+def ensure_process_group(world: int, backend: str = "gloo") -> None:
+    """A one-rank process group when none exists (FSDP2 with one rank, e.g. the local runtime)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if world != 1:
+        raise RuntimeError(f"fsdp: {world} ranks need a process group (the Ray runtime starts one)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=600))
+
+
+def shard_module(model: torch.nn.Module, options: FSDPOptions, device: torch.device) -> torch.nn.Module:
+    """``fully_shard`` every decoder layer, then the root; gradients reduced as a SUM."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": options.mixed_precision(device.type)}
+    if options.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    layers = decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for unit in [model, *layers]:
+        unit.set_gradient_divide_factor(1.0)  # SUM: losses are normalised by the global counts
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM collectives (gloo has no PREMUL_SUM)
+    return model
+
+
+def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: str = "gloo") -> None:
+    """Shard ``policy.model`` (and its KL reference) in place and rebuild the optimizer on the shards."""
+    import torch.distributed as dist
+
+    ensure_process_group(1 if not dist.is_initialized() else dist.get_world_size(), backend)
+    policy.model.to(device)
+    shard_module(policy.model, options, device)
+    if hasattr(policy.engine, "sharded_model"):  # the in-process engine decodes through the sharded module
+        policy.engine.sharded_model = True
+    if policy.ref_model is not None:
+        policy.ref_model.to(device)
+        shard_module(policy.ref_model, options, device)
+    if policy.optimizer is not None:  # fully_shard replaced the parameters by DTensor ones
+        o = policy.cfg.optim  # as masrl.training.policy.build_policy makes it
+        policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+                                             weight_decay=o.weight_decay, eps=o.eps,
+                                             **({"fused": True} if o.fused else {}))
+
+
+def local_bytes(policy) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients and optimizer state (shards only)."""
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if is_sharded(t) else t
+        return local.numel() * local.element_size()
+
+    params = sum(nbytes(p) for p in policy.model.parameters())
+    grads = sum(nbytes(p.grad) for p in policy.model.parameters() if p.grad is not None)
+    opt = 0
+    if policy.optimizer is not None:
+        for state in policy.optimizer.state.values():
+            opt += sum(nbytes(v) for k, v in state.items() if torch.is_tensor(v) and k != "step")
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on CPU (an all-gather of one tensor when sharded: every rank must call)."""
+    return (t.full_tensor() if is_sharded(t) else t).detach().cpu().contiguous().clone()
+
+
+def full_checkpoint_state(policy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """The replica strategy's checkpoint (masrl.training.checkpoint format), gathered one tensor at a time.
+
+    Every rank must call it (each gather is a collective). Being the consolidated format, it loads
+    at any number of ranks and under either strategy.
+    """
+    from masrl.training.checkpoint import optimizer_to_tensors, saved_parameter_names
+
+    names = saved_parameter_names(policy)
+    weights = {n: _full(p) for n, p in policy.model.named_parameters() if n in names}
+    tensors, meta = optimizer_to_tensors(policy.optimizer)
+    return weights, {k: _full(v) for k, v in tensors.items()}, meta
+
+
+def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``like`` (this rank's DTensor shard when ``like`` is sharded)."""
+    if not is_sharded(like):
+        return full.to(like.device, like.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+
+def restore_sharded(policy, weights, opt_tensors, opt_meta, where: str) -> None:
+    """Load a consolidated checkpoint into a sharded policy (each rank keeps its shards)."""
+    from masrl.training.checkpoint import CheckpointError, optimizer_from_tensors, saved_parameter_names
+
+    expected = saved_parameter_names(policy)
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        raise CheckpointError(f"{where} weights do not fit the model (missing {missing}, unexpected {extra})")
+    params = dict(policy.model.named_parameters())
+    with torch.no_grad():
+        for n in sorted(weights):
+            p = params[n]
+            shard = _shard_like(weights[n], p)
+            (p.to_local() if is_sharded(p) else p).copy_(shard.to_local() if is_sharded(shard) else shard)
+    if opt_tensors is not None and policy.optimizer is not None:
+        ordered = [p for g in policy.optimizer.param_groups for p in g["params"]]
+        laid_out = {}
+        for key, t in opt_tensors.items():
+            idx, name = key.split(".", 1)
+            laid_out[key] = t if name == "step" else _shard_like(t, ordered[int(idx)])
+        optimizer_from_tensors(policy.optimizer, laid_out, opt_meta)

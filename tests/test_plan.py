@@ -1,0 +1,97 @@
+"""`masrl plan`: its formula against memory measured on CPU (tiny models), and its verdicts."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from masrl.cli import main
+from masrl.config import ConfigError, config_from_dict, load_config
+from masrl.plan import plan, plan_policy
+from masrl.training.fsdp import local_bytes
+from masrl.training.policy import build_policy
+from masrl.training.update import Row, pack_rows, response_logits, token_logprobs
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "gpu"
+WIDER = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 768}
+
+
+def _saved_activation_bytes(policy, rows) -> int:
+    """Bytes autograd keeps for backward after one forward (each storage counted once)."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    batch = pack_rows(rows, 0)
+    policy.model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = (token_logprobs(response_logits(policy.model, batch), batch.targets) * batch.response_mask).sum()
+    loss.backward()
+    return total[0]
+
+
+@pytest.mark.parametrize("tiny", [{}, WIDER], ids=["tiny", "wider"])
+def test_plan_matches_memory_measured_on_cpu(tiny_cfg, tiny):
+    """Activations (saved tensors of one micro-batch) within 25%; weights + grads + AdamW state exact."""
+    prompt, response, tokens = 96, 32, 2048
+    d = tiny_cfg(**{"trainer.micro_batch_tokens": tokens, "policies.shared.tiny": tiny,
+                    "agents.Solver.max_new_tokens": response, "agents.Verifier.max_new_tokens": response})
+    cfg = config_from_dict(d)
+    policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
+    rows = [Row("Solver", list(range(5, 5 + prompt)), list(range(5, 5 + response)), [-1.0] * response, 1.0)
+            for _ in range(tokens // (prompt + response))]
+    measured = _saved_activation_bytes(policy, rows)
+    policy.optimizer.step()  # AdamW state exists after the first step
+    terms = plan_policy(cfg, "shared", prompt_tokens=prompt, cuda=False).terms
+    assert terms["activations"] == pytest.approx(measured, rel=0.25), (terms["activations"], measured)
+    persistent = local_bytes(policy)
+    assert terms["weights"] == persistent["params"]
+    assert terms["grads"] == persistent["grads"]
+    assert terms["optimizer"] == persistent["optimizer"]
+
+
+def test_plan_fsdp_halves_the_persistent_terms(tiny_cfg):
+    base = config_from_dict(tiny_cfg(**{"runtime.kind": "ray", "runtime.workers": 2}))
+    fsdp = config_from_dict(tiny_cfg(**{"runtime.kind": "ray", "runtime.workers": 2, "runtime.strategy": "fsdp"}))
+    a, b = plan_policy(base, "shared").terms, plan_policy(fsdp, "shared").terms
+    for key in ("weights", "grads", "optimizer"):
+        assert b[key] == a[key] / 2
+    assert b["fsdp_unsharded"] > 0 and "fsdp_unsharded" not in a
+
+
+def test_plan_verdicts_for_the_paper_settings(capsys):
+    """Qwen3-8B math with fsdp fits on 8 x 80 GiB; as replicas it does not, and the plan says why."""
+    path = str(EXAMPLES / "math_drmas_qwen3_8b_fsdp.yaml")
+    assert main(["plan", path, "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "fits on 8 x 80 GiB" in out and "Qwen/Qwen3-8B 8.19B params, fsdp over 8 rank(s)" in out
+    assert main(["plan", path, "runtime.strategy=replica", "--gpu-gib", "80"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit on 8 x 80 GiB (largest term: solver/optimizer 30.51 GiB)" in out
+    report = plan(load_config(EXAMPLES / "search_drmas_qwen25_7b_fsdp.yaml", []), device_gib=80)
+    assert report["fits"] and set(report["policies"]) == {"verifier", "search", "answer"}
+
+
+def test_fsdp_config_errors(tiny_cfg):
+    with pytest.raises(ConfigError, match="runtime.strategy = fsdp .* set runtime.kind: ray"):
+        config_from_dict(tiny_cfg(**{"runtime.strategy": "fsdp"}))
+    with pytest.raises(ConfigError, match="runtime.strategy"):
+        config_from_dict(tiny_cfg(**{"runtime.kind": "ray", "runtime.strategy": "zero3"}))
+
+
+def test_gpu_check_script_skips_every_check_without_cuda():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "MASRL_GPU_CHECK_DEVICE": ""}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["SKIP", f"{name}:"] for name in
+                                                    ("engine_logprobs_vs_trainer", "rl_step_bf16", "fsdp_one_rank",
+                                                     "peak_memory_vs_plan")]
