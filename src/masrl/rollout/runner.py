@@ -14,7 +14,7 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
               temperature: float | None = None):
     """The ``team.call`` backend: chat-encode the prompt, generate with the agent's policy."""
 
-    async def call(agent: str, prompt: str) -> Turn:
+    async def call(agent: str, prompt) -> Turn:  # a string or a ChatPrompt (team.chat)
         acfg = agents[agent]
         policy = policies[acfg.policy]
         prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
@@ -28,7 +28,8 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
         result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens,
                                                                        policy.adapter(agent)))
         return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
-                    logprobs=result.logprobs, text=policy.decode(result.response_ids), prompt_text=prompt,
+                    logprobs=result.logprobs, text=policy.decode(result.response_ids),
+                    prompt_text=prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt),
                     truncated=result.truncated, info=info)
 
     return call
