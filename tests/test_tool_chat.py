@@ -179,3 +179,18 @@ def test_chat_through_the_rollout_engine_records_real_turns():
         assert first.prompt_ids == policy.tokenizer(expected, add_special_tokens=False)["input_ids"]
         assert 0 < len(first.response_ids) == len(first.logprobs)
         assert e.info["messages"][1] == {"role": "assistant", "content": first.text}
+
+
+def test_the_docs_example_runs():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "workflows.md").read_text()
+    section = doc[doc.index("## Agents with tools"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    namespace: dict = {}
+    exec(compile(code, "docs/workflows.md", "exec"), namespace)
+    call = render_tool_call("convert", {"amount": 3, "unit": "km"})
+    episode = run_scripted("tool_solver", Task("d", "How many metres are 3 km?", "3000"),
+                           {"Solver": [call, render_tool_call("calculator", {"expression": "3000.0"}), "\\boxed{3000}"]})
+    assert episode.correct and episode.info["tool_calls"] == 2
+    assert episode.turns[1].prompt_text.endswith("tool: 3000.0")
