@@ -141,6 +141,16 @@ def test_history_rendering_equals_the_tokenizers_chat_template_with_tools():
     # the earlier prompt and the reply (ending with the end-of-turn token) are a token prefix of the next prompt
     first, second = episode.turns
     assert second.prompt_ids[:len(first.prompt_ids) + len(first.response_ids)] == first.prompt_ids + first.response_ids
+    # so the two turns train as one sequence, the tool output masked out of the loss
+    from masrl.training.conversation import merge_extending_rows
+    from masrl.training.update import Row
+
+    [row] = merge_extending_rows([Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 1.0)
+                                  for t in episode.turns])
+    gap = [i for i, m in zip(row.response_ids, row.loss_mask) if not m]
+    assert tok.decode(gap) == "\n<|im_start|>user\n<tool_response>\n294\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode([i for i, m in zip(row.response_ids, row.loss_mask) if m]) == \
+        f"Compute.\n{CALL}<|im_end|>\\boxed{{294}}<|im_end|>"
 
 
 def test_tiny_template_without_tool_support_uses_the_terse_fallback():
@@ -194,3 +204,31 @@ def test_the_docs_example_runs():
                            {"Solver": [call, render_tool_call("calculator", {"expression": "3000.0"}), "\\boxed{3000}"]})
     assert episode.correct and episode.info["tool_calls"] == 2
     assert episode.turns[1].prompt_text.endswith("tool: 3000.0")
+
+
+def test_trainer_merges_an_agents_conversation_with_the_same_update(tmp_path):
+    """trainer.merge_conversations: the chat's two turns become one masked row; the update is the same."""
+    import torch
+    from conftest import tiny_config_dict
+
+    from masrl.config import config_from_dict
+    from masrl.training.trainer import Trainer
+
+    params_after = []
+    for merge in (False, True):
+        data = tiny_config_dict(tmp_path / str(merge), **{"sft.steps": 0, "trainer.merge_conversations": merge,
+                                                          "policies.shared.optim.weight_decay": 0.0})
+        trainer = Trainer(config_from_dict(data))
+        policy = trainer.policies["shared"]
+        turns = _encoding_run(policy.tokenizer, [f"Compute.\n{CALL}", "\\boxed{294}"]).turns
+        assert turns[1].prompt_text.startswith(turns[0].prompt_text + turns[0].text + "</s><tool_response>294")
+        for t in turns:
+            t.agent, t.policy, t.logprobs = "Solver", "shared", [-2.0] * len(t.response_ids)
+        before = [p.detach().clone() for p in policy.trainable_parameters()]
+        metrics = trainer.update(turns, torch.tensor([1.0, 1.0]))
+        assert metrics["policy/shared/tokens"] == sum(len(t.response_ids) for t in turns), metrics
+        assert metrics["policy/shared/rows"] == (1.0 if merge else 2.0)
+        params_after.append([p.detach().clone() for p in policy.trainable_parameters()])
+        assert any(not torch.equal(a, b) for a, b in zip(before, params_after[-1]))
+    for a, b in zip(*params_after):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

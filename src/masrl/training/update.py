@@ -40,10 +40,17 @@ class Row:
     temperature: float = 1.0
     policy: str = ""
     rollout_logprobs: list[float] | None = None  # the engine's, when old_logprobs were recomputed by the trainer
+    # per response token, 0 = context only (tool output inside a merged conversation, see
+    # training/conversation.py): never in the loss nor in the token count; None = all trained
+    loss_mask: list[int] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
 
 @dataclass
@@ -79,7 +86,7 @@ def pack_rows(rows: Sequence[Row], pad_token_id: int, device: str | torch.device
         k = len(r.response_ids)
         if k:
             targets[i, resp - k:] = torch.tensor(r.response_ids, dtype=torch.long)
-            mask[i, resp - k:] = 1.0
+            mask[i, resp - k:] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.float32)
             old[i, resp - k:] = torch.tensor(r.old_logprobs, dtype=torch.float32)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
@@ -184,7 +191,7 @@ def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence
             out[name] = sum(values) / len(values)
     out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
     out[f"policy/{policy.name}/rows"] = float(len(rows))
-    out[f"policy/{policy.name}/tokens"] = float(sum(len(r.response_ids) for r in rows))
+    out[f"policy/{policy.name}/tokens"] = float(sum(r.num_loss_tokens for r in rows))  # trained tokens
     return out
 
 
@@ -223,7 +230,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
         n_mb = min(trainer.minibatches, len(order))
         for mb_index in range(n_mb):
             minibatch = order[mb_index::n_mb]
-            total_tokens = sum(len(r.response_ids) for r in minibatch)
+            total_tokens = sum(r.num_loss_tokens for r in minibatch)
             total_rows = sum(1 for r in minibatch if r.response_ids)
             if total_tokens == 0:
                 continue
