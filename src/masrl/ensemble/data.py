@@ -27,6 +27,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from masrl.errors import UserInputError
 from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
 
 __all__ = ["EnsembleData", "MalformedRowWarning", "load_jsonl", "from_records", "resolve_data_path",
@@ -95,7 +96,7 @@ class EnsembleData:
         out = []
         for name in names:
             if name not in self.models:
-                raise ValueError(f"unknown model {name!r}; models are {self.models}")
+                raise InputError(f"unknown model {name!r}; models are {self.models}")
             out.append(self.models.index(name))
         return out
 
@@ -133,6 +134,31 @@ class EnsembleData:
 
 
 # ---------------------------------------------------------------------------------- loading
+class InputError(UserInputError, ValueError):
+    """Bad ensemble input (a predictions file, a model or selector name, an option): one line, exit 2."""
+
+
+def _kind(v: Any) -> str | None:
+    """The JSON type of an answer or label: 1 and "1" and true are different kinds (never compared)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _row_kind(row: dict, label_field: str) -> tuple[str, str] | None:
+    """(kind, what) of the row's label and answers; raises BadRow when they mix kinds."""
+    found = [(_kind(row["label"]), label_field)] + [(_kind(p[0]), f"answer of {m!r}") for m, p in row["preds"].items()]
+    found = [(k, what) for k, what in found if k is not None]
+    for k, what in found[1:]:
+        if k != found[0][0]:
+            raise BadRow(f"{what} is a {k} but {found[0][1]} is a {found[0][0]}; labels and answers must "
+                         "have one JSON type (all strings, all numbers or all booleans)")
+    return found[0] if found else None
+
 def _is_index(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
@@ -256,9 +282,10 @@ def _validate_rows(records: Iterable[tuple[RowPos, Any]], label_field: str, stri
     models_ref: list[str] | None = None
     seen_ids: set[str] = set()
     schema_probs: bool | None = None
+    kind_ref: tuple[str, str, int | None] | None = None  # (JSON type, what, line) of the first typed row
 
     def parse(obj: Any, pos: RowPos) -> dict:
-        nonlocal models_ref, schema_probs
+        nonlocal models_ref, schema_probs, kind_ref
         row = _parse_row(obj, label_field, models_ref)
         if row["id"] in seen_ids:
             raise BadRow(f"duplicate id {row['id']!r}")
@@ -268,16 +295,22 @@ def _validate_rows(records: Iterable[tuple[RowPos, Any]], label_field: str, stri
             raise BadRow("no 'probs' although earlier rows have them")
         elif not schema_probs and row["has_probs"]:
             raise BadRow("has 'probs' although the first row has none")
+        kind = _row_kind(row, label_field)
+        if kind is not None and kind_ref is not None and kind[0] != kind_ref[0]:
+            raise BadRow(f"{kind[1]} is a {kind[0]} but line {kind_ref[2]} has {kind_ref[0]}s; labels and "
+                         "answers must have one JSON type in the whole file")
+        if kind is not None and kind_ref is None:
+            kind_ref = (*kind, pos.line)
         if models_ref is None:
             models_ref = list(row["preds"])
         seen_ids.add(row["id"])
         row["line"] = pos.line
         return row
 
-    rows, report = parse_rows(records, parse, source=source, strict=strict)
+    rows, report = parse_rows(records, parse, source=source, strict=strict, error=InputError)
     skipped = [(int(where), reason) for where, reason in report.skipped]
     if not rows:
-        raise ValueError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
+        raise InputError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
     return rows, skipped, bool(schema_probs)
 
 
@@ -286,7 +319,7 @@ def _pick_models(models_ref: list[str], models: Sequence[str] | None, source: st
         return models_ref
     unknown = [m for m in models if m not in models_ref]
     if unknown:
-        raise ValueError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
+        raise InputError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
     return list(models)
 
 
@@ -296,7 +329,7 @@ def _encode(rows: list[dict], models_ref: list[str], schema_probs: bool,
     values = [r["label"] for r in rows] + [p[0] for r in rows for p in r["preds"].values()]
     index_mode = all(v is None or _is_index(v) for v in values)
     if schema_probs and not index_mode:  # cannot happen after _parse_row checks, kept for safety
-        raise ValueError(f"{source}: probs need integer choice-index answers and labels")
+        raise InputError(f"{source}: probs need integer choice-index answers and labels")
     vocab: list | None = None if index_mode else []
     vocab_index: dict[Any, int] = {}
 
@@ -365,7 +398,7 @@ def load_jsonl(path: str | Path, *, label_field: str = "label", strict: bool = T
     """
     p = resolve_data_path(path)
     if p.is_dir():
-        raise ValueError(f"{p} is a directory; pass a .jsonl file")
+        raise InputError(f"{p} is a directory; pass a .jsonl file")
     records = iter_records(p, "jsonl", blank_lines_are_rows=True)
     return _from_positioned(records, label_field=label_field, strict=strict, source=str(p),
                             default_task=p.stem, models=models)
@@ -404,7 +437,7 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             how = "first"
     if how == "first":
         if not 0.0 < frac < 1.0:
-            raise ValueError(f"split fraction must be in (0, 1), got {frac}")
+            raise InputError(f"split fraction must be in (0, 1), got {frac}")
         train, test = [], []
         for t in data.task_names():
             idx = data.task_rows(t)
@@ -413,16 +446,16 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             test.append(idx[cut:])
         tr, te = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"first {frac:.0%} of each task")
     if how.startswith("field:"):
         name = how.split(":", 1)[1]
         if name not in data.extras:
-            raise ValueError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
+            raise InputError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
         vals = data.extras[name]
         tr = np.flatnonzero(vals == "train")
         te = np.flatnonzero(vals == "test")
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"field {name}")
-    raise ValueError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")
+    raise InputError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from masrl.ensemble.combiners import Combiner, get_combiner
-from masrl.ensemble.data import EnsembleData, Split
+from masrl.ensemble.data import EnsembleData, InputError, Split
 
 __all__ = ["RLFocalConfig", "RLFocalResult", "train_rl_focal", "mask_bits", "mask_tables", "window_fitness_table",
            "BBH_PRESET", "PRESETS"]
@@ -132,7 +132,7 @@ def window_fitness_table(data: EnsembleData, rows: np.ndarray, vote: np.ndarray,
         ratings = ratings.reshape(n, N)
         n_cat = int(ratings.max()) + 1
         if n_cat > 2000:
-            raise ValueError(f"Fleiss' kappa in the fitness with {n_cat} answer categories is not supported; "
+            raise InputError(f"Fleiss' kappa in the fitness with {n_cat} answer categories is not supported; "
                              "set its weight to 0")
     with np.errstate(divide="ignore", invalid="ignore"):
         for m in range(len(bits)):
@@ -265,7 +265,7 @@ def _train_rl_focal(data: EnsembleData, split: Split, cfg: RLFocalConfig, seeds:
         notes.append("Fusion agent skipped: the data has no per-choice probabilities")
     seeds = list(seeds)
     if not seeds:
-        raise ValueError("need at least one seed")
+        raise InputError("need at least one seed")
     probs_ = _problems(data, split, per_task)
     tables = _Tables.build(data, probs_, comb, cfg)
     if verbose:
@@ -293,7 +293,7 @@ def _train_rl_focal(data: EnsembleData, split: Split, cfg: RLFocalConfig, seeds:
 
 def _check_config(cfg: RLFocalConfig, n_models: int) -> None:
     if n_models > MAX_TABLE_MODELS:
-        raise ValueError(f"RL-Focal here precomputes 2^N mask tables; N={n_models} > {MAX_TABLE_MODELS} "
+        raise InputError(f"RL-Focal here precomputes 2^N mask tables; N={n_models} > {MAX_TABLE_MODELS} "
                          "is not supported")
     if cfg.fusion_loss not in ("ce", "reinforce"):
         raise ValueError(f"fusion_loss must be 'ce' or 'reinforce', got {cfg.fusion_loss!r}")
@@ -313,7 +313,7 @@ def _problems(data: EnsembleData, split: Split, per_task: bool) -> list[tuple[st
     else:
         probs_ = [("all", np.sort(split.train), np.sort(split.test))]
     if not probs_:
-        raise ValueError("no task has both training and test rows")
+        raise InputError("no task has both training and test rows")
     return probs_
 
 

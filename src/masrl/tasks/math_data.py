@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
 from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
 from masrl.types import Task
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 
-class DatasetLoadError(RuntimeError):
+class DatasetLoadError(UserInputError, RuntimeError):
     """A dataset could not be loaded (library missing, hub unreachable, bad split or fields)."""
 
 
@@ -261,7 +262,7 @@ def load_benchmark(name: str, limit: int | None = None, strict: bool = False,
     ``root`` overrides the data folder (default ``masrl.paths.data_dir()``).
     """
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+        raise ConfigError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
     rel, loader = BENCHMARKS[name]
     base = Path(root) if root is not None else data_dir()
     return loader(base / rel, bench=name, limit=limit, strict=strict)

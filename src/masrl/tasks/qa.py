@@ -20,14 +20,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
-from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, open_text, read_rows
+from masrl.tasks.lines import open_binary
+from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, read_rows
 from masrl.types import Task
 
 QA_METRICS = ("em", "f1", "subem")
 
 
-class QADataError(ValueError):
+class QADataError(UserInputError, ValueError):
     """A QA file is missing or malformed (malformed rows raise only with ``strict=True``)."""
 
 
@@ -98,7 +100,7 @@ def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
     ``correct`` is exact match whatever the reward metric.
     """
     if metric not in QA_METRICS:
-        raise ValueError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
+        raise ConfigError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
     golds = gold_answers(task.answer)
     em, f1 = exact_match(answer, golds), f1_score(answer, golds)
     reward = {"em": em, "f1": f1}.get(metric)
@@ -254,8 +256,11 @@ def detect_qa_format(path: Path) -> str:
     if name.endswith((".jsonl", ".jsonl.gz")):
         return "flashrag_jsonl"
     if name.endswith((".json", ".json.gz")):
-        with open_text(path) as f:
-            head = f.read(65536)
+        try:
+            with open_binary(path) as f:
+                head = f.read(65536).decode("utf-8", errors="replace")
+        except (OSError, EOFError) as e:
+            raise QADataError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
         return "hotpotqa_raw" if re.search(r'"(supporting_facts|context)"\s*:', head) else "qa_json"
     raise QADataError(f"{path}: cannot tell the QA format from the name; pass format= one of {sorted(QA_FORMATS)}")
 

@@ -29,10 +29,14 @@ import gzip
 import itertools
 import json
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from masrl.errors import UserInputError
+from masrl.tasks.lines import text_lines
 
 __all__ = ["MAX_SHOWN", "ROW_FORMATS", "BadRow", "MalformedRowError", "MalformedRowWarning", "RowPos",
            "RowReport", "detect_row_format", "iter_parsed", "iter_records", "load_json", "open_text",
@@ -46,7 +50,7 @@ class MalformedRowWarning(UserWarning):
     """A malformed data row was skipped (``strict=False``)."""
 
 
-class MalformedRowError(ValueError):
+class MalformedRowError(UserInputError, ValueError):
     """A malformed data row with ``strict=True``: the message is ``<file>:<where>: <reason>``."""
 
 
@@ -120,6 +124,12 @@ def load_json(path: Path, error: type[Exception] = MalformedRowError) -> Any:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply") from None
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, a truncated or corrupt .gz
+        raise error(f"{path}: cannot read ({type(e).__name__}: {e})") from None
 
 
 def detect_row_format(path: Path) -> str:
@@ -131,7 +141,7 @@ def detect_row_format(path: Path) -> str:
         return "jsonl"
     if name.endswith((".json", ".json.gz")):
         return "json"
-    raise ValueError(f"{path}: cannot tell the row format from the name; expected one of {ROW_FORMATS}")
+    raise MalformedRowError(f"{path}: cannot tell the row format from the name; expected one of {ROW_FORMATS}")
 
 
 def iter_records(path: str | Path, format: str = "auto", *, blank_lines_are_rows: bool = False,
@@ -160,20 +170,26 @@ def iter_records(path: str | Path, format: str = "auto", *, blank_lines_are_rows
 
 
 def _jsonl_records(path: Path, blank_lines_are_rows: bool) -> Iterator[tuple[RowPos, Any]]:
+    """Lines read a bounded chunk at a time and decoded one by one (``masrl.tasks.lines``): a line
+    that is not UTF-8 or is over ``MAX_LINE_BYTES`` is a malformed row, like one that is not JSON."""
     index = -1
-    with open_text(path) as fh:
-        for lineno, text in enumerate(fh, start=1):
-            if not text.strip():
-                if blank_lines_are_rows:
-                    index += 1
-                    yield RowPos(str(lineno), index, lineno), _Undecodable("empty line")
-                continue
-            index += 1
-            pos = RowPos(str(lineno), index, lineno)
-            try:
-                yield pos, json.loads(text)
-            except json.JSONDecodeError as e:
-                yield pos, _Undecodable(f"invalid JSON ({e.msg} at column {e.colno})")
+    for lineno, text, reason in text_lines(path):
+        if text is not None and not text.strip():
+            if blank_lines_are_rows:
+                index += 1
+                yield RowPos(str(lineno), index, lineno), _Undecodable("empty line")
+            continue
+        index += 1
+        pos = RowPos(str(lineno), index, lineno)
+        if text is None:
+            yield pos, _Undecodable(reason)
+            continue
+        try:
+            yield pos, json.loads(text)
+        except json.JSONDecodeError as e:
+            yield pos, _Undecodable(f"invalid JSON ({e.msg} at column {e.colno})")
+        except RecursionError:
+            yield pos, _Undecodable("invalid JSON (nested too deeply)")
 
 
 def _parquet_rows(path: Path, error: type[Exception]) -> list[dict]:

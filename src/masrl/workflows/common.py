@@ -24,6 +24,7 @@ import re
 from collections import Counter
 from typing import Any
 
+from masrl.errors import ConfigError
 from masrl.types import Turn
 from masrl.workflows.base import Team
 from masrl.workflows.parsing import extract_boxed
@@ -139,8 +140,8 @@ def check_params(team: Team) -> None:
     """Unknown parameter names are an error (a typo must not silently fall back to a default)."""
     unknown = sorted(set(team.params) - set(team.spec.params))
     if unknown:
-        raise ValueError(f"workflow {team.spec.name!r}: unknown param(s) {unknown}; "
-                         f"known: {sorted(team.spec.params)}")
+        raise ConfigError(f"workflow {team.spec.name!r}: unknown param(s) {unknown}; "
+                          f"known: {sorted(team.spec.params)}")
 
 
 def positive_int(team: Team, key: str, low: int = 1, high: int | None = None) -> int:
@@ -148,18 +149,18 @@ def positive_int(team: Team, key: str, low: int = 1, high: int | None = None) ->
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"workflow {team.spec.name!r}: param {key!r} must be an integer, got {value!r}") from None
+        raise ConfigError(f"workflow {team.spec.name!r}: param {key!r} must be an integer, got {value!r}") from None
     if n < low or (high is not None and n > high):
         bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"workflow {team.spec.name!r}: param {key!r} must be {bound}, got {n}")
+        raise ConfigError(f"workflow {team.spec.name!r}: param {key!r} must be {bound}, got {n}")
     return n
 
 
 def choice_param(team: Team, key: str, choices: tuple[str, ...]) -> str:
     value = str(team.params.get(key)).lower()
     if value not in choices:
-        raise ValueError(f"workflow {team.spec.name!r}: param {key!r} must be one of {list(choices)}, "
-                         f"got {team.params.get(key)!r}")
+        raise ConfigError(f"workflow {team.spec.name!r}: param {key!r} must be one of {list(choices)}, "
+                          f"got {team.params.get(key)!r}")
     return value
 
 

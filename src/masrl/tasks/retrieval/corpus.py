@@ -14,17 +14,19 @@ Malformed entries are skipped with a warning naming the file and line (or index)
 """
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from masrl.errors import UserInputError
+from masrl.tasks.lines import open_binary
 from masrl.tasks.retrieval.base import Passage, split_contents
-from masrl.tasks.rows import (BadRow, MalformedRowWarning, RowPos, RowReport, iter_parsed, iter_records, load_json,
-                              open_text)
+from masrl.tasks.rows import (BadRow, MalformedRowWarning, RowPos, RowReport, iter_parsed, iter_records, load_json)
 
 CORPUS_FORMATS = ("jsonl", "json_list", "json_titles", "hotpotqa")
 
 
-class CorpusError(ValueError):
+class CorpusError(UserInputError, ValueError):
     """A corpus file is missing, unreadable or has a malformed entry (with ``strict=True``)."""
 
 
@@ -36,7 +38,7 @@ def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
     """Read a passage corpus; see the module docstring for the formats."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise CorpusError(f"corpus file not found: {path}")
+        raise CorpusError(f"corpus file not found: {path}" + (" (a folder)" if path.is_dir() else ""))
     fmt = detect_corpus_format(path) if format == "auto" else format
     if fmt not in CORPUS_FORMATS:
         raise CorpusError(f"{path}: unknown corpus format {format!r}; expected one of {CORPUS_FORMATS} or 'auto'")
@@ -44,10 +46,13 @@ def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
               "hotpotqa": _read_hotpotqa}[fmt]
     report = RowReport(str(path), strict=strict, error=CorpusError)
     passages = []
-    for p in reader(path, report):
-        passages.append(p)
-        if limit is not None and len(passages) >= limit:
-            break
+    try:
+        for p in reader(path, report):
+            passages.append(p)
+            if limit is not None and len(passages) >= limit:
+                break
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, a truncated or corrupt .gz
+        raise CorpusError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     report.close()
     if not passages:
         raise CorpusError(f"{path}: no passages read (format {fmt})")
@@ -66,8 +71,11 @@ def detect_corpus_format(path: Path) -> str:
     if not name.endswith((".json", ".json.gz")):
         raise CorpusError(f"{path}: cannot tell the corpus format from the name; "
                           f"pass format= one of {CORPUS_FORMATS}")
-    with open_text(path) as f:
-        head = f.read(4096).lstrip()
+    try:
+        with open_binary(path) as f:
+            head = f.read(4096).lstrip().decode("utf-8", errors="replace")
+    except (OSError, EOFError, zlib.error) as e:
+        raise CorpusError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if head.startswith("{"):
         return "json_titles"
     if head.startswith("["):
