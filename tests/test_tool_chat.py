@@ -189,6 +189,11 @@ def test_chat_through_the_rollout_engine_records_real_turns():
         assert first.prompt_ids == policy.tokenizer(expected, add_special_tokens=False)["input_ids"]
         assert 0 < len(first.response_ids) == len(first.logprobs)
         assert e.info["messages"][1] == {"role": "assistant", "content": first.text}
+    # a conversation too long for the context is refused before tokenizing, like a long prompt string
+    [huge] = run_episodes(spec, [Task("big", "7*" * 5000 + "1", "1")], [0], call=make_call({"p": policy}, agents, scheduler),
+                          scheduler=scheduler, score=exact_match_score, prompts={}, params={}, format_penalty=0.1)
+    [turn] = huge.turns
+    assert not turn.valid and turn.response_ids == [] and "cannot fit the 256-token context" in turn.info["refused"]
 
 
 def test_the_docs_example_runs():

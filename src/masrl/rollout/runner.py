@@ -19,8 +19,10 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
         policy = policies[acfg.policy]
         room = policy.max_positions - acfg.max_new_tokens
         limit = max(room, 0) * max_token_chars(policy.tokenizer)
-        if len(prompt) + len(acfg.system_prompt or "") > limit:  # refused before tokenizing it
-            return refused_turn(agent, acfg.policy, prompt, f"prompt of {len(prompt):,} characters cannot fit the "
+        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt)
+        size = len(text) + (len(acfg.system_prompt or "") if isinstance(prompt, str) else 0)
+        if size > limit:  # refused before tokenizing it
+            return refused_turn(agent, acfg.policy, text, f"prompt of {size:,} characters cannot fit the "
                                 f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
                                 f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
         prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
@@ -34,7 +36,7 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
                                                                        policy.adapter(agent)))
         return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
                     logprobs=result.logprobs, text=policy.decode(result.response_ids),
-                    prompt_text=prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt),
+                    prompt_text=text,
                     truncated=result.truncated, info=info)
 
     return call
