@@ -236,7 +236,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
             if total_tokens == 0:
                 continue
             # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
-            role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
+            role_w = role_balanced_weights([r.agent for r in minibatch], [r.num_loss_tokens for r in minibatch]) \
                 if lc.agg == "role-balanced" else None
             policy.optimizer.zero_grad(set_to_none=True)
             before = [torch.zeros_like(p) for p in params] if per_agent_norms and not routed else None
