@@ -311,6 +311,11 @@ class TrainerConfig(_Strict):
     export: bool = Field(False, description=(
         "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
         "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))
+    merge_conversations: bool = Field(False, description=(
+        "train an agent's turn that extends its earlier turn in the episode (team.chat: same tokens up to the "
+        "earlier reply) in one row with it, the tokens between them (tool output) masked out of the loss, so "
+        "the prefix is encoded once; the same loss and gradient under loss ppo + agg token-mean, which it "
+        "requires (masrl/training/conversation.py)"))
 
 
 class EvalConfig(_Strict):
@@ -494,6 +499,14 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.gpu_memory_utilization = {self.rollout.gpu_memory_utilization} for each of "
                              f"{sharing} vLLM engines sharing a GPU is {total:.2f} of its memory; keep the product "
                              f"under 0.95 (e.g. {0.9 / sharing:.2f}) or give policies dedicated placement")
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_token_mean(self):
+        loss = self.algorithm.loss
+        if self.trainer.merge_conversations and (loss.agg != "token-mean" or loss.loss != "ppo"):
+            raise ValueError(f"trainer.merge_conversations needs algorithm.loss.loss: ppo and agg: token-mean (got "
+                             f"{loss.loss!r}, {loss.agg!r}): a merged row is one sequence for sequence-level terms")
         return self
 
     @model_validator(mode="after")

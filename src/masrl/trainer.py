@@ -34,6 +34,7 @@ from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_bench_tasks, load_task_source
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError, make_runtime
+from masrl.training.conversation import merge_extending_rows
 from masrl.training.policy import Policy
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
@@ -124,6 +125,8 @@ class Trainer:
                 rows[t.policy].append(Row(t.agent, t.prompt_ids, t.response_ids, t.logprobs, adv,
                                           t.info.get("temperature", 1.0), policy=t.policy))
         rows = {name: rows[name] for name, policy in self.policies.items() if policy.cfg.trainable and rows.get(name)}
+        if self.cfg.trainer.merge_conversations:  # an agent's extending turns as one sequence (tool output masked)
+            rows = {name: merge_extending_rows(r) for name, r in rows.items()}
         return self.runtime.update(self.policies, rows, step=self.step, guard=self.spikes.guard,
                                    track_kl=self.cfg.monitoring.kl_to_base)
 

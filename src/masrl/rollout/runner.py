@@ -19,13 +19,15 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
               temperature: float | None = None):
     """The ``team.call`` backend: chat-encode the prompt, generate with the agent's policy."""
 
-    async def call(agent: str, prompt: str) -> Turn:
+    async def call(agent: str, prompt) -> Turn:  # a string or a ChatPrompt (team.chat)
         acfg = agents[agent]
         policy = policies[acfg.policy]
         room = policy.max_positions - acfg.max_new_tokens
         limit = max(room, 0) * max_token_chars(policy.tokenizer)
-        if len(prompt) + len(acfg.system_prompt or "") > limit:  # refused before tokenizing it
-            return refused_turn(agent, acfg.policy, prompt, f"prompt of {len(prompt):,} characters cannot fit the "
+        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt)
+        size = len(text) + (len(acfg.system_prompt or "") if isinstance(prompt, str) else 0)
+        if size > limit:  # refused before tokenizing it
+            return refused_turn(agent, acfg.policy, text, f"prompt of {size:,} characters cannot fit the "
                                 f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
                                 f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
         prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
@@ -38,7 +40,8 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
         result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens,
                                                                        policy.adapter(agent)))
         return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
-                    logprobs=result.logprobs, text=policy.decode(result.response_ids), prompt_text=prompt,
+                    logprobs=result.logprobs, text=policy.decode(result.response_ids),
+                    prompt_text=text,
                     truncated=result.truncated, info=info)
 
     return call

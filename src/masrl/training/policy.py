@@ -12,6 +12,7 @@ from masrl.config import PolicyConfig, RolloutConfig
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import Engine
 from masrl.rollout.factory import make_engine
+from masrl.tools.chat_format import ChatPrompt, render_chat
 
 
 class PolicyText:
@@ -27,12 +28,21 @@ class PolicyText:
     def adapter(self, agent: str) -> str | None:
         return self.adapter_of.get(agent)
 
-    def encode_prompt(self, text: str, system_prompt: str | None = None) -> list[int]:
+    def render_prompt(self, prompt, system_prompt: str | None = None) -> str:
+        """The prompt text: a string is one user message; a ``ChatPrompt`` (from ``team.chat``) is the
+        agent's conversation with its tools. Both go through the tokenizer's chat template."""
+        if isinstance(prompt, ChatPrompt):
+            messages = list(prompt.messages)
+            if system_prompt and not (messages and messages[0].get("role") == "system"):
+                messages = [{"role": "system", "content": system_prompt}] + messages
+            return render_chat(self.tokenizer, messages, prompt.tools, **self.cfg.chat_template_kwargs)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-                   [{"role": "user", "content": text}]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **self.cfg.chat_template_kwargs)
-        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+                   [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **self.cfg.chat_template_kwargs)
+
+    def encode_prompt(self, prompt, system_prompt: str | None = None) -> list[int]:
+        return self.tokenizer(self.render_prompt(prompt, system_prompt), add_special_tokens=False)["input_ids"]
 
     def encode_response(self, text: str) -> list[int]:
         """Token ids of an assistant reply followed by the end-of-turn token (for SFT targets)."""

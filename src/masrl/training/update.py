@@ -40,10 +40,17 @@ class Row:
     temperature: float = 1.0
     policy: str = ""
     rollout_logprobs: list[float] | None = None  # the engine's, when old_logprobs were recomputed by the trainer
+    # per response token, 0 = context only (tool output inside a merged conversation, see
+    # training/conversation.py): never in the loss nor in the token count; None = all trained
+    loss_mask: list[int] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.response_ids) if self.loss_mask is None else sum(1 for m in self.loss_mask if m)
 
 
 @dataclass
@@ -79,7 +86,7 @@ def pack_rows(rows: Sequence[Row], pad_token_id: int, device: str | torch.device
         k = len(r.response_ids)
         if k:
             targets[i, resp - k:] = torch.tensor(r.response_ids, dtype=torch.long)
-            mask[i, resp - k:] = 1.0
+            mask[i, resp - k:] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask, dtype=torch.float32)
             old[i, resp - k:] = torch.tensor(r.old_logprobs, dtype=torch.float32)
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     adv = torch.tensor([r.advantage for r in rows], dtype=torch.float32)
@@ -188,7 +195,7 @@ def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence
             out[name] = sum(values) / len(values)
     out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
     out[f"policy/{policy.name}/rows"] = float(len(rows))
-    out[f"policy/{policy.name}/tokens"] = float(sum(len(r.response_ids) for r in rows))
+    out[f"policy/{policy.name}/tokens"] = float(sum(r.num_loss_tokens for r in rows))  # trained tokens
     return out
 
 
@@ -210,7 +217,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
         n_mb = min(trainer.minibatches, len(order))
         for mb_index in range(n_mb):
             minibatch = order[mb_index::n_mb]
-            if sum(len(r.response_ids) for r in minibatch) == 0:
+            if sum(r.num_loss_tokens for r in minibatch) == 0:
                 continue
             policy.optimizer.zero_grad(set_to_none=True)
             finite, agent_norms = _accumulate_gradients(u, minibatch)
@@ -270,10 +277,10 @@ def _accumulate_gradients(u: _UpdateRun, minibatch: Sequence[Row]) -> tuple[bool
     One unit per agent (its part of the gradient is measured by differencing), or one mixed unit when
     rows are routed to per-agent adapters (an agent's gradient is then its adapter's)."""
     params, dp, trainer = u.params, u.dp, u.trainer
-    total_tokens = sum(len(r.response_ids) for r in minibatch)
+    total_tokens = sum(r.num_loss_tokens for r in minibatch)  # trained tokens (a loss mask may hide some)
     total_rows = sum(1 for r in minibatch if r.response_ids)
     # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
-    role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
+    role_w = role_balanced_weights([r.agent for r in minibatch], [r.num_loss_tokens for r in minibatch]) \
         if u.algo.loss.agg == "role-balanced" else None
     before = [torch.zeros_like(p) for p in params] if u.per_agent_norms and not u.routed else None
     summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None

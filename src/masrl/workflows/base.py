@@ -23,8 +23,9 @@ from masrl.errors import ConfigError
 from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
-# (agent, prompt_text) -> Turn ; the scheduler fills in ids and logprobs
-CallFn = Callable[[str, str], Awaitable[Turn]]
+# (agent, prompt) -> Turn ; the scheduler fills in ids and logprobs. The prompt is a string (one
+# user message) or, from ``team.chat``, a ``masrl.tools.chat_format.ChatPrompt`` (messages + tools)
+CallFn = Callable[[str, Any], Awaitable[Turn]]
 log = logging.getLogger(__name__)
 
 
@@ -132,6 +133,7 @@ class Team:
         self.params = {**spec.params, **(params or {})}
         self.turns: list[Turn] = []
         self.format_penalty = format_penalty
+        self.tool_calls = 0  # tool calls made in this episode (team.chat's cap counts them)
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -144,7 +146,7 @@ class Team:
                            f"templates: {sorted(self.prompts)}")
         return render(template, **fields)
 
-    async def call(self, agent: str, prompt: str) -> Turn:
+    async def call(self, agent: str, prompt: Any) -> Turn:
         if agent not in self.spec.agents:
             raise ValueError(f"workflow {self.spec.name!r} called unknown agent {agent!r}; "
                              f"its agents are {list(self.spec.agents)}")
@@ -152,6 +154,16 @@ class Team:
         turn.turn_index = len(self.turns)
         self.turns.append(turn)
         return turn
+
+    async def chat(self, agent: str, messages: list[dict], tools=(), **options: Any):
+        """Converse with ``agent`` and run its tool calls until it answers; ``messages`` grows in place.
+
+        Returns a :class:`masrl.workflows.chat.ChatResult`; options: ``max_calls``, ``timeout_s``,
+        ``formats`` (see :func:`masrl.workflows.chat.run_chat`).
+        """
+        from masrl.workflows.chat import run_chat
+
+        return await run_chat(self, agent, messages, tools, **options)
 
     def score(self, answer: str | None) -> dict:
         """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict."""

@@ -25,14 +25,14 @@ def run_scripted(workflow: str, task: Task,
     spec = get_workflow(workflow)
     queues = {a: list(r) for a, r in replies.items()} if not callable(replies) else None
 
-    async def call(agent: str, prompt: str) -> Turn:
+    async def call(agent: str, prompt) -> Turn:  # a string, or a ChatPrompt from team.chat
         if queues is None:
             text = replies(agent, prompt)  # type: ignore[operator]
         else:
             assert queues.get(agent), f"no scripted reply left for agent {agent!r}"
             text = queues[agent].pop(0)
         return Turn(agent=agent, policy="scripted", prompt_ids=[], response_ids=[], logprobs=[],
-                    text=text, prompt_text=prompt)
+                    text=text, prompt_text=prompt if isinstance(prompt, str) else prompt.transcript())
 
     team = Team(task, spec, call, score, prompts=prompts, params=params)
     return asyncio.run(spec.fn(task, team))
