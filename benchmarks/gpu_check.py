@@ -56,7 +56,7 @@ def check_engine_logprobs(device: str) -> str:
 
 
 def check_rl_step_bf16(device: str) -> str:
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     cfg = _cfg(device, **{"trainer.autocast": "bfloat16", "trainer.total_steps": 1, "sft.steps": 2,
                           "eval.before_after": "false", "output_dir": tempfile.mkdtemp()})

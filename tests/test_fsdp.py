@@ -12,7 +12,7 @@ import torch
 from masrl.config import config_from_dict
 from masrl.runtime import WorkerGroupError
 from masrl.training.fsdp import local_bytes
-from masrl.training.trainer import Trainer
+from masrl.trainer import Trainer
 from masrl.training.update import Row
 
 ray = pytest.importorskip("ray")

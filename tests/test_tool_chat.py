@@ -217,7 +217,7 @@ def test_trainer_merges_an_agents_conversation_with_the_same_update(tmp_path):
     from conftest import tiny_config_dict
 
     from masrl.config import config_from_dict
-    from masrl.training.trainer import Trainer
+    from masrl.trainer import Trainer
 
     params_after = []
     for merge in (False, True):
