@@ -71,5 +71,9 @@ class Engine(Protocol):
         """The trainer changed ``model`` (an update, SFT, a restored checkpoint): serve the new weights
         from now on. ``base_changed``: the base weights changed too, not only LoRA adapters."""
 
+    def model_sharded(self) -> None:
+        """The training model this engine shares was sharded in place (FSDP2, ``runtime.strategy: fsdp``):
+        decode through the sharded module from now on. Engines with their own weights ignore it."""
+
     def close(self) -> None:
         """Release what the engine holds."""

@@ -226,7 +226,7 @@ class TransformersEngine(Engine):
         self.generator = torch.Generator().manual_seed(seed)
         self.seed = seed
         self._device_generators: dict[str, torch.Generator] = {}  # sampling on an accelerator needs its own
-        self.sharded_model = False  # set by masrl.training.fsdp.shard_policy
+        self.sharded_model = False  # set by model_sharded() (masrl.training.fsdp.shard_policy)
         self.tokens_generated = 0
         self.prefill_tokens = 0  # prompt tokens actually run through the model (after reuse)
 
@@ -234,6 +234,11 @@ class TransformersEngine(Engine):
         self.generator.manual_seed(seed)
         self.seed = seed
         self._device_generators.clear()
+
+    def model_sharded(self) -> None:
+        """FSDP2 sharded the model in place: decode under ``no_grad`` (its unsharded weights must not be
+        allocated as inference tensors)."""
+        self.sharded_model = True
 
     def clear_prefix_cache(self) -> None:
         """Free the stored keys/values (end of a rollout; the weights are about to change)."""

@@ -148,8 +148,7 @@ def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: st
     ensure_process_group(1 if not dist.is_initialized() else dist.get_world_size(), backend)
     policy.model.to(device)
     shard_module(policy.model, options, device)
-    if hasattr(policy.engine, "sharded_model"):  # the in-process engine decodes through the sharded module
-        policy.engine.sharded_model = True
+    policy.engine.model_sharded()  # the in-process engine decodes through the sharded module
     if policy.ref_model is not None:
         policy.ref_model.to(device)
         shard_module(policy.ref_model, options, device)
