@@ -176,6 +176,11 @@ class TrainerConfig(_Strict):
     micro_batch_tokens: int = Field(4096, gt=0, description=(
         "padded tokens (rows x longest row) per forward/backward micro-batch; 4096 since issue #7 (was 16384): "
         "quickstart update 0.74-0.84x the time, peak RSS 1.5-1.6 -> 0.9 GB on CPU (docs/performance.md)"))
+    logprob_chunk_tokens: int = Field(1024, ge=0, description=(
+        "the update, old/reference log-prob passes and SFT compute response-token log-probs and entropy from "
+        "the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "
+        "backward recomputes each chunk), never materialising [tokens, vocabulary] logits; equal to the plain "
+        "path within float32 rounding. 0: full logits (the plain path). docs/performance.md"))
     save_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, gt=0)
     log_every: int = Field(1, gt=0)
