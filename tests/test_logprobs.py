@@ -174,3 +174,24 @@ def test_update_step_equal_with_the_lever_on_and_off(entropy_coef, monkeypatch):
     assert metrics[0].keys() == metrics[1].keys()
     for key in ("pg_loss", "agent/A/entropy", "agent/B/entropy"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], abs=1e-5)
+
+
+def test_bf16_autocast_matches_the_plain_path_under_autocast():
+    policy = _model_case(False)
+    model = policy.model
+    batch = pack_rows(_rows(), int(policy.tokenizer.pad_token_id))
+    mask = batch.response_mask
+    out = []
+    for chunked in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp = (response_logprobs(model, batch, 4)[0] if chunked
+                    else token_logprobs(response_logits(model, batch), batch.targets))
+        assert logp.dtype == torch.float32
+        ((logp * mask).sum() / mask.sum()).backward()
+        emb = model.get_input_embeddings().weight.grad
+        assert emb.dtype == torch.float32
+        out.append((logp.detach() * mask, emb.clone()))
+    # the same bf16 matmuls and float32 softmax; only the summation order of the tokens' matmul differs
+    torch.testing.assert_close(out[1][0], out[0][0], atol=2e-2, rtol=0)
+    torch.testing.assert_close(out[1][1], out[0][1], atol=2e-3, rtol=5e-2)
