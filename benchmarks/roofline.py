@@ -78,7 +78,7 @@ def worker_update(a) -> dict:
 
     from masrl.config import config_from_dict
     from masrl.training.trainer import Trainer
-    from masrl.workflows.study import SINGLE_PROMPTS
+    from masrl.workflows.single import SINGLE_PROMPTS
 
     cfg = config_from_dict({
         "name": "bench-roofline", "seed": 0, "output_dir": str(Path(tempfile.gettempdir()) / "masrl-bench-unused"),

@@ -69,7 +69,7 @@ DEFAULTS = {  # per model: B, G, max new tokens, lr, steps, warmup, repeats
 def solver_template(model: str) -> str:
     if model == "tiny":
         return TERSE_SOLVER
-    from masrl.workflows.study import SINGLE_PROMPTS
+    from masrl.workflows.single import SINGLE_PROMPTS
 
     return SINGLE_PROMPTS["Solver"]
 

@@ -121,7 +121,7 @@ GOOD_GSM8K = {"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}
                                         ({"answer": "#### 4"}, "missing field 'question'"),
                                         ({"question": "Q?", "answer": "four"}, "####"),
                                         ("[1, 2]", "expected a JSON object"),
-                                        ('{"question": "Q?", "answer": ', "bad JSON")])
+                                        ('{"question": "Q?", "answer": ', "invalid JSON")])
 def test_math_row_missing_fields_reports_file_and_line(tmp_path, bad, reason):
     path = tmp_path / "gsm8k_test.jsonl"
     lines = [json.dumps(GOOD_GSM8K), "", json.dumps(GOOD_GSM8K), bad if isinstance(bad, str) else json.dumps(bad)]
@@ -143,8 +143,8 @@ def test_qa_row_missing_fields_reports_file_and_line(tmp_path, bad, reason):
     path.write_text("\n".join(json.dumps(r) for r in (good, bad, good)) + "\n")
     with pytest.raises(QADataError) as e:
         load_qa(path, strict=True)
-    assert f"{path}:line 2" in str(e.value) and reason in str(e.value)
-    with pytest.warns(QADataWarning, match="line 2"):
+    assert f"{path}:2:" in str(e.value) and reason in str(e.value)
+    with pytest.warns(QADataWarning, match=r"nq_test\.jsonl:2:"):
         assert len(load_qa(path)) == 2
 
 
@@ -154,7 +154,7 @@ def test_eval_strict_bad_row_exits_2(write_cfg, tmp_path, capsys):
                      + json.dumps({"golden_answers": ["y"]}) + "\n")
     path = write_cfg()
     _fails_clearly(["eval", path, "--bench", bench, "--strict", "--out", tmp_path / "o"], capsys,
-                   f"{bench}:line 2", "'question'")
+                   f"{bench}:2:", "'question'")
 
 
 # ----------------------------------------------------------------------------- models
@@ -223,3 +223,340 @@ def test_unused_policy(write_cfg, tiny_cfg, capsys):
     data["policies"]["spare"] = dict(data["policies"]["shared"])
     path = write_cfg(yaml.safe_dump(data))
     _fails_clearly(["train", path], capsys, "spare", "not used by any agent")
+
+
+# ----------------------------------------------------------------------------- round 2 (issue #15): the YAML itself
+
+def _with_bomb(cfg: dict, typed: bool, levels: int = 12) -> str:
+    """The config with a billion-laughs block in workflow.params (9**levels values once every alias is
+    expanded, a few lines on disk); with ``typed`` the top-level ``name`` refers to it too."""
+    cfg = dict(cfg)
+    workflow, name = cfg.pop("workflow"), cfg.pop("name")
+    bomb = ["l0: &l0 [x, x, x, x, x, x, x, x, x]"]
+    bomb += [f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    text = yaml.safe_dump(cfg) + f"workflow:\n  name: {workflow['name']}\n  prompts: {json.dumps(workflow['prompts'])}\n"
+    text += "  params:\n    max_loops: 2\n    bomb:\n" + "".join(f"      {line}\n" for line in bomb)
+    return text + (f"name: *l{levels - 1}\n" if typed else f"name: {name}\n")
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["typed_field", "workflow_params"])
+def test_yaml_alias_bomb_is_refused(write_cfg, tiny_cfg, capsys, typed):
+    """An alias bomb in a typed field (the error message formatted the expanded value) or in
+    workflow.params (dump_config expanded it at start) hung the CLI; it is refused while loading."""
+    path = write_cfg(_with_bomb(tiny_cfg(**QUICK), typed))
+    _fails_clearly(["train", path], capsys, str(path), "YAML refused: aliases expand to more than")
+
+
+def test_recursive_alias_is_refused(write_cfg, tiny_cfg, capsys):
+    text = yaml.safe_dump(tiny_cfg(**QUICK)) + "x_: &p {again: *p}\n"
+    path = write_cfg(text)
+    _fails_clearly(["train", path], capsys, f"{path}:", "YAML refused: an alias refers to a value that contains it")
+
+
+def test_harmless_aliases_still_load(write_cfg, tiny_cfg, tmp_path):
+    from masrl.config import load_config
+
+    text = yaml.safe_dump(tiny_cfg(**QUICK)).replace("optim:\n      lr: 0.001", "optim: &opt\n      lr: 0.002")
+    text += "sft:\n  teacher: {}\n" if "sft:" not in text else ""
+    path = write_cfg(text)
+    assert load_config(path).policies["shared"].optim.lr == 0.002
+
+
+def test_deeply_nested_yaml(write_cfg, capsys):
+    """20,000 nested lists were a RecursionError traceback (200 KB of stderr)."""
+    path = write_cfg("seed: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    err = _fails_clearly(["train", path], capsys, str(path), "nested deeper than")
+    assert len(err) < 500
+
+
+def test_deep_override_value(write_cfg, capsys):
+    path = write_cfg()
+    _fails_clearly(["train", path, "workflow.params.x=" + "[" * 5000 + "]" * 5000], capsys,
+                   "workflow.params.x", "nested deeper than")
+
+
+@pytest.mark.parametrize("field,yaml_bool", [("lr: 0.001", "lr: on"), ("max_new_tokens: 8", "max_new_tokens: yes"),
+                                            ("group_size: 4", "group_size: true")])
+def test_yaml_booleans_are_not_numbers(write_cfg, tiny_cfg, capsys, field, yaml_bool):
+    """YAML 1.1 reads on/yes as booleans; pydantic took them as 1.0 / 1 and training started."""
+    text = yaml.safe_dump(tiny_cfg(**QUICK))
+    assert field in text
+    path = write_cfg(text.replace(field, yaml_bool, 1))
+    _fails_clearly(["train", path], capsys, str(path), f"{field.split(':')[0]}'", "boolean")
+
+
+def test_booleans_in_overrides_and_numbers_still_accepted(write_cfg, capsys):
+    from masrl.config import load_config
+
+    path = write_cfg()
+    _fails_clearly(["train", path, "trainer.batch_size=yes"], capsys, "trainer.batch_size", "boolean")
+    cfg = load_config(path, ["policies.shared.optim.lr=1e-3", "policies.shared.optim.grad_clip=2",
+                             "trainer.batch_size=3", "eval.k=[1, 2]"])
+    assert cfg.policies["shared"].optim.lr == 1e-3 and cfg.policies["shared"].optim.grad_clip == 2.0
+    assert cfg.trainer.batch_size == 3 and cfg.eval.k == [1, 2]
+
+
+@pytest.mark.parametrize("over,key", [({"seed": 10**30}, "seed"), ({"seed": -1}, "seed"),
+                                      ({"policies.shared.optim.lr": float("nan")}, "policies.shared.optim.lr"),
+                                      ({"policies.shared.optim.lr": float("inf")}, "policies.shared.optim.lr"),
+                                      ({"trainer.threads": -2}, "trainer.threads"),
+                                      ({"task.train_limit": -5}, "task.train_limit"),
+                                      ({"eval.k": [0, 4]}, "eval.k")])
+def test_numbers_out_of_range_name_their_key(write_cfg, capsys, over, key):
+    """A huge seed printed "Overflow when unpacking long long" without naming seed; NaN/inf and
+    negative counts went through."""
+    path = write_cfg(**over)
+    _fails_clearly(["train", path], capsys, f"key '{key}", str(path))
+
+
+# ----------------------------------------------------------------------------- round 2: files the CLI reads
+
+def test_config_not_utf8_names_the_file(write_cfg, tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"seed: 0\nname: caf\xe9\n")
+    _fails_clearly(["train", path], capsys, str(path), "not UTF-8")
+
+
+@pytest.mark.parametrize("kind", ["folder", "empty", "binary", "huge"])
+def test_config_path_that_is_not_a_config(tmp_path, capsys, kind):
+    path = tmp_path / "cfg.yaml"
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "empty":
+        path.write_text("")
+    elif kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    else:
+        path.write_text("# padding\n" * 200_000)
+    _fails_clearly(["train", path], capsys, str(path))
+
+
+def test_config_symlink_loop(tmp_path, capsys):
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    _fails_clearly(["train", tmp_path / "a.yaml"], capsys, "a.yaml")
+
+
+def test_output_dir_naming_an_existing_file(write_cfg, tmp_path, capsys):
+    """Was a FileExistsError traceback, exit 1."""
+    taken = tmp_path / "a_file"
+    taken.write_text("mine\n")
+    path = write_cfg()
+    _fails_clearly(["train", path, "--output-dir", taken], capsys, str(taken), "not a folder")
+    _fails_clearly(["train", path, "--output-dir", taken / "sub"], capsys, str(taken), "not a folder")
+    assert taken.read_text() == "mine\n"
+
+
+def _serve_retriever(corpus, capsys) -> tuple[int, str]:
+    """``masrl serve-retriever --corpus FILE --no-cache``: returns before serving when the corpus is bad."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["serve-retriever", "--corpus", str(corpus), "--no-cache", "--port", "1"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["corpus.json", "corpus.jsonl"])
+def test_serve_retriever_non_utf8_corpus_names_the_file(tmp_path, capsys, name):
+    """Printed "'utf-8' codec can't decode ..." with no file name."""
+    corpus = tmp_path / name
+    row = {"id": "1", "contents": "\"Caf\u00e9\"\nA place for coffee."}
+    text = json.dumps([row], ensure_ascii=False) if name.endswith(".json") else json.dumps(row, ensure_ascii=False)
+    corpus.write_bytes(text.encode("latin-1"))
+    code, err = _serve_retriever(corpus, capsys)
+    assert code == 2 and "Traceback" not in err and str(corpus) in err, err
+
+
+def test_corpus_non_utf8_line_is_one_skipped_row(tmp_path):
+    from masrl.tasks.retrieval.corpus import CorpusError, CorpusWarning, load_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    good = json.dumps({"id": "a", "contents": "\"A\"\nfine"}).encode()
+    corpus.write_bytes(good + b"\n" + b'{"id": "b", "contents": "caf\xe9"}\n' + good.replace(b'"a"', b'"c"') + b"\n")
+    with pytest.warns(CorpusWarning, match=f"{corpus}:2: not UTF-8"):
+        assert [p.id for p in load_corpus(corpus)] == ["a", "c"]
+    with pytest.raises(CorpusError, match=f"{corpus}:2: not UTF-8"):
+        load_corpus(corpus, strict=True)
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe garbage \x80\x81\n" * 50, b"[1, 2]\n\"x\"\n{\"step\": \"one\"}\n"],
+                         ids=["binary", "json_not_records"])
+def test_plot_of_garbage_metrics_names_the_file(tmp_path, capsys, content):
+    """Printed "'utf-8' codec can't decode ..." without the file name."""
+    (tmp_path / "metrics.jsonl").write_bytes(content)
+    _fails_clearly(["plot", tmp_path], capsys, str(tmp_path / "metrics.jsonl"), "no metrics records")
+
+
+def test_plot_skips_garbage_lines_among_records(tmp_path, capsys):
+    lines = [b"\xff\xfe\x80", b"[1]", json.dumps({"step": 1, "team/reward": 0.5}).encode(),
+             json.dumps({"step": 2, "team/reward": 0.7}).encode(), b'{"step": 3, "team/rew']
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 0
+
+
+def test_data_row_over_the_size_bound_is_skipped(tmp_path):
+    """Rows are read a bounded chunk at a time: an oversized row is reported, never held whole."""
+    from masrl.tasks.lines import text_lines
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"q": "' + b"x" * 5000 + b'"}\n{"q": "ok"}\n')
+    rows = list(text_lines(path, max_line_bytes=1000))
+    assert rows == [(1, None, "row longer than 1,000 bytes"), (2, '{"q": "ok"}\n', "")]
+
+
+# ----------------------------------------------------------------------------- round 2: masrl ensemble
+
+def _ensemble_rows(labels, answers_of=lambda y: [y, y, None]) -> list[dict]:
+    return [{"id": str(i), "label": y, "predictions": {f"m{j}": {"answer": a} for j, a in enumerate(answers_of(y))}}
+            for i, y in enumerate(labels)]
+
+
+def _ensemble(argv, capsys) -> tuple[int, str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["ensemble", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("labels,bad_line,kinds", [(["1", "2", 1, "3"], 3, ("number", "string")),
+                                                    ([1, 2, True, 1], 3, ("boolean", "number")),
+                                                    (["a", "b", "c", ["a"]], 4, ("list", "string"))])
+def test_ensemble_compare_refuses_mixed_label_types(tmp_path, capsys, labels, bad_line, kinds):
+    """"1", 1 and true were compared as different answers and compare exited 0 with no word."""
+    path = tmp_path / "preds.jsonl"
+    rows = _ensemble_rows(labels * 5)
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, err = _ensemble(["compare", "--data", path, "--k", "2", "--out", tmp_path / "o"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{path}:{bad_line}:" in err and all(k in err for k in kinds), err
+
+
+def test_ensemble_mixed_types_within_one_row(tmp_path, capsys):
+    path = tmp_path / "preds.jsonl"
+    rows = _ensemble_rows(["1", "2"] * 5, answers_of=lambda y: [y, int(y), "x"])
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    code, err = _ensemble(["select", "--data", path, "--k", "2"], capsys)
+    assert code == 2 and f"{path}:1:" in err and "answer of 'm1' is a number" in err, err
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00\x81" * 100, b""], ids=["binary", "empty"])
+def test_ensemble_garbage_or_empty_file(tmp_path, capsys, content):
+    path = tmp_path / "preds.jsonl"
+    path.write_bytes(content)
+    code, err = _ensemble(["compare", "--data", path], capsys)
+    assert code == 2 and "Traceback" not in err and str(path) in err, err
+
+
+# ----------------------------------------------------------------------------- round 2: masrl eval
+
+def test_eval_question_over_the_context_is_skipped_not_tokenized(write_cfg, tmp_path, capsys):
+    """A 2 MB question (the tiny model's context is 128 tokens) is refused by its length before it is
+    tokenized, counted in eval.json and reported; the other task is evaluated."""
+    bench = tmp_path / "mine_test.jsonl"
+    rows = [{"id": "huge", "question": "What is 1+1? " * 160_000, "golden_answers": ["2"]},
+            {"id": "ok", "question": "What is 2+2?", "golden_answers": ["4"]}]
+    bench.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "o"
+    assert main(["eval", str(write_cfg()), "--bench", str(bench), "--n", "1", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 task(s) that cannot fit the model context" in err and "huge" in err, err
+    result = json.loads((out / "eval.json").read_text())["results"][str(bench)]
+    assert result["n_tasks"] == 1 and result["skipped_over_context"] == 1
+
+
+def test_eval_single_50mb_row_is_one_clear_line(write_cfg, tmp_path, capsys):
+    """Was 11.7 GB RSS, then the tokenizer aborted (exit 134) with no masrl line."""
+    bench = tmp_path / "big_test.jsonl"
+    with open(bench, "w") as f:
+        f.write('{"question": "' + "x" * (50 << 20) + '", "golden_answers": ["x"]}\n')
+    _fails_clearly(["eval", write_cfg(), "--bench", bench, "--n", "1", "--out", tmp_path / "o"], capsys,
+                   str(bench))
+
+
+def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
+    """In training and eval alike, a prompt that cannot fit is refused as an invalid turn (with its
+    reason) without being tokenized; the episode goes on."""
+    import asyncio
+
+    from masrl.config import config_from_dict
+    from masrl.evaluation.runner import agent_facts
+    from masrl.rollout.runner import make_call
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.training.policy import build_policy
+    from masrl.types import Episode, Task
+
+    cfg = config_from_dict(tiny_cfg(**QUICK))
+    policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
+    calls = []
+    policy.tokenizer.__class__ = type("CountingTokenizer", (policy.tokenizer.__class__,),
+                                      {"__call__": lambda self, *a, **k: calls.append(a) or
+                                       super(self.__class__, self).__call__(*a, **k)})
+    call = make_call({"shared": policy}, cfg.agents, RolloutScheduler({"shared": policy.engine}))
+    turn = asyncio.run(call("Solver", "x" * 100_000))
+    assert not turn.valid and turn.response_ids == [] and "cannot fit" in turn.info["refused"]
+    assert calls == [] and len(turn.prompt_text) < 3000
+    facts = agent_facts([Episode(task=Task(id="t", question="q", answer="a"), turns=[turn], reward=0.0)])
+    assert facts["agent/Solver/refused_prompts"] == 1
+
+
+# ----------------------------------------------------------------------------- round 2: bugs stay bugs
+
+def test_a_programming_error_is_not_bad_input(tmp_path, monkeypatch):
+    """Every ValueError used to print "masrl: error" and exit 2, hiding bugs; only UserInputError (and
+    FileNotFoundError for a path the user gave) means bad input now."""
+    import masrl.monitoring.plots as plots
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "team/reward": 0.5}) + "\n")
+
+    def buggy(run_dir):
+        raise ValueError("a bug inside masrl")
+
+    monkeypatch.setattr(plots, "plot_training_curves", buggy)
+    with pytest.raises(ValueError, match="a bug inside masrl"):
+        main(["plot", str(tmp_path)])
+
+
+def test_user_input_errors_share_one_type():
+    from masrl.config import ConfigError
+    from masrl.ensemble.data import InputError
+    from masrl.errors import UserInputError
+    from masrl.export import ExportError
+    from masrl.models.hub import ModelLoadError
+    from masrl.tasks.math_data import DatasetLoadError
+    from masrl.tasks.qa import QADataError
+    from masrl.tasks.retrieval.corpus import CorpusError
+    from masrl.training.checkpoint import CheckpointError
+
+    for error in (ConfigError, DatasetLoadError, CheckpointError, ModelLoadError, QADataError, CorpusError, InputError,
+                  ExportError):
+        assert issubclass(error, UserInputError), error
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"task.params.max_operand": float("nan")}, "task.params.max_operand must be an integer"),
+    ({"policies.shared.tiny.num_attention_heads": 3}, "not a multiple of the number of attention heads"),
+    ({"policies.shared.tiny.hidden_size": -1}, "must be positive integers"),
+    ({"algorithm.estimator": "foo", "trainer.total_steps": 1}, "unknown estimator 'foo'"),
+    ({"sft.teacher": {"bogus": 1}, "sft.steps": 1}, "sft.teacher for arithmetic"),
+    ({"workflow.params.max_loops": "abc", "trainer.total_steps": 1}, "max_loops must be an integer >= 1"),
+], ids=["nan_operand", "tiny_heads", "tiny_size", "estimator", "teacher_key", "max_loops"])
+def test_config_values_checked_outside_the_schema(write_cfg, capsys, over, needle):
+    """Found by probing: each was a traceback (ValueError, TypeError, a transformers validation error),
+    some only after a step had run."""
+    path = write_cfg(**over)
+    _fails_clearly(["train", path], capsys, needle)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["select", "--out", "{data}"], "is a file, not a folder"),
+    (["select", "--combiner", "os:system"], "must be a function fn(item_id, proposals)"),
+    (["select", "--method", "proxy-fitness", "--weights", "nan,nan,nan"], "finite numbers"),
+    (["rl-focal", "--seeds", "1", "--episodes", "-1"], "--episodes must be >= 1"),
+    (["rl-focal", "--seeds", "1", "--gamma", "5"], "--gamma must be in [0, 1]"),
+], ids=["out_is_a_file", "summarizer_signature", "nan_weights", "negative_episodes", "gamma"])
+def test_ensemble_options_found_by_probing(tmp_path, capsys, argv, needle):
+    """A FileExistsError / TypeError traceback, or exit 0 on nonsense, before."""
+    path = tmp_path / "preds.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _ensemble_rows([0, 1, 2, 1] * 10)) + "\n")
+    code, err = _ensemble([argv[0], "--data", path, *[a.replace("{data}", str(path)) for a in argv[1:]]], capsys)
+    assert code == 2 and "Traceback" not in err and needle in err, err

@@ -149,7 +149,7 @@ def test_real_humaneval():
 # ----------------------------------------------------------------------------------------
 if sys.platform == "linux":
     from masrl.tasks.code.sandbox import Sandbox
-    from masrl.tasks.code.scoring import make_code_score, score_code
+    from masrl.tasks.code.scoring import make_code_score, score_code, score_many
 
 ADD = Task("t/add", "Write add(a, b).", {
     "kind": "mbpp", "entry_point": "add", "remote_names": ["add"], "setup": "",
@@ -374,7 +374,7 @@ def test_score_humaneval_style(sb):
 @linux
 def test_score_many_and_score_fn(sb):
     answers = ["def add(a, b):\n    return a + b", "def add(a, b):\n    return 0", None] * 2
-    results = sb.score_many([ADD] * len(answers), answers)
+    results = score_many([ADD] * len(answers), answers, sandbox=sb)
     assert [r["reward"] for r in results] == [1.0, pytest.approx(1 / 3), 0.0] * 2
     fn = make_code_score("all", sandbox=sb, timeout_s=2.0)
     out = fn(ADD, "def add(a, b):\n    return a + b")
@@ -391,7 +391,7 @@ def test_mbpp_reference_solutions_pass(sb):
     tasks = load_mbpp(split="all")
     special = {"mbpp/367", "mbpp/533", "mbpp/596", "mbpp/601", "mbpp/927"}  # setup code, classes, types, sys
     sample = [t for t in tasks if t.id in special] + tasks[::60]
-    results = sb.score_many(sample, [t.meta["reference_solution"] for t in sample], mode="all", timeout_s=10)
+    results = score_many(sample, [t.meta["reference_solution"] for t in sample], mode="all", timeout_s=10, sandbox=sb)
     bad = [(t.id, r["reason"], r["detail"]) for t, r in zip(sample, results) if not r["correct"]]
     assert not bad
 
@@ -402,8 +402,8 @@ def test_humaneval_reference_solutions_pass(sb):
     tasks = load_humaneval()
     special = {"HumanEval/32", "HumanEval/33", "HumanEval/38", "HumanEval/50", "HumanEval/53", "HumanEval/151"}
     sample = [t for t in tasks if t.id in special] + tasks[::20]
-    results = sb.score_many(sample, [t.meta["reference_solution"] for t in sample], mode="all", timeout_s=10)
+    results = score_many(sample, [t.meta["reference_solution"] for t in sample], mode="all", timeout_s=10, sandbox=sb)
     bad = [(t.id, r["reason"], r["detail"]) for t, r in zip(sample, results) if not r["correct"]]
     assert not bad
-    wrong = sb.score_many(sample[:4], ["    return None\n"] * 4)
+    wrong = score_many(sample[:4], ["    return None\n"] * 4, sandbox=sb)
     assert all(r["reward"] < 1.0 for r in wrong)

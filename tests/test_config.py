@@ -67,3 +67,30 @@ def test_cli_unknown_workflow_lists_known(tmp_path, tiny_cfg, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "no_such_flow" in err and "math_solver_verifier" in err
+
+
+@pytest.mark.parametrize("key,value,known", [
+    ("algorithm.loss.loss", "ppo2", "known: ppo, gspo"),
+    ("algorithm.loss.agg", "mean", "known: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"),
+    ("algorithm.loss.kl_kind", "k4", "known: k1, k2, k3"),
+    ("algorithm.estimator", "gae", "known: dr_grpo, dr_grpo_agentwise, drmas,"),
+])
+def test_algorithm_choices_come_from_the_registries(tiny_cfg, key, value, known):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(tiny_cfg(**{key: value}), "cfg.yaml")
+    assert f"cfg.yaml: key '{key}': unknown" in str(e.value) and f"{value!r}; {known}" in str(e.value)
+
+
+def test_a_registered_loss_and_estimator_are_accepted_by_the_config(tiny_cfg):
+    from masrl.algorithms import ADVANTAGE_ESTIMATORS, LOSSES, register_advantage, register_loss
+
+    with pytest.raises(ConfigError, match="unknown loss 'my_loss'"):
+        config_from_dict(tiny_cfg(**{"algorithm.loss.loss": "my_loss"}))
+    register_loss("my_loss")(LOSSES["ppo"])
+    register_advantage("my_estimator")(ADVANTAGE_ESTIMATORS["grpo"])
+    try:
+        cfg = config_from_dict(tiny_cfg(**{"algorithm.loss.loss": "my_loss", "algorithm.estimator": "my_estimator"}))
+        assert cfg.algorithm.loss.loss == "my_loss" and cfg.algorithm.estimator == "my_estimator"
+    finally:
+        LOSSES.pop("my_loss")
+        ADVANTAGE_ESTIMATORS.pop("my_estimator")

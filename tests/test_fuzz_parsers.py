@@ -17,7 +17,7 @@ from masrl.types import Task
 from masrl.workflows.base import render
 from masrl.workflows.parsing import extract_boxed, extract_tag, parse_choice
 from masrl.workflows.search import fill
-from masrl.workflows.study import majority_vote, normalize_answer, parse_index, parse_subtasks, parse_verdict
+from masrl.workflows.common import majority_vote, normalize_answer, parse_index, parse_subtasks, parse_verdict
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -174,6 +174,30 @@ def test_bad_arguments_are_named():
         policy_loss(logprobs, old, adv, mask, clip_low=1.0)
 
 
+def test_register_loss_adds_a_named_log_ratio():
+    from masrl.algorithms import LOSSES, POLICY_LOSSES, register_loss
+
+    assert list(LOSSES) == ["ppo", "gspo"] and POLICY_LOSSES is LOSSES
+
+    @register_loss("test_half_ratio")
+    def half(logprobs, old_logprobs, valid):
+        return 0.5 * (logprobs - old_logprobs)
+
+    try:
+        logprobs, old, adv, mask = inputs()
+        # no clipping at these ratios (e^{±0.2}): the loss is the plain surrogate -A ρ, token-mean
+        loss, stats = policy_loss(logprobs, old, adv, mask, loss="test_half_ratio", clip_low=0.99, clip_high=10.0)
+        ratio = (0.5 * (logprobs - old)).exp().detach()
+        expected = (-(adv.unsqueeze(-1) * ratio) * mask).sum() / mask.sum()
+        assert abs(loss.item() - expected.item()) < 1e-6
+        assert stats["ratio_max"] == pytest.approx(float(ratio[mask.bool()].max()))
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss("test_half_ratio")(half)
+        register_loss("test_half_ratio", overwrite=True)(half)
+    finally:
+        LOSSES.pop("test_half_ratio")
+
+
 # --------------------------------------------------------------------------- agg_loss
 
 

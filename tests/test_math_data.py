@@ -96,7 +96,7 @@ def test_malformed_rows_warn_with_file_line_and_keep_stable_ids(tmp_path):
         tasks = load_gsm8k(p)
     msgs = [str(w.message) for w in caught if issubclass(w.category, MalformedRowWarning)]
     assert len(msgs) == 4
-    assert f"{p}:2" in msgs[0] and "bad JSON" in msgs[0]
+    assert f"{p}:2" in msgs[0] and "invalid JSON" in msgs[0]
     assert f"{p}:4" in msgs[1] and "'answer'" in msgs[1]
     assert f"{p}:5" in msgs[2]
     assert f"{p}:6" in msgs[3]

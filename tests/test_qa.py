@@ -92,9 +92,9 @@ def test_flashrag_jsonl_malformed_rows(tmp_path):
     assert tasks[0].answer == ["A1", "a one"] and tasks[1].answer == ["single"]
     assert tasks[0].meta["data_source"] == "mini" and tasks[1].id == "mini-5"
     messages = " ".join(str(w.message) for w in record)
-    assert "mini_test.jsonl:line 2: invalid JSON" in messages
-    assert "line 3: missing or empty 'question'" in messages and "line 4: missing or empty gold" in messages
-    with pytest.raises(QADataError, match=r"mini_test.jsonl:line 2"):
+    assert "mini_test.jsonl:2: invalid JSON" in messages
+    assert ":3: missing or empty 'question'" in messages and ":4: missing or empty gold" in messages
+    with pytest.raises(QADataError, match=r"mini_test.jsonl:2:"):
         load_flashrag_jsonl(path, strict=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

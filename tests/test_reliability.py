@@ -219,6 +219,83 @@ def test_no_valid_checkpoint_is_a_clear_resume_error(run_copy, capsys):
     assert "no valid checkpoint" in err and "Traceback" not in err
 
 
+def _rehash(step_dir: Path) -> None:
+    """Re-checksum every file into the manifest: the damage below passes verification."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"] = {rel: ckpt._sha256(step_dir / rel) for rel in manifest["files"]}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _garbage_safetensors_header(step_dir: Path) -> None:
+    path = step_dir / "policies" / "shared" / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:8] + b"{garbage" + data[16:])
+
+
+def _huge_safetensors_header_length(step_dir: Path) -> None:
+    path = step_dir / "policies" / "shared" / "optimizer.safetensors"
+    path.write_bytes((2**62).to_bytes(8, "little") + path.read_bytes()[8:])
+
+
+def _optimizer_json_not_an_object(step_dir: Path) -> None:
+    (step_dir / "policies" / "shared" / "optimizer.json").write_text('"adam"')
+
+
+def _optimizer_state_of_another_shape(step_dir: Path) -> None:
+    path = step_dir / "policies" / "shared" / "optimizer.json"
+    meta = json.loads(path.read_text())
+    meta["param_groups"] = meta["param_groups"] * 2  # two groups for one: does not fit the optimizer
+    path.write_text(json.dumps(meta))
+
+
+def _state_without_step(step_dir: Path) -> None:
+    (step_dir / "trainer_state.json").write_text('{"rng": {}}')
+
+
+def _weights_of_another_shape(step_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = step_dir / "policies" / "shared" / "model.safetensors"
+    weights = load_file(str(path))
+    name = next(iter(weights))
+    weights[name] = weights[name].reshape(-1)[:3].clone()
+    save_file(weights, str(path))
+
+
+@pytest.mark.parametrize("damage", [_garbage_safetensors_header, _huge_safetensors_header_length,
+                                    _optimizer_json_not_an_object, _optimizer_state_of_another_shape,
+                                    _state_without_step, _weights_of_another_shape],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_hashed_but_unloadable_checkpoint_falls_back_on_resume(run_copy, damage, capsys):
+    """A file that passes its checksum but does not load (it was damaged before it was hashed) is
+    skipped like a checksum mismatch: --resume goes on from the previous checkpoint."""
+    run = run_copy
+    newest = run / "checkpoints" / "step_3"
+    shutil.copytree(run / "checkpoints" / "step_2", newest)
+    damage(newest)
+    _rehash(newest)
+    verify_checkpoint(newest)  # the manifest vouches for it
+    with pytest.warns(UserWarning, match=r"step_3.*falling back"):
+        assert main(["train", "--resume", str(run), "trainer.total_steps=2"]) == 0
+    captured = capsys.readouterr()
+    assert f"resumed from {run / 'checkpoints' / 'step_2'} (step 2)" in captured.out, captured
+    assert "Traceback" not in captured.err
+
+
+def test_eval_of_a_run_falls_back_past_an_unloadable_checkpoint(run_copy, tmp_path):
+    """``masrl eval --checkpoint RUN_DIR`` picked the newest checksummed checkpoint, then failed to load it."""
+    run = run_copy
+    newest = run / "checkpoints" / "step_3"
+    shutil.copytree(run / "checkpoints" / "step_2", newest)
+    _garbage_safetensors_header(newest)
+    _rehash(newest)
+    out = tmp_path / "eval"
+    with pytest.warns(UserWarning, match=r"step_3.*falling back"):
+        assert main(["eval", str(run / "config.yaml"), "--checkpoint", str(run), "--n", "1", "--limit", "2",
+                     "--out", str(out)]) == 0
+    assert json.loads((out / "eval.json").read_text())["meta"]["checkpoint"] == str(run / "checkpoints" / "step_2")
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 def test_interrupted_save_leaves_previous_checkpoints_intact(tmp_path, monkeypatch):

@@ -58,6 +58,11 @@ HARNESS = textwrap.dedent(r"""
                               f"    print('CONNECTED')\nexcept Exception as e:\n    print(type(e).__name__)").stdout.strip()
         r["write_tmp"] = sb.run(f"open('/tmp/masrl_pwned_{os.getpid()}_{mode}', 'w').write('x')").status
         r["memory"] = sb.run("x = bytearray(4 << 30)", memory_mb=256).status
+        r["memfd"] = sb.run("import os\ntry:\n    os.memfd_create('m')\n    print('MEMFD')\n"
+                            "except OSError as e:\n    print(type(e).__name__)").stdout.strip()
+        r["pty"] = sb.run("import os\ntry:\n    m, s = os.openpty()\n    print(os.ttyname(s))\n"
+                          "except Exception as e:\n    print(type(e).__name__)").stdout.strip()
+        r["deep"] = sb.run("import os\nfor i in range(1100):\n    os.mkdir('d')\n    os.chdir('d')\n").status
         out[mode] = r
     print(json.dumps(out))
 """)
@@ -113,4 +118,6 @@ def test_unprivileged_harness(tmp_path):
         assert "CONNECTED" not in r["connect"], (mode, r)
         assert r["write_tmp"] != "ok" or r["isolation"] != "basic", (mode, r)
         assert r["memory"] == "memory", (mode, r)
+        assert r["memfd"] != "MEMFD" and not r["pty"].startswith("/dev/"), (mode, r)
+        assert r["deep"] == "ok", (mode, r)
     assert out["basic"]["isolation"] == "basic"

@@ -6,7 +6,7 @@ import pytest
 from masrl.types import Task
 from masrl.workflows.base import get_workflow
 from masrl.workflows.parsing import extract_boxed
-from masrl.workflows.study import majority_vote, parse_index, parse_subtasks, parse_verdict
+from masrl.workflows.common import majority_vote, parse_index, parse_subtasks, parse_verdict
 from masrl.workflows.testing import run_scripted
 
 TASK = Task(id="t1", question="Compute 2+3 where a_{n} = n.", answer="5")

@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from masrl.config import ConfigError, load_config
+from masrl.config import load_config
+from masrl.errors import ConfigError, UserInputError, check_output_folder
 
 
 def _cmd_train(args) -> int:
@@ -16,7 +17,7 @@ def _cmd_train(args) -> int:
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
-        if not cfg_path.is_file():
+        if not cfg_path.exists():
             raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a masrl run folder?")
         if args.config:
             raise ConfigError("masrl train --resume RUN_DIR takes its config from RUN_DIR/config.yaml; "
@@ -27,6 +28,7 @@ def _cmd_train(args) -> int:
             raise ConfigError("masrl train: give a config file (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
+    check_output_folder(run_dir, "--output-dir" if args.output_dir else "run folder")
     with Trainer(cfg, run_dir=run_dir) as trainer:
         report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history, cfg)
@@ -56,9 +58,15 @@ def _cmd_eval(args) -> int:
 def _cmd_plot(args) -> int:
     from masrl.monitoring.plots import plot_training_curves
 
+    from masrl.monitoring.logger import read_metrics
+
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ConfigError(f"masrl plot: {run_dir} has no metrics.jsonl; is it a masrl run folder?")
+    if not read_metrics(run_dir):
+        raise UserInputError(f"masrl plot: {run_dir / 'metrics.jsonl'} holds no metrics records (JSON objects "
+                             "with a numeric step, one per line); nothing to plot")
+    check_output_folder(run_dir / "plots", "masrl plot: plots folder")
     paths = plot_training_curves(run_dir)
     try:
         from masrl.monitoring.dashboard import plot_dashboard
@@ -118,16 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _input_errors() -> tuple[type[BaseException], ...]:
-    """Error types that mean "bad input" (exit 2, one line): a model, dataset or checkpoint that
-    cannot be found or read. Imported lazily: only evaluated when an exception is being handled."""
-    from masrl.models.hub import ModelLoadError
-    from masrl.tasks.math_data import DatasetLoadError
-    from masrl.training.checkpoint import CheckpointError
-
-    return (FileNotFoundError, ValueError, ModelLoadError, DatasetLoadError, CheckpointError)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
-    except _input_errors() as e:
+    except (UserInputError, FileNotFoundError) as e:  # ModelLoadError, DatasetLoadError, CheckpointError, ...
         print(f"masrl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

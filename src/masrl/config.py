@@ -5,19 +5,52 @@ Dotted overrides from the command line: ``trainer.total_steps=50 algorithm.estim
 """
 from __future__ import annotations
 
+import types
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from masrl.errors import ConfigError, UserInputError, read_user_text  # noqa: F401 (ConfigError lives on here)
 
 
-class ConfigError(ValueError):
-    """A configuration problem, with one clear message (what, where, what to do)."""
+SEED_MAX = 2**32 - 1  # the widest range every seeded generator (random, numpy, torch, vLLM) accepts
+
+
+def _bool_in_number_slot(annotation: Any, value: Any) -> bool:
+    """Whether ``value`` puts a boolean where ``annotation`` wants a number (also inside lists/dicts)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _bool_in_number_slot(args[0], value)
+    if origin in (Union, types.UnionType):
+        return bool not in args and any(_bool_in_number_slot(a, value) for a in args)
+    if origin is Literal:
+        return isinstance(value, bool) and all(type(a) is int for a in args)
+    if annotation in (int, float):
+        return isinstance(value, bool)
+    if origin in (list, tuple) and isinstance(value, (list, tuple)) and args:
+        slots = args if origin is tuple and Ellipsis not in args else (args[0],) * len(value)
+        return any(_bool_in_number_slot(a, v) for a, v in zip(slots, value))
+    if origin is dict and isinstance(value, dict) and len(args) == 2:
+        return any(_bool_in_number_slot(args[1], v) for v in value.values())
+    return False
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys are errors; NaN/inf are not numbers; neither are booleans (YAML 1.1 reads
+    ``on``/``off``/``yes``/``no`` as booleans, which pydantic would take as 1/0)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _booleans_are_not_numbers(cls, value: Any, info) -> Any:
+        field = cls.model_fields.get(info.field_name) if info.field_name else None
+        if field is not None and _bool_in_number_slot(field.annotation, value):
+            raise ValueError("expected a number, got a boolean (YAML reads on/off/yes/no/true/false as "
+                             "booleans); write a number")
+        return value
 
 
 class TaskConfig(_Strict):
@@ -25,8 +58,8 @@ class TaskConfig(_Strict):
 
     name: str = "arithmetic"
     params: dict[str, Any] = Field(default_factory=dict)
-    train_limit: Optional[int] = None
-    test_limit: Optional[int] = None
+    train_limit: Optional[int] = Field(None, ge=0)
+    test_limit: Optional[int] = Field(None, ge=0)
 
 
 class WorkflowConfig(_Strict):
@@ -48,7 +81,7 @@ class OptimConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.01, ge=0.0)
     grad_clip: Optional[float] = Field(1.0, gt=0.0)
-    eps: float = 1e-8
+    eps: float = Field(1e-8, ge=0.0)
     fused: bool = Field(False, description="torch's fused AdamW kernel (much faster steps for large models)")
 
 
@@ -76,7 +109,7 @@ class PolicyConfig(_Strict):
     trust_remote_code: bool = False
     lora: Optional[LoraConfig] = None
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    init_seed: Optional[int] = None
+    init_seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra arguments of the tokenizer's chat template (Qwen3: {enable_thinking: false})"))
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (memory for time)")
@@ -96,15 +129,47 @@ class PolicyConfig(_Strict):
         return self
 
 
+def _registered(kind: str, value: str, known) -> str:
+    """``value`` if it names an entry of ``known`` (a registry or tuple of masrl.algorithms), else one error
+    listing the known names."""
+    if value not in known:
+        raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
+    return value
+
+
 class LossConfig(_Strict):
-    loss: Literal["ppo", "gspo"] = "ppo"
+    """Choices are checked against masrl.algorithms (``LOSSES``, ``AGG_MODES``, ``KL_KINDS``), so a
+    loss added with ``@register_loss`` is accepted here."""
+
+    loss: str = "ppo"
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: Optional[float] = Field(None, gt=1.0)
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    agg: str = "token-mean"
     kl_coef: float = Field(0.0, ge=0.0)
-    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_kind: str = "k3"
     entropy_coef: float = 0.0
+
+    @field_validator("loss")
+    @classmethod
+    def _loss_registered(cls, v: str) -> str:
+        from masrl.algorithms.losses import LOSSES  # imports torch: only when a config is validated
+
+        return _registered("loss", v, LOSSES)
+
+    @field_validator("agg")
+    @classmethod
+    def _agg_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import AGG_MODES
+
+        return _registered("agg", v, AGG_MODES)
+
+    @field_validator("kl_kind")
+    @classmethod
+    def _kl_known(cls, v: str) -> str:
+        from masrl.algorithms.losses import KL_KINDS
+
+        return _registered("KL kind", v, KL_KINDS)
 
 
 class RolloutISConfig(_Strict):
@@ -121,8 +186,8 @@ class RolloutISConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
-    estimator: str = "drmas"
-    eps: float = 1e-6
+    estimator: str = Field("drmas", description="a name in masrl.algorithms.ADVANTAGE_ESTIMATORS")
+    eps: float = Field(1e-6, ge=0.0)
     unbiased_std: bool = True
     singleton: Literal["zero", "raw"] = "zero"
     format_penalty: float = 0.1
@@ -130,6 +195,13 @@ class AlgorithmConfig(_Strict):
         "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
     loss: LossConfig = Field(default_factory=LossConfig)
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+
+    @field_validator("estimator")
+    @classmethod
+    def _estimator_registered(cls, v: str) -> str:
+        from masrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+
+        return _registered("estimator", v, sorted(ADVANTAGE_ESTIMATORS))
 
 
 class RolloutConfig(_Strict):
@@ -184,7 +256,7 @@ class TrainerConfig(_Strict):
     save_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, gt=0)
     log_every: int = Field(1, gt=0)
-    threads: Optional[int] = None
+    threads: Optional[int] = Field(None, gt=0)
     device: str = "cpu"
     per_agent_grad_norm: bool = True
     skip_nonfinite: bool = True
@@ -202,9 +274,9 @@ class TrainerConfig(_Strict):
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only before/after)")
     n: int = Field(4, gt=0)
-    k: list[int] = Field(default_factory=lambda: [1, 4])
-    temperature: Optional[float] = None
-    limit: Optional[int] = None
+    k: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4])
+    temperature: Optional[float] = Field(None, ge=0.0)
+    limit: Optional[int] = Field(None, gt=0)
     benches: list[str] = Field(default_factory=list)
     before_after: bool = True
     prices: dict[str, float] = Field(default_factory=dict,
@@ -279,7 +351,7 @@ class LoggingConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     output_dir: str = "runs/{name}-{estimator}-seed{seed}"  # placeholders: {name} {estimator} {seed}
     name: str = "run"
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -342,11 +414,100 @@ class RunConfig(_Strict):
 
 # ----------------------------------------------------------------------------- loading
 
-def _parse_scalar(text: str) -> Any:
+CONFIG_MAX_BYTES = 1 << 20  # a config file is a few KB
+YAML_MAX_DEPTH = 64  # nesting of mappings/lists in one config file
+YAML_MAX_NODES = 100_000  # values in a config once every alias is expanded (a real config has hundreds)
+
+
+class _YamlLimit(Exception):
+    def __init__(self, message: str, mark=None):
+        super().__init__(message)
+        self.mark = mark
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses nesting deeper than ``YAML_MAX_DEPTH`` while composing (the
+    composer recurses: 20,000 levels were a RecursionError) and aliases that expand to more than
+    ``YAML_MAX_NODES`` values or refer to themselves (an alias bomb expands exponentially)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > YAML_MAX_DEPTH:
+                raise _YamlLimit(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _expanded_size(root) -> int:
+    """Values in the document with every alias expanded (iterative; shared nodes counted per use)."""
+    sizes: dict[int, int] = {}
+    stack, open_ = [(root, False)], set()
+    while stack:
+        node, done = stack.pop()
+        if done:
+            open_.discard(id(node))
+            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in _children(node)), YAML_MAX_NODES + 1)
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_:
+            raise _YamlLimit("an alias refers to a value that contains it (a recursive structure)", node.start_mark)
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def _load_bounded(text: str) -> Any:
+    loader = _BoundedLoader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None and _expanded_size(node) > YAML_MAX_NODES:
+            raise _YamlLimit(f"aliases expand to more than {YAML_MAX_NODES:,} values (an alias bomb?); "
+                             "write the values out or use fewer aliases", node.start_mark)
+        return loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+
+
+def _where(mark) -> str:
+    return f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """Parse one YAML document of a config with the limits of ``_BoundedLoader``.
+
+    Errors are one ``ConfigError`` naming ``source`` and, where known, the line and column.
+    """
+    try:
+        return _load_bounded(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{source}{_where(mark)}: malformed YAML ({getattr(e, 'problem', e)})") from None
+    except _YamlLimit as e:
+        raise ConfigError(f"{source}{_where(e.mark)}: YAML refused: {e}") from None
+
+
+def _parse_scalar(text: str, item: str = "") -> Any:
+    """An override's value as YAML (``5`` is a number, ``[1, 4]`` a list); text that is not YAML stays text."""
+    try:
+        return _load_bounded(text)
     except yaml.YAMLError:
         return text
+    except _YamlLimit as e:
+        raise ConfigError(f"override {item!r}: YAML refused: {e}") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -361,7 +522,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node.get(part, {}), dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
             node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_scalar(raw)
+        node[parts[-1]] = _parse_scalar(raw, item)
     return data
 
 
@@ -392,14 +553,13 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML ({getattr(e, 'problem', e)})") from None
+        text = read_user_text(path, "config file", max_bytes=CONFIG_MAX_BYTES)
+    except UserInputError as e:
+        raise ConfigError(str(e)) from None
+    data = load_yaml(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     data = apply_overrides(data, overrides or [])

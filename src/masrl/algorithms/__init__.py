@@ -2,7 +2,8 @@
 rollout correction (importance weights between the rollout engine and the trainer).
 
 No model code lives here. Estimators are registered by name in ``ADVANTAGE_ESTIMATORS``
-(add your own with ``@register_advantage("name")``); see docs/algorithms.md.
+(add your own with ``@register_advantage("name")``), policy losses in ``LOSSES``
+(``@register_loss("name")``); see docs/algorithms.md.
 """
 from masrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -17,11 +18,13 @@ from masrl.algorithms.advantages import (
 from masrl.algorithms.losses import (
     AGG_MODES,
     KL_KINDS,
+    LOSSES,
     POLICY_LOSSES,
     agg_loss,
     entropy_from_logits,
     kl_penalty,
     policy_loss,
+    register_loss,
 )
 from masrl.algorithms.rollout_correction import IS_LEVELS, IS_MODES, truncated_is_weights
 
@@ -33,6 +36,7 @@ __all__ = [
     "IS_LEVELS",
     "IS_MODES",
     "KL_KINDS",
+    "LOSSES",
     "POLICY_LOSSES",
     "SINGLETON_MODES",
     "SetStats",
@@ -43,5 +47,6 @@ __all__ = [
     "kl_penalty",
     "policy_loss",
     "register_advantage",
+    "register_loss",
     "truncated_is_weights",
 ]

@@ -1,5 +1,8 @@
 """Policy losses on response tokens: PPO / GSPO clipped surrogates, KL penalties, entropy.
 
+Losses are registered by name in ``LOSSES`` (add your own with ``@register_loss("name")``): a
+loss supplies the per-token log-ratio that :func:`policy_loss` clips.
+
 Pure functions on [B, T] tensors (B rows = turns, T = response positions). A position is
 valid where ``response_mask`` is nonzero; invalid positions (padding) never reach a loss
 value or a gradient, even when they hold NaN or -inf. Formulas and sources: docs/algorithms.md.
@@ -100,14 +103,36 @@ def entropy_from_logsumexp(logits: Tensor, lse: Tensor) -> Tensor:
     return lse - weighted
 
 
-# --------------------------------------------------------------------------- ratios
+# --------------------------------------------------------------------------- ratios (the registered losses)
+
+LogRatioFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``(logprobs, old_logprobs, valid) -> log_ratio`` [B, T]: a loss's per-token log-ratio log ρ_t.
+
+``logprobs``/``old_logprobs`` are already zero at invalid positions and ``old_logprobs`` is
+detached; gradients must flow through ``logprobs`` only. :func:`policy_loss` clips ``exp`` of it."""
+
+LOSSES: dict[str, LogRatioFn] = {}
 
 
+def register_loss(name: str, *, overwrite: bool = False) -> Callable[[LogRatioFn], LogRatioFn]:
+    """Decorator: register a policy loss under ``name`` (its log-ratio, see :data:`LogRatioFn`)."""
+
+    def deco(fn: LogRatioFn) -> LogRatioFn:
+        if name in LOSSES and not overwrite:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+@register_loss("ppo")
 def ppo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor) -> Tensor:
     """Token-level log-ratio log π(y_t) - log π_old(y_t)."""
     return logprobs - old_logprobs
 
 
+@register_loss("gspo")
 def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor) -> Tensor:
     """GSPO: every token carries the sequence log-ratio (mean over the row's valid tokens).
 
@@ -119,10 +144,7 @@ def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor) -> Ten
     return seq_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
 
 
-POLICY_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
-    "ppo": ppo_log_ratio,
-    "gspo": gspo_log_ratio,
-}
+POLICY_LOSSES = LOSSES  # the older name of the registry
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -144,7 +166,8 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss on response tokens; gradients flow only through ``logprobs``.
 
-    Per valid token, with ratio ρ (``loss``: "ppo" token ratio, "gspo" sequence ratio):
+    Per valid token, with ratio ρ (``loss``, a name in :data:`LOSSES`: "ppo" token ratio, "gspo"
+    sequence ratio, or one added with :func:`register_loss`):
         L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))
     and with ``dual_clip`` c > 1, for A < 0: L = min(L, -c A). Reduced by ``agg``
     (see :func:`agg_loss`). ``advantages`` is [B] (one per row) or [B, T].
@@ -156,8 +179,8 @@ def policy_loss(
     ``approx_kl`` (k2: mean of 0.5 (logp - old)^2), ``ratio_min``, ``ratio_max`` (1.0 when
     nothing is valid), ``valid_tokens``, and ``dual_clipfrac`` when dual clip is on.
     """
-    if loss not in POLICY_LOSSES:
-        raise ValueError(f"unknown loss {loss!r}; known: {', '.join(POLICY_LOSSES)}")
+    if loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; known: {', '.join(LOSSES)}")
     if agg not in AGG_MODES:
         raise ValueError(f"unknown agg {agg!r}; known: {', '.join(AGG_MODES)}")
     _check_shapes(logprobs, old_logprobs, advantages, response_mask)
@@ -176,7 +199,7 @@ def policy_loss(
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)
     advantages = torch.where(valid, advantages.detach().to(logprobs.dtype), zero)
 
-    log_ratio = POLICY_LOSSES[loss](logprobs, old_logprobs, valid)
+    log_ratio = LOSSES[loss](logprobs, old_logprobs, valid)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)

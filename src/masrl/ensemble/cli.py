@@ -6,6 +6,7 @@ Bad input prints one ``masrl ensemble: error: ...`` line on stderr and returns e
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -99,10 +100,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _guard(fn):
+    from masrl.errors import UserInputError
+
     def run(args) -> int:
         try:
             return fn(args)
-        except (ValueError, FileNotFoundError, IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        except (UserInputError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             print(f"masrl ensemble: error: {msg}", file=sys.stderr)
             return 2
@@ -111,12 +114,14 @@ def _guard(fn):
 
 
 def _weights(text: str) -> tuple[float, float, float]:
+    from masrl.ensemble.data import InputError
+
     try:
         w = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--weights must be three comma-separated numbers, got {text!r}") from None
-    if len(w) != 3:
-        raise ValueError(f"--weights must be three comma-separated numbers, got {text!r}")
+        raise InputError(f"--weights must be three comma-separated numbers, got {text!r}") from None
+    if len(w) != 3 or not all(math.isfinite(x) for x in w):
+        raise InputError(f"--weights must be three comma-separated finite numbers, got {text!r}")
     return w  # type: ignore[return-value]
 
 
@@ -137,8 +142,10 @@ def _load(args):
 
 
 def _out_dir(args) -> Path | None:
+    from masrl.errors import check_output_folder
+
     out = args.out or getattr(args, "out_default", None)
-    return Path(out) if out else None
+    return check_output_folder(out, "--out") if out else None
 
 
 def cmd_select(args) -> int:
@@ -170,16 +177,17 @@ def cmd_select(args) -> int:
 
 def cmd_compare(args) -> int:
     from masrl.ensemble import report as rep
+    from masrl.ensemble.data import InputError
     from masrl.ensemble.selectors import SELECTORS, baselines
 
     data, split = _load(args)
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     for m in methods or []:
         if m not in SELECTORS:
-            raise ValueError(f"unknown selector {m!r}; use some of {', '.join(SELECTORS)}")
+            raise InputError(f"unknown selector {m!r}; use some of {', '.join(SELECTORS)}")
     for k in args.k:
         if not 1 <= k <= data.n_models:
-            raise ValueError(f"k={k} out of range 1..{data.n_models}")
+            raise InputError(f"k={k} out of range 1..{data.n_models}")
     t0 = time.time()
     sums = rep.compare_selectors(data, split, methods, args.k, args.combiner, args.scope, _weights(args.weights))
     base = baselines(data, split, args.combiner)
@@ -206,6 +214,7 @@ def cmd_compare(args) -> int:
 
 def cmd_rlfocal(args) -> int:
     from masrl.ensemble import report as rep
+    from masrl.ensemble.data import InputError
     from masrl.ensemble.rlfocal import PRESETS, RLFocalConfig, train_rl_focal
 
     data, split = _load(args)
@@ -214,14 +223,18 @@ def cmd_rlfocal(args) -> int:
         stem = Path(data.source).stem.lower()
         preset = next((k for k in PRESETS if k in stem), "none")
     if preset != "none" and preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}, none, auto")
+        raise InputError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}, none, auto")
     kw = dict(PRESETS.get(preset, {}))
     if args.alpha is not None:
         kw["alpha"] = args.alpha
     if args.weights is not None:
         kw["fitness_weights"] = _weights(args.weights)
     if args.seeds < 1:
-        raise ValueError("--seeds must be >= 1")
+        raise InputError("--seeds must be >= 1")
+    if args.window < 1 or args.episodes < 1:
+        raise InputError(f"--window and --episodes must be >= 1, got {args.window} and {args.episodes}")
+    if not 0.0 <= args.gamma <= 1.0 or not math.isfinite(kw.get("alpha", 0.0)):
+        raise InputError(f"--gamma must be in [0, 1] and --alpha a finite number, got {args.gamma} and {args.alpha}")
     cfg = RLFocalConfig(window=args.window, episodes=args.episodes, algo=args.algo, reward=args.reward,
                         gamma=args.gamma, test_window=args.test_window, fusion=not args.no_fusion,
                         fusion_loss=args.fusion_loss, **kw)

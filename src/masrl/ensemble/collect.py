@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from masrl.ensemble.data import InputError
 from masrl.types import Episode, Task
 
 __all__ = ["WORKFLOWS_WITH_PROPOSALS", "check_workflow", "proposer_slots", "episode_rows", "collect",
@@ -99,7 +100,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     no proposals or the proposer set changes between episodes.
     """
     from masrl.ensemble.data import _vocab_key
-    from masrl.workflows.study import normalize_answer
+    from masrl.workflows.common import normalize_answer
 
     rows: list[dict] = []
     models: list[str] | None = None
@@ -114,7 +115,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
         if models is None:
             models = names
         elif names != models:
-            raise ValueError(f"task {ep.task.id!r}: proposers {names} differ from the first task's {models}; "
+            raise InputError(f"task {ep.task.id!r}: proposers {names} differ from the first task's {models}; "
                              "every episode must have the same proposers")
         label = _json_label(ep.task.answer)
         preds = {}
@@ -160,27 +161,25 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
             temperature: float | None = None, checkpoint: str | None = None, strict: bool = False,
             where: str = "config") -> tuple[list[dict], dict]:
     """Run the configured team on ``benches`` and return ``(rows, facts)`` (see :func:`episode_rows`)."""
-    from masrl.evaluation.cli import _resolve_checkpoint, load_bench_tasks
+    from masrl.evaluation.cli import load_bench_tasks, load_eval_checkpoint
     from masrl.evaluation.runner import repeat_tasks
-    from masrl.training.checkpoint import load_checkpoint
     from masrl.training.trainer import Trainer
     from masrl.workflows.base import get_workflow
 
     if n_samples < 1:
-        raise ValueError(f"--n-samples must be >= 1, got {n_samples}")
+        raise InputError(f"--n-samples must be >= 1, got {n_samples}")
     check_workflow(get_workflow(cfg.workflow.name), where)
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the collection
         ckpt_path = None
         if checkpoint:
-            ckpt_path = _resolve_checkpoint(checkpoint)
-            load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
+            ckpt_path = load_eval_checkpoint(checkpoint, trainer.policies)
         rows: list[dict] = []
         facts: dict[str, Any] = {"models": None, "conflicts": 0, "checkpoint": str(ckpt_path) if ckpt_path else None,
                                  "benches": {}}
         for bench in benches:
             tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, limit or cfg.eval.limit, strict)
             if not tasks:
-                raise ValueError(f"--bench {bench}: no tasks loaded")
+                raise InputError(f"--bench {bench}: no tasks loaded")
             rep, groups = repeat_tasks(tasks, n_samples)
             temp = cfg.eval.temperature if temperature is None else temperature
             episodes = trainer.rollout(rep, groups, temperature=temp, seed=cfg.seed if seed is None else seed,
@@ -188,14 +187,14 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
             bench_rows, f = episode_rows(episodes, score, bench=_bench_name(bench), n_samples=n_samples, where=where,
                                          workflow=cfg.workflow.name)
             if facts["models"] is not None and f["models"] != facts["models"]:
-                raise ValueError(f"--bench {bench}: proposers {f['models']} differ from {facts['models']}")
+                raise InputError(f"--bench {bench}: proposers {f['models']} differ from {facts['models']}")
             facts["models"] = f["models"]
             facts["conflicts"] += f["conflicts"]
             facts["benches"][_bench_name(bench)] = len(tasks)
             rows.extend(bench_rows)
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):
-        raise ValueError("duplicate row ids: give each benchmark once in --bench")
+        raise InputError("duplicate row ids: give each benchmark once in --bench")
     return rows, facts
 
 
@@ -211,13 +210,13 @@ def cmd_collect(args) -> int:
     cfg = load_config(args.config, args.overrides)
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     if not benches:
-        raise ValueError("--bench: give at least one benchmark ('test' = the task's held-out split)")
+        raise InputError("--bench: give at least one benchmark ('test' = the task's held-out split)")
     try:
         rows, facts = collect(cfg, benches, limit=args.limit, n_samples=args.n_samples, seed=args.seed,
                               temperature=args.temperature, checkpoint=args.checkpoint, strict=args.strict,
                               where=str(args.config))
     except (ModelLoadError, DatasetLoadError, CheckpointError) as e:
-        raise ValueError(str(e)) from e
+        raise InputError(str(e)) from e
     if args.out:
         out = Path(args.out)
     else:

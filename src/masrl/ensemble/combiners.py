@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from masrl.ensemble.data import EnsembleData
+from masrl.ensemble.data import EnsembleData, InputError
 
 __all__ = ["Combiner", "Plurality", "SoftVote", "Oracle", "Majority", "Summarizer", "get_combiner",
            "plurality_correct", "plurality_predict", "soft_vote_predict", "COMBINER_NAMES"]
@@ -84,13 +84,13 @@ class Combiner:
     def check(self, data: EnsembleData) -> None:
         """Raise ``ValueError`` if this combiner cannot run on ``data``."""
         if self.requires == "answers" and not data.has_answers:
-            raise ValueError(f"combiner {self.name!r} needs answers, but {data.source or 'this data'} has "
+            raise InputError(f"combiner {self.name!r} needs answers, but {data.source or 'this data'} has "
                              "correctness only; use 'majority' or 'oracle'")
         if self.requires == "probs" and not data.has_probs:
-            raise ValueError(f"combiner {self.name!r} needs per-choice probs, which {data.source or 'this data'} "
+            raise InputError(f"combiner {self.name!r} needs per-choice probs, which {data.source or 'this data'} "
                              "does not have")
         if self.requires in ("answers", "probs") and not data.has_labels:
-            raise ValueError(f"combiner {self.name!r} needs labels to score its answers")
+            raise InputError(f"combiner {self.name!r} needs labels to score its answers")
 
     def correct_masked(self, data: EnsembleData, rows: np.ndarray, masks) -> np.ndarray:
         """Per-item correctness (in [0, 1]) for member masks ``(len(rows), N)`` or ``(N,)``."""
@@ -259,12 +259,19 @@ def get_combiner(spec: str | Combiner, data: EnsembleData | None = None, *, seed
             try:
                 fn = getattr(importlib.import_module(mod_name), attr)
             except (ImportError, AttributeError) as e:
-                raise ValueError(f"cannot load summarizer {spec!r}: {e}") from None
+                raise InputError(f"cannot load summarizer {spec!r}: {e}") from None
             if inspect.isclass(fn):
                 fn = fn()
+            try:
+                inspect.signature(fn).bind("item_id", [])
+            except TypeError as e:  # not callable, or not fn(item_id, proposals)
+                raise InputError(f"summarizer {spec!r} must be a function fn(item_id, proposals) -> answer "
+                                 f"({e})") from None
+            except ValueError:  # a builtin without a signature: let it run
+                pass
             comb = Summarizer(fn, name=spec)
         else:
-            raise ValueError(f"unknown combiner {spec!r}; use one of {', '.join(COMBINER_NAMES)} "
+            raise InputError(f"unknown combiner {spec!r}; use one of {', '.join(COMBINER_NAMES)} "
                              "or package.module:function")
     if data is not None:
         comb.check(data)

@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from masrl.errors import UserInputError
+from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
+
 __all__ = ["EnsembleData", "MalformedRowWarning", "load_jsonl", "from_records", "resolve_data_path",
            "split_indices", "Split"]
-
-
-class MalformedRowWarning(UserWarning):
-    """A row was skipped by a lenient (``strict=False``) load."""
 
 
 @dataclass
@@ -98,7 +96,7 @@ class EnsembleData:
         out = []
         for name in names:
             if name not in self.models:
-                raise ValueError(f"unknown model {name!r}; models are {self.models}")
+                raise InputError(f"unknown model {name!r}; models are {self.models}")
             out.append(self.models.index(name))
         return out
 
@@ -136,9 +134,30 @@ class EnsembleData:
 
 
 # ---------------------------------------------------------------------------------- loading
-class _RowError(Exception):
-    pass
+class InputError(UserInputError, ValueError):
+    """Bad ensemble input (a predictions file, a model or selector name, an option): one line, exit 2."""
 
+
+def _kind(v: Any) -> str | None:
+    """The JSON type of an answer or label: 1 and "1" and true are different kinds (never compared)."""
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    return {str: "string", list: "list", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _row_kind(row: dict, label_field: str) -> tuple[str, str] | None:
+    """(kind, what) of the row's label and answers; raises BadRow when they mix kinds."""
+    found = [(_kind(row["label"]), label_field)] + [(_kind(p[0]), f"answer of {m!r}") for m, p in row["preds"].items()]
+    found = [(k, what) for k, what in found if k is not None]
+    for k, what in found[1:]:
+        if k != found[0][0]:
+            raise BadRow(f"{what} is a {k} but {found[0][1]} is a {found[0][0]}; labels and answers must "
+                         "have one JSON type (all strings, all numbers or all booleans)")
+    return found[0] if found else None
 
 def _is_index(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
@@ -154,72 +173,72 @@ def _vocab_key(v: Any) -> Any:
 
 
 def _parse_row(obj: Any, label_field: str, models_ref: list[str] | None) -> dict:
-    """Validate one decoded JSON line; return a normalised dict or raise _RowError."""
+    """Validate one decoded JSON line; return a normalised dict or raise BadRow."""
     if not isinstance(obj, dict):
-        raise _RowError(f"expected a JSON object, got {type(obj).__name__}")
+        raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
     if "id" not in obj:
-        raise _RowError("missing 'id'")
+        raise BadRow("missing 'id'")
     if "predictions" not in obj:
-        raise _RowError("missing 'predictions'")
+        raise BadRow("missing 'predictions'")
     if label_field not in obj:
-        raise _RowError(f"missing label field {label_field!r}")
+        raise BadRow(f"missing label field {label_field!r}")
     preds = obj["predictions"]
     if not isinstance(preds, dict) or not preds:
-        raise _RowError("'predictions' must be a non-empty object {model: {...}}")
+        raise BadRow("'predictions' must be a non-empty object {model: {...}}")
     if models_ref is not None and list(preds) != models_ref:
         missing = [m for m in models_ref if m not in preds]
         extra = [m for m in preds if m not in models_ref]
         if missing or extra:
-            raise _RowError(f"model set differs from the first row (missing {missing}, unexpected {extra})")
+            raise BadRow(f"model set differs from the first row (missing {missing}, unexpected {extra})")
     label = obj[label_field]
     if isinstance(label, float) and not math.isfinite(label):
-        raise _RowError(f"{label_field} is not finite")
+        raise BadRow(f"{label_field} is not finite")
     row_choices = obj.get("choices")
     n_choices = len(row_choices) if isinstance(row_choices, list) else 0
     out_preds = {}
     n_probs = None
     for model, p in preds.items():
         if not isinstance(p, dict):
-            raise _RowError(f"prediction of {model!r} must be an object, got {type(p).__name__}")
+            raise BadRow(f"prediction of {model!r} must be an object, got {type(p).__name__}")
         if "answer" not in p and "correct" not in p:
-            raise _RowError(f"prediction of {model!r} has neither 'answer' nor 'correct'")
+            raise BadRow(f"prediction of {model!r} has neither 'answer' nor 'correct'")
         ans = p.get("answer")
         corr = p.get("correct")
         if corr is not None:
             if isinstance(corr, str) or corr not in (0, 1):
-                raise _RowError(f"'correct' of {model!r} must be 0/1/true/false, got {corr!r}")
+                raise BadRow(f"'correct' of {model!r} must be 0/1/true/false, got {corr!r}")
             corr = bool(corr)
         probs = p.get("probs")
         if probs is not None:
             if not isinstance(probs, list) or not probs or not all(
                     isinstance(x, (int, float)) and not isinstance(x, bool) for x in probs):
-                raise _RowError(f"'probs' of {model!r} must be a non-empty list of numbers")
+                raise BadRow(f"'probs' of {model!r} must be a non-empty list of numbers")
             arr = np.asarray(probs, dtype=np.float64)
             if not np.isfinite(arr).all() or (arr < 0).any():
-                raise _RowError(f"'probs' of {model!r} has negative or non-finite values")
+                raise BadRow(f"'probs' of {model!r} has negative or non-finite values")
             if abs(arr.sum() - 1.0) > 0.01:
-                raise _RowError(f"'probs' of {model!r} sum to {arr.sum():.4f}, not 1")
+                raise BadRow(f"'probs' of {model!r} sum to {arr.sum():.4f}, not 1")
             if n_probs is None:
                 n_probs = len(probs)
             elif len(probs) != n_probs:
-                raise _RowError(f"'probs' of {model!r} has {len(probs)} entries, other models {n_probs}")
+                raise BadRow(f"'probs' of {model!r} has {len(probs)} entries, other models {n_probs}")
             if ans is not None and (not _is_index(ans) or ans >= len(probs)):
-                raise _RowError(f"answer {ans!r} of {model!r} is not a choice index into its {len(probs)} probs")
+                raise BadRow(f"answer {ans!r} of {model!r} is not a choice index into its {len(probs)} probs")
         if n_choices and ans is not None and _is_index(ans) and ans >= n_choices and "choices" in obj:
-            raise _RowError(f"answer {ans!r} of {model!r} is out of range for {n_choices} choices")
+            raise BadRow(f"answer {ans!r} of {model!r} is out of range for {n_choices} choices")
         if corr is not None and ans is not None and label is not None:
             same = _vocab_key(ans) == _vocab_key(label)
             if same != corr:
-                raise _RowError(f"'correct' of {model!r} is {int(corr)} but answer {ans!r} "
+                raise BadRow(f"'correct' of {model!r} is {int(corr)} but answer {ans!r} "
                                 f"{'==' if same else '!='} label {label!r}")
         out_preds[model] = (ans, probs, corr)
     if n_probs is not None and label is not None and (not _is_index(label) or label >= n_probs):
-        raise _RowError(f"label {label!r} is not a choice index into {n_probs} probs")
+        raise BadRow(f"label {label!r} is not a choice index into {n_probs} probs")
     extras = {k: v for k, v in obj.items()
               if k not in ("id", "predictions", label_field, "task") and (v is None or isinstance(v, (str, int, float, bool)))}
     task = obj.get("task")
     if task is not None and not isinstance(task, str):
-        raise _RowError("'task' must be a string")
+        raise BadRow("'task' must be a string")
     return {"id": str(obj["id"]), "label": label, "task": task, "preds": out_preds,
             "n_choices": max(n_choices, n_probs or 0), "has_probs": n_probs is not None, "extras": extras}
 
@@ -230,60 +249,88 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
     """Build :class:`EnsembleData` from decoded rows (see module doc for the schema).
 
     ``strict=True`` raises ``ValueError("<source>:<line>: <what is wrong>")`` at the first
-    malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each
-    (and records them in ``.skipped``). ``models`` keeps only those models (in that order).
+    malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each (the
+    first 10, then a count: :mod:`masrl.tasks.rows`) and records them all in ``.skipped``.
+    ``models`` keeps only those models (in that order).
     """
-    rows: list[dict] = []
-    lines: list[int] = []
-    skipped: list[tuple[int, str]] = []
+    positioned = ((RowPos(str(i + line_offset), i, i + line_offset), obj) for i, obj in enumerate(records))
+    return _from_positioned(positioned, label_field=label_field, strict=strict, source=source,
+                            default_task=default_task, models=models)
+
+
+def _from_positioned(records: Iterable[tuple[RowPos, Any]], *, label_field: str, strict: bool, source: str,
+                     default_task: str | None, models: Sequence[str] | None) -> EnsembleData:
+    """The stages of a load: validate the rows, pick the models, encode answers, collect extras."""
+    rows, skipped, schema_probs = _validate_rows(records, label_field, strict, source)
+    models_ref = _pick_models(list(rows[0]["preds"]), models, source)
+    answers, labels, correct, probs, vocab = _encode(rows, models_ref, schema_probs, source)
+    n_choices = np.array([r["n_choices"] for r in rows], dtype=np.int64)
+    base_task = default_task or "all"
+    tasks = np.array([r["task"] if r["task"] is not None else base_task for r in rows], dtype=object)
+    return EnsembleData(ids=[r["id"] for r in rows], models=models_ref, answers=answers, labels=labels,
+                        correct=correct, tasks=tasks, probs=probs,
+                        n_choices=n_choices if n_choices.any() else None, vocab=vocab, extras=_extras(rows),
+                        source=source, skipped=skipped)
+
+
+def _validate_rows(records: Iterable[tuple[RowPos, Any]], label_field: str, strict: bool,
+                   source: str) -> tuple[list[dict], list[tuple[int, str]], bool]:
+    """Rows checked one by one and against the first row (model set, probs or not), ids unique.
+
+    Returns the rows (each with its ``line``), the skipped ``(line, reason)`` and whether the
+    rows carry probs. No valid row at all is an error."""
     models_ref: list[str] | None = None
     seen_ids: set[str] = set()
     schema_probs: bool | None = None
+    kind_ref: tuple[str, str, int | None] | None = None  # (JSON type, what, line) of the first typed row
 
-    def fail(line: int, msg: str) -> None:
-        if strict:
-            raise ValueError(f"{source}:{line}: {msg}")
-        skipped.append((line, msg))
-        warnings.warn(f"{source}:{line}: skipped malformed row: {msg}", MalformedRowWarning, stacklevel=3)
-
-    for i, obj in enumerate(records):
-        line = i + line_offset
-        if isinstance(obj, _BadJSON):
-            fail(line, f"invalid JSON ({obj.msg})")
-            continue
-        try:
-            row = _parse_row(obj, label_field, models_ref)
-            if row["id"] in seen_ids:
-                raise _RowError(f"duplicate id {row['id']!r}")
-            if schema_probs is None:
-                schema_probs = row["has_probs"]
-            elif schema_probs and not row["has_probs"]:
-                raise _RowError("no 'probs' although earlier rows have them")
-            elif not schema_probs and row["has_probs"]:
-                raise _RowError("has 'probs' although the first row has none")
-        except _RowError as e:
-            fail(line, str(e))
-            continue
+    def parse(obj: Any, pos: RowPos) -> dict:
+        nonlocal models_ref, schema_probs, kind_ref
+        row = _parse_row(obj, label_field, models_ref)
+        if row["id"] in seen_ids:
+            raise BadRow(f"duplicate id {row['id']!r}")
+        if schema_probs is None:
+            schema_probs = row["has_probs"]
+        elif schema_probs and not row["has_probs"]:
+            raise BadRow("no 'probs' although earlier rows have them")
+        elif not schema_probs and row["has_probs"]:
+            raise BadRow("has 'probs' although the first row has none")
+        kind = _row_kind(row, label_field)
+        if kind is not None and kind_ref is not None and kind[0] != kind_ref[0]:
+            raise BadRow(f"{kind[1]} is a {kind[0]} but line {kind_ref[2]} has {kind_ref[0]}s; labels and "
+                         "answers must have one JSON type in the whole file")
+        if kind is not None and kind_ref is None:
+            kind_ref = (*kind, pos.line)
         if models_ref is None:
             models_ref = list(row["preds"])
         seen_ids.add(row["id"])
-        rows.append(row)
-        lines.append(line)
-    if not rows:
-        raise ValueError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
-    assert models_ref is not None
-    if models is not None:
-        unknown = [m for m in models if m not in models_ref]
-        if unknown:
-            raise ValueError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
-        models_ref = list(models)
+        row["line"] = pos.line
+        return row
 
-    # answer encoding: raw choice indices if possible, else a vocabulary
+    rows, report = parse_rows(records, parse, source=source, strict=strict, error=InputError)
+    skipped = [(int(where), reason) for where, reason in report.skipped]
+    if not rows:
+        raise InputError(f"{source}: no valid rows" + (f" ({len(skipped)} malformed)" if skipped else ""))
+    return rows, skipped, bool(schema_probs)
+
+
+def _pick_models(models_ref: list[str], models: Sequence[str] | None, source: str) -> list[str]:
+    if models is None:
+        return models_ref
+    unknown = [m for m in models if m not in models_ref]
+    if unknown:
+        raise InputError(f"{source}: unknown model(s) {unknown}; the file has {models_ref}")
+    return list(models)
+
+
+def _encode(rows: list[dict], models_ref: list[str], schema_probs: bool,
+            source: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, list | None]:
+    """Answer/label codes, correctness and probs: raw choice indices if possible, else a vocabulary."""
     values = [r["label"] for r in rows] + [p[0] for r in rows for p in r["preds"].values()]
     index_mode = all(v is None or _is_index(v) for v in values)
     if schema_probs and not index_mode:  # cannot happen after _parse_row checks, kept for safety
-        raise ValueError(f"{source}: probs need integer choice-index answers and labels")
-    vocab: list | None = None
+        raise InputError(f"{source}: probs need integer choice-index answers and labels")
+    vocab: list | None = None if index_mode else []
     vocab_index: dict[Any, int] = {}
 
     def code(v: Any) -> int:
@@ -297,14 +344,12 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
             vocab.append(v)  # type: ignore[union-attr]
         return vocab_index[key]
 
-    if not index_mode:
-        vocab = []
     n, nm = len(rows), len(models_ref)
     answers = np.full((n, nm), -1, dtype=np.int64)
     labels = np.full(n, -1, dtype=np.int64)
     correct = np.zeros((n, nm), dtype=bool)
-    n_choices = np.array([r["n_choices"] for r in rows], dtype=np.int64)
-    probs = np.zeros((n, nm, max(1, int(n_choices.max()))), dtype=np.float32) if schema_probs else None
+    width = max(1, max(r["n_choices"] for r in rows))
+    probs = np.zeros((n, nm, width), dtype=np.float32) if schema_probs else None
     for r_i, r in enumerate(rows):
         labels[r_i] = code(r["label"])
         for m_i, m in enumerate(models_ref):
@@ -316,35 +361,18 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
                 correct[r_i, m_i] = ans is not None and r["label"] is not None and labels[r_i] == answers[r_i, m_i]
             if probs is not None and pr is not None:
                 probs[r_i, m_i, :len(pr)] = pr
-    base_task = default_task or "all"
-    tasks = np.array([r["task"] if r["task"] is not None else base_task for r in rows], dtype=object)
+    return answers, labels, correct, probs, vocab
+
+
+def _extras(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Per-row extra scalar fields (in order of first appearance) and ``_line``, the file line."""
     extra_keys: dict[str, None] = {}
     for r in rows:
         for k in r["extras"]:
             extra_keys.setdefault(k, None)
     extras = {k: np.array([r["extras"].get(k) for r in rows], dtype=object) for k in extra_keys}
-    extras["_line"] = np.array(lines, dtype=np.int64)
-    return EnsembleData(ids=[r["id"] for r in rows], models=models_ref, answers=answers, labels=labels,
-                        correct=correct, tasks=tasks, probs=probs,
-                        n_choices=n_choices if n_choices.any() else None, vocab=vocab, extras=extras,
-                        source=source, skipped=skipped)
-
-
-@dataclass
-class _BadJSON:
-    msg: str
-
-
-def _read_lines(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for text in f:
-            if not text.strip():
-                yield _BadJSON("empty line")
-                continue
-            try:
-                yield json.loads(text)
-            except json.JSONDecodeError as e:
-                yield _BadJSON(e.msg + f" at column {e.colno}")
+    extras["_line"] = np.array([r["line"] for r in rows], dtype=np.int64)
+    return extras
 
 
 def resolve_data_path(path: str | Path) -> Path:
@@ -370,9 +398,10 @@ def load_jsonl(path: str | Path, *, label_field: str = "label", strict: bool = T
     """
     p = resolve_data_path(path)
     if p.is_dir():
-        raise ValueError(f"{p} is a directory; pass a .jsonl file")
-    return from_records(_read_lines(p), label_field=label_field, strict=strict, source=str(p),
-                        default_task=p.stem, models=models)
+        raise InputError(f"{p} is a directory; pass a .jsonl file")
+    records = iter_records(p, "jsonl", blank_lines_are_rows=True)
+    return _from_positioned(records, label_field=label_field, strict=strict, source=str(p),
+                            default_task=p.stem, models=models)
 
 
 # ---------------------------------------------------------------------------------- splits
@@ -408,7 +437,7 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             how = "first"
     if how == "first":
         if not 0.0 < frac < 1.0:
-            raise ValueError(f"split fraction must be in (0, 1), got {frac}")
+            raise InputError(f"split fraction must be in (0, 1), got {frac}")
         train, test = [], []
         for t in data.task_names():
             idx = data.task_rows(t)
@@ -417,16 +446,16 @@ def split_indices(data: EnsembleData, how: str = "auto", frac: float = 0.8) -> S
             test.append(idx[cut:])
         tr, te = np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split 'first' with fraction {frac} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"first {frac:.0%} of each task")
     if how.startswith("field:"):
         name = how.split(":", 1)[1]
         if name not in data.extras:
-            raise ValueError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
+            raise InputError(f"split field {name!r} not in data (extra fields: {sorted(k for k in data.extras if not k.startswith('_'))})")
         vals = data.extras[name]
         tr = np.flatnonzero(vals == "train")
         te = np.flatnonzero(vals == "test")
         if len(tr) == 0 or len(te) == 0:
-            raise ValueError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
+            raise InputError(f"split field {name!r} gives {len(tr)} train and {len(te)} test rows")
         return Split(tr, te, f"field {name}")
-    raise ValueError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")
+    raise InputError(f"unknown split {how!r}: use 'auto', 'first' or 'field:NAME'")

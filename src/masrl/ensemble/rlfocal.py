@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from masrl.ensemble.combiners import Combiner, get_combiner
-from masrl.ensemble.data import EnsembleData, Split
+from masrl.ensemble.data import EnsembleData, InputError, Split
 
 __all__ = ["RLFocalConfig", "RLFocalResult", "train_rl_focal", "mask_bits", "mask_tables", "window_fitness_table",
            "BBH_PRESET", "PRESETS"]
@@ -132,7 +132,7 @@ def window_fitness_table(data: EnsembleData, rows: np.ndarray, vote: np.ndarray,
         ratings = ratings.reshape(n, N)
         n_cat = int(ratings.max()) + 1
         if n_cat > 2000:
-            raise ValueError(f"Fleiss' kappa in the fitness with {n_cat} answer categories is not supported; "
+            raise InputError(f"Fleiss' kappa in the fitness with {n_cat} answer categories is not supported; "
                              "set its weight to 0")
     with np.errstate(divide="ignore", invalid="ignore"):
         for m in range(len(bits)):
@@ -254,10 +254,47 @@ def train_rl_focal(data: EnsembleData, split: Split, config: RLFocalConfig | Non
 
 def _train_rl_focal(data: EnsembleData, split: Split, cfg: RLFocalConfig, seeds: Sequence[int], per_task: bool,
                     verbose: bool) -> RLFocalResult:
+    """The stages: check the config, build each problem's tables, train the Deciders (one per problem and
+    seed), evaluate them greedily, train the Fusion agents, aggregate per seed."""
     t_start = time.time()
-    N = data.n_models
-    if N > MAX_TABLE_MODELS:
-        raise ValueError(f"RL-Focal here precomputes 2^N mask tables; N={N} > {MAX_TABLE_MODELS} is not supported")
+    _check_config(cfg, data.n_models)
+    comb = get_combiner(cfg.combiner, data)
+    notes = []
+    do_fusion = cfg.fusion and data.has_probs
+    if cfg.fusion and not data.has_probs:
+        notes.append("Fusion agent skipped: the data has no per-choice probabilities")
+    seeds = list(seeds)
+    if not seeds:
+        raise InputError("need at least one seed")
+    probs_ = _problems(data, split, per_task)
+    tables = _Tables.build(data, probs_, comb, cfg)
+    if verbose:
+        print(f"tables for {len(probs_)} problem(s), {2 ** data.n_models} masks: {time.time() - t_start:.1f}s")
+
+    decider = _Decider(tables, cfg, seeds)
+    best_episode, history = decider.train(cfg, verbose)
+    tr_masks, tr_corr, _ = decider.greedy_pass(decider.R_tr, decider.F_tr, decider.T_tr)
+    te_masks, te_corr, _ = decider.greedy_pass(decider.R_te, decider.F_te, decider.T_te)
+    fusion_corr = None
+    if do_fusion:
+        fusion_corr = _train_fusion(data, probs_, cfg, decider.prob_of, decider.gens, tr_masks, te_masks,
+                                    tables.bits, tables.T_tr, tables.T_te, decider.Q)
+
+    tasks = [p[0] for p in probs_]
+    per_seed = [_seed_record(data, tables, tasks, s, si, len(seeds), tr_corr,
+                             te_masks.numpy(), te_corr.numpy(), fusion_corr, best_episode)
+                for si, s in enumerate(seeds)]
+    summary = {key: _mean_std([r.get(key) for r in per_seed])
+               for key in ("decider_pooled", "decider_macro", "fusion_pooled", "fusion_macro", "mean_size")}
+    summary["history"] = history
+    return RLFocalResult(config=cfg.to_dict(), seeds=seeds, tasks=tasks, combiner=comb.name, per_seed=per_seed,
+                         summary=summary, seconds=time.time() - t_start, notes=notes)
+
+
+def _check_config(cfg: RLFocalConfig, n_models: int) -> None:
+    if n_models > MAX_TABLE_MODELS:
+        raise InputError(f"RL-Focal here precomputes 2^N mask tables; N={n_models} > {MAX_TABLE_MODELS} "
+                         "is not supported")
     if cfg.fusion_loss not in ("ce", "reinforce"):
         raise ValueError(f"fusion_loss must be 'ce' or 'reinforce', got {cfg.fusion_loss!r}")
     if cfg.algo not in ("reinforce", "ppo"):
@@ -266,196 +303,205 @@ def _train_rl_focal(data: EnsembleData, split: Split, cfg: RLFocalConfig, seeds:
         raise ValueError(f"reward must be 'spec' or 'reference', got {cfg.reward!r}")
     if cfg.test_window not in ("train", "stream"):
         raise ValueError(f"test_window must be 'train' or 'stream', got {cfg.test_window!r}")
-    comb = get_combiner(cfg.combiner, data)
-    notes = []
-    do_fusion = cfg.fusion and data.has_probs
-    if cfg.fusion and not data.has_probs:
-        notes.append("Fusion agent skipped: the data has no per-choice probabilities")
-    seeds = list(seeds)
-    if not seeds:
-        raise ValueError("need at least one seed")
 
-    # ---- problems (tasks) and their tables
+
+def _problems(data: EnsembleData, split: Split, per_task: bool) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(name, train rows, test rows)`` per task with both (or one problem ``all``)."""
     if per_task:
         probs_ = [(t, data.task_rows(t, split.train), data.task_rows(t, split.test)) for t in data.task_names()]
         probs_ = [p for p in probs_ if len(p[1]) > 0 and len(p[2]) > 0]
     else:
         probs_ = [("all", np.sort(split.train), np.sort(split.test))]
     if not probs_:
-        raise ValueError("no task has both training and test rows")
-    n_masks = 2 ** N
-    bits_np = mask_bits(N)
-    sizes_np = bits_np.sum(1)
-    P = len(probs_)
-    T_tr = np.array([len(p[1]) for p in probs_])
-    T_te = np.array([len(p[2]) for p in probs_])
-    Tm, Tme = int(T_tr.max()), int(T_te.max())
-    R_tr = np.zeros((P, Tm, n_masks), np.float32)
-    R_te = np.zeros((P, Tme, n_masks), np.float32)
-    F_tr = np.zeros((P, Tm + 1, n_masks), np.float32)
-    F_te = np.zeros((P, Tme + 1, n_masks), np.float32)
-    for i, (task, tr, te) in enumerate(probs_):
-        stream = np.concatenate([tr, te])
-        R = mask_tables(data, stream, comb)
-        w = max(1, min(cfg.window, len(tr)))
-        F = window_fitness_table(data, stream, R, w, cfg.fitness_weights)
-        R_tr[i, :len(tr)] = R[:len(tr)]
-        R_te[i, :len(te)] = R[len(tr):]
-        F_tr[i, :len(tr) + 1] = F[:len(tr) + 1]
-        if cfg.test_window == "stream":
-            F_te[i, :len(te) + 1] = F[len(tr):]
-        else:
-            F_te[i, :] = F[len(tr)][None, :]  # frozen at the end of the training stream
-    if verbose:
-        print(f"tables for {P} problem(s), {n_masks} masks: {time.time() - t_start:.1f}s")
+        raise InputError("no task has both training and test rows")
+    return probs_
 
-    # ---- networks: Q = P * S independent deciders
-    S = len(seeds)
-    Q = P * S
-    prob_of = torch.arange(Q) // S          # network q -> problem
-    seed_of = [seeds[q % S] for q in range(Q)]
-    gens = [torch.Generator().manual_seed(1_000_003 * s + 7919 * (q // S)) for q, s in enumerate(seed_of)]
-    sample_gen = torch.Generator().manual_seed(int(sum(seeds) * 31 + len(seeds)))
-    D_in = N + 2
-    policy = _BatchedMLP(Q, [D_in, cfg.hidden, 2 * N], gens, init="default", act="relu")
-    opt = torch.optim.Adam(policy.params(), lr=cfg.lr)
 
-    Rt = torch.from_numpy(R_tr)[prob_of]        # (Q, Tm, masks)
-    Ft = torch.from_numpy(F_tr)[prob_of]        # (Q, Tm+1, masks)
-    Rte = torch.from_numpy(R_te)[prob_of]
-    Fte = torch.from_numpy(F_te)[prob_of]
-    Ttr = torch.from_numpy(T_tr)[prob_of]
-    Tte = torch.from_numpy(T_te)[prob_of]
-    bits_t = torch.from_numpy(bits_np).float()  # (masks, N)
-    sizes_t = torch.from_numpy(sizes_np).float()
-    pow2 = (2 ** torch.arange(N)).long()
-    full_mask = n_masks - 1
+@dataclass
+class _Tables:
+    """Per problem (padded to the longest stream): each mask's correctness per row ``R`` and the
+    window fitness of each mask before each row ``F``, for the train and test streams."""
 
-    def reward_of(c: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-        pen = cfg.alpha * size / N
-        if cfg.reward == "spec":
+    R_tr: np.ndarray   # (P, Tm, masks)
+    R_te: np.ndarray   # (P, Tme, masks)
+    F_tr: np.ndarray   # (P, Tm + 1, masks)
+    F_te: np.ndarray   # (P, Tme + 1, masks)
+    T_tr: np.ndarray   # (P,) train rows per problem
+    T_te: np.ndarray   # (P,) test rows per problem
+    bits: np.ndarray   # (masks, N) mask -> included models
+    sizes: np.ndarray  # (masks,) models per mask
+
+    @classmethod
+    def build(cls, data: EnsembleData, probs_: list, comb: Combiner, cfg: RLFocalConfig) -> "_Tables":
+        N = data.n_models
+        n_masks = 2 ** N
+        bits_np = mask_bits(N)
+        P = len(probs_)
+        T_tr = np.array([len(p[1]) for p in probs_])
+        T_te = np.array([len(p[2]) for p in probs_])
+        Tm, Tme = int(T_tr.max()), int(T_te.max())
+        R_tr = np.zeros((P, Tm, n_masks), np.float32)
+        R_te = np.zeros((P, Tme, n_masks), np.float32)
+        F_tr = np.zeros((P, Tm + 1, n_masks), np.float32)
+        F_te = np.zeros((P, Tme + 1, n_masks), np.float32)
+        for i, (task, tr, te) in enumerate(probs_):
+            stream = np.concatenate([tr, te])
+            R = mask_tables(data, stream, comb)
+            w = max(1, min(cfg.window, len(tr)))
+            F = window_fitness_table(data, stream, R, w, cfg.fitness_weights)
+            R_tr[i, :len(tr)] = R[:len(tr)]
+            R_te[i, :len(te)] = R[len(tr):]
+            F_tr[i, :len(tr) + 1] = F[:len(tr) + 1]
+            if cfg.test_window == "stream":
+                F_te[i, :len(te) + 1] = F[len(tr):]
+            else:
+                F_te[i, :] = F[len(tr)][None, :]  # frozen at the end of the training stream
+        return cls(R_tr, R_te, F_tr, F_te, T_tr, T_te, bits_np, bits_np.sum(1))
+
+
+class _Decider:
+    """Q = P * S independent Decider networks (problem p, seed s -> network p * S + s) and their tables."""
+
+    def __init__(self, tables: _Tables, cfg: RLFocalConfig, seeds: list[int]):
+        self.cfg = cfg
+        N = self.N = tables.bits.shape[1]
+        S = len(seeds)
+        Q = self.Q = len(tables.T_tr) * S
+        self.prob_of = torch.arange(Q) // S          # network q -> problem
+        seed_of = [seeds[q % S] for q in range(Q)]
+        self.gens = [torch.Generator().manual_seed(1_000_003 * s + 7919 * (q // S)) for q, s in enumerate(seed_of)]
+        self.sample_gen = torch.Generator().manual_seed(int(sum(seeds) * 31 + len(seeds)))
+        self.policy = _BatchedMLP(Q, [N + 2, cfg.hidden, 2 * N], self.gens, init="default", act="relu")
+        self.opt = torch.optim.Adam(self.policy.params(), lr=cfg.lr)
+        self.R_tr = torch.from_numpy(tables.R_tr)[self.prob_of]        # (Q, Tm, masks)
+        self.F_tr = torch.from_numpy(tables.F_tr)[self.prob_of]        # (Q, Tm+1, masks)
+        self.R_te = torch.from_numpy(tables.R_te)[self.prob_of]
+        self.F_te = torch.from_numpy(tables.F_te)[self.prob_of]
+        self.T_tr = torch.from_numpy(tables.T_tr)[self.prob_of]
+        self.T_te = torch.from_numpy(tables.T_te)[self.prob_of]
+        self.bits = torch.from_numpy(tables.bits).float()  # (masks, N)
+        self.sizes = torch.from_numpy(tables.sizes).float()
+        self.pow2 = (2 ** torch.arange(N)).long()
+        self.full_mask = 2 ** N - 1
+
+    def reward_of(self, c: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+        pen = self.cfg.alpha * size / self.N
+        if self.cfg.reward == "spec":
             return 2 * c - 1 - pen
         return c - (1 - c) * (1 + pen)
 
-    def state_of(mask: torch.Tensor, F_at: torch.Tensor) -> torch.Tensor:
+    def state_of(self, mask: torch.Tensor, F_at: torch.Tensor) -> torch.Tensor:
         # mask (Q, B) long; F_at (Q, masks) fitness table row at this step
         f = torch.gather(F_at, 1, mask)
-        return torch.cat([bits_t[mask], f.unsqueeze(-1), (sizes_t[mask] / N).unsqueeze(-1)], dim=-1)
+        return torch.cat([self.bits[mask], f.unsqueeze(-1), (self.sizes[mask] / self.N).unsqueeze(-1)], dim=-1)
 
-    def logits_of(x: torch.Tensor) -> torch.Tensor:
-        return policy(x).view(Q, x.shape[1], N, 2)
+    def logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        return self.policy(x).view(self.Q, x.shape[1], self.N, 2)
 
-    def greedy_pass(R: torch.Tensor, F: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def greedy_pass(self, R: torch.Tensor, F: torch.Tensor, T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]:
         """Deterministic rollout (mode of each head); returns (masks (Q, Tmax), correct, valid)."""
         Tmax = R.shape[1]
-        mask = torch.full((Q, 1), full_mask, dtype=torch.long)
-        masks = torch.zeros(Q, Tmax, dtype=torch.long)
+        mask = torch.full((self.Q, 1), self.full_mask, dtype=torch.long)
+        masks = torch.zeros(self.Q, Tmax, dtype=torch.long)
         with torch.no_grad():
             for t in range(Tmax):
-                x = state_of(mask, F[:, t])
-                act = logits_of(x).argmax(-1)  # (Q, 1, N), 1 = include
-                mask = (act * pow2).sum(-1)
+                x = self.state_of(mask, F[:, t])
+                act = self.logits_of(x).argmax(-1)  # (Q, 1, N), 1 = include
+                mask = (act * self.pow2).sum(-1)
                 masks[:, t] = mask[:, 0]
         corr = torch.gather(R, 2, masks.unsqueeze(-1)).squeeze(-1)
         valid = torch.arange(Tmax)[None, :] < T[:, None]
         return masks, corr * valid, valid
 
-    B, U = cfg.rollouts, max(1, cfg.update_every)
-    if not cfg.decider:
-        cfg_episodes = 0
-        with torch.no_grad():  # a Decider that always includes every model
-            policy.W[-1].zero_()
-            policy.b[-1].copy_(torch.tensor([-1.0, 1.0]).repeat(N).view(1, 1, 2 * N))
-    else:
-        cfg_episodes = cfg.episodes
-    best_score = torch.full((Q,), -math.inf)
-    best_state = policy.state()
-    best_episode = torch.zeros(Q, dtype=torch.long)
-    history = []
-    for ep in range(cfg_episodes):
-        mask = torch.full((Q, B), full_mask, dtype=torch.long)
+    def train(self, cfg: RLFocalConfig, verbose: bool) -> tuple[torch.Tensor, list[dict]]:
+        """``cfg.episodes`` passes over the training stream, keeping each network's best episode
+        (judged by its greedy mean reward on the training stream). Returns (best episode per network,
+        history). Without a Decider (``cfg.decider`` false) every network always includes every model."""
+        Q, N = self.Q, self.N
+        if not cfg.decider:
+            with torch.no_grad():  # a Decider that always includes every model
+                self.policy.W[-1].zero_()
+                self.policy.b[-1].copy_(torch.tensor([-1.0, 1.0]).repeat(N).view(1, 1, 2 * N))
+        episodes = cfg.episodes if cfg.decider else 0
+        best_score = torch.full((Q,), -math.inf)
+        best_state = self.policy.state()
+        best_episode = torch.zeros(Q, dtype=torch.long)
+        history = []
+        for ep in range(episodes):
+            self._episode(cfg)
+            masks, corr, valid = self.greedy_pass(self.R_tr, self.F_tr, self.T_tr)
+            score = (self.reward_of(corr, self.sizes[masks]) * valid).sum(1) / self.T_tr
+            improved = score > best_score
+            best_score = torch.where(improved, score, best_score)
+            best_episode = torch.where(improved, torch.full_like(best_episode, ep), best_episode)
+            for bs, s in zip(best_state, self.policy.state()):
+                bs[improved] = s[improved]
+            train_acc = (corr.sum(1) / self.T_tr)
+            history.append({"episode": ep, "train_greedy_acc_mean": float(train_acc.mean()),
+                            "train_greedy_reward_mean": float(score.mean())})
+            if verbose:
+                print(f"episode {ep}: greedy train acc {float(train_acc.mean()):.4f} reward {float(score.mean()):.4f}")
+        if episodes:
+            self.policy.load_rows(best_state, torch.ones(Q, dtype=torch.bool))
+        return best_episode, history
+
+    def _episode(self, cfg: RLFocalConfig) -> None:
+        """One pass of ``cfg.rollouts`` sampled rollouts per network, updated every ``update_every`` steps."""
+        Q, B, U = self.Q, cfg.rollouts, max(1, cfg.update_every)
+        Tm = self.R_tr.shape[1]
+        mask = torch.full((Q, B), self.full_mask, dtype=torch.long)
         buf_x, buf_a, buf_r, buf_v = [], [], [], []
         for t in range(Tm):
             with torch.no_grad():
-                x = state_of(mask, Ft[:, t])
-                lg = logits_of(x)
-                p_in = torch.softmax(lg, -1)[..., 1]
-                act = (torch.rand(p_in.shape, generator=sample_gen) < p_in).long()
-                mask = (act * pow2).sum(-1)
-                c = torch.gather(Rt[:, t], 1, mask)
-                r = reward_of(c, sizes_t[mask])
-                valid = (t < Ttr).unsqueeze(1).expand(Q, B)
+                x = self.state_of(mask, self.F_tr[:, t])
+                p_in = torch.softmax(self.logits_of(x), -1)[..., 1]
+                act = (torch.rand(p_in.shape, generator=self.sample_gen) < p_in).long()
+                mask = (act * self.pow2).sum(-1)
+                c = torch.gather(self.R_tr[:, t], 1, mask)
+                r = self.reward_of(c, self.sizes[mask])
+                valid = (t < self.T_tr).unsqueeze(1).expand(Q, B)
             buf_x.append(x)
             buf_a.append(act)
             buf_r.append(r * valid)
             buf_v.append(valid)
             if len(buf_x) == U or t == Tm - 1:
-                _update(policy, opt, cfg, buf_x, buf_a, buf_r, buf_v, Q, N)
+                _update(self.policy, self.opt, cfg, buf_x, buf_a, buf_r, buf_v, Q, self.N)
                 buf_x, buf_a, buf_r, buf_v = [], [], [], []
-        # best-episode restore, judged by the greedy policy's mean reward on the training stream
-        masks, corr, valid = greedy_pass(Rt, Ft, Ttr)
-        score = (reward_of(corr, sizes_t[masks]) * valid).sum(1) / Ttr
-        improved = score > best_score
-        best_score = torch.where(improved, score, best_score)
-        best_episode = torch.where(improved, torch.full_like(best_episode, ep), best_episode)
-        saved = policy.state()
-        for bs, s in zip(best_state, saved):
-            bs[improved] = s[improved]
-        train_acc = (corr.sum(1) / Ttr)
-        history.append({"episode": ep, "train_greedy_acc_mean": float(train_acc.mean()),
-                        "train_greedy_reward_mean": float(score.mean())})
-        if verbose:
-            print(f"episode {ep}: greedy train acc {float(train_acc.mean()):.4f} reward {float(score.mean()):.4f}")
-    if cfg_episodes:
-        policy.load_rows(best_state, torch.ones(Q, dtype=torch.bool))
 
-    # ---- Decider evaluation (frozen, greedy, no updates)
-    tr_masks, tr_corr, tr_valid = greedy_pass(Rt, Ft, Ttr)
-    te_masks, te_corr, te_valid = greedy_pass(Rte, Fte, Tte)
 
-    # ---- Fusion agent
-    fusion_corr = None
-    if do_fusion:
-        fusion_corr = _train_fusion(data, probs_, cfg, prob_of, gens, tr_masks, te_masks, bits_np, T_tr, T_te, Q)
-
-    # ---- aggregate
-    per_seed = []
-    tasks = [p[0] for p in probs_]
-    te_masks_np, te_corr_np = te_masks.numpy(), te_corr.numpy()
-    for si, s in enumerate(seeds):
-        qs = [pi * S + si for pi in range(P)]
-        per_task = {}
-        dec_c, fus_c, n_tot, size_tot = 0.0, 0.0, 0, 0.0
-        for pi, q in enumerate(qs):
-            n_te = int(T_te[pi])
-            ms = te_masks_np[q, :n_te]
-            acc = float(te_corr_np[q, :n_te].mean())
-            vals, counts = np.unique(ms, return_counts=True)
-            usage = {"+".join(data.models[j] for j in np.flatnonzero(bits_np[v])) or "(none)": int(c)
-                     for v, c in sorted(zip(vals, counts), key=lambda vc: -vc[1])}
-            entry = {"n_test": n_te, "decider_accuracy": acc, "mean_size": float(sizes_np[ms].mean()),
-                     "mask_usage": usage, "train_greedy_accuracy": float(tr_corr[q, :T_tr[pi]].mean()),
-                     "best_episode": int(best_episode[q])}
-            dec_c += acc * n_te
-            size_tot += float(sizes_np[ms].sum())
-            n_tot += n_te
-            if fusion_corr is not None:
-                facc = float(fusion_corr[q, :n_te].mean())
-                entry["fusion_accuracy"] = facc
-                fus_c += facc * n_te
-            per_task[tasks[pi]] = entry
-        rec = {"seed": s, "decider_pooled": dec_c / n_tot,
-               "decider_macro": float(np.mean([e["decider_accuracy"] for e in per_task.values()])),
-               "mean_size": size_tot / n_tot, "per_task": per_task}
+def _seed_record(data: EnsembleData, tables: _Tables, tasks: list[str], seed: int, si: int, S: int,
+                 tr_corr: torch.Tensor, te_masks_np: np.ndarray, te_corr_np: np.ndarray,
+                 fusion_corr: np.ndarray | None, best_episode: torch.Tensor) -> dict:
+    """One seed's test results: per task and pooled over items / macro over tasks."""
+    per_task = {}
+    dec_c, fus_c, n_tot, size_tot = 0.0, 0.0, 0, 0.0
+    for pi in range(len(tasks)):
+        q = pi * S + si
+        n_te = int(tables.T_te[pi])
+        ms = te_masks_np[q, :n_te]
+        acc = float(te_corr_np[q, :n_te].mean())
+        vals, counts = np.unique(ms, return_counts=True)
+        usage = {"+".join(data.models[j] for j in np.flatnonzero(tables.bits[v])) or "(none)": int(c)
+                 for v, c in sorted(zip(vals, counts), key=lambda vc: -vc[1])}
+        entry = {"n_test": n_te, "decider_accuracy": acc, "mean_size": float(tables.sizes[ms].mean()),
+                 "mask_usage": usage, "train_greedy_accuracy": float(tr_corr[q, :tables.T_tr[pi]].mean()),
+                 "best_episode": int(best_episode[q])}
+        dec_c += acc * n_te
+        size_tot += float(tables.sizes[ms].sum())
+        n_tot += n_te
         if fusion_corr is not None:
-            rec["fusion_pooled"] = fus_c / n_tot
-            rec["fusion_macro"] = float(np.mean([e["fusion_accuracy"] for e in per_task.values()]))
-        per_seed.append(rec)
-    summary = {key: _mean_std([r.get(key) for r in per_seed])
-               for key in ("decider_pooled", "decider_macro", "fusion_pooled", "fusion_macro", "mean_size")}
-    summary["history"] = history
-    return RLFocalResult(config=cfg.to_dict(), seeds=seeds, tasks=tasks, combiner=comb.name, per_seed=per_seed,
-                         summary=summary, seconds=time.time() - t_start, notes=notes)
+            facc = float(fusion_corr[q, :n_te].mean())
+            entry["fusion_accuracy"] = facc
+            fus_c += facc * n_te
+        per_task[tasks[pi]] = entry
+    rec = {"seed": seed, "decider_pooled": dec_c / n_tot,
+           "decider_macro": float(np.mean([e["decider_accuracy"] for e in per_task.values()])),
+           "mean_size": size_tot / n_tot, "per_task": per_task}
+    if fusion_corr is not None:
+        rec["fusion_pooled"] = fus_c / n_tot
+        rec["fusion_macro"] = float(np.mean([e["fusion_accuracy"] for e in per_task.values()]))
+    return rec
 
 
 def _update(policy: _BatchedMLP, opt: torch.optim.Optimizer, cfg: RLFocalConfig, buf_x, buf_a, buf_r, buf_v,

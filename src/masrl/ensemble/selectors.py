@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from masrl.ensemble.combiners import Combiner, Majority, Oracle, Plurality, get_combiner, plurality_correct
-from masrl.ensemble.data import EnsembleData, Split
+from masrl.ensemble.data import EnsembleData, InputError, Split
 from masrl.ensemble.metrics import fleiss_kappa, focal_diversity, pairwise_matrix
 
 __all__ = ["SubsetEvaluator", "SelectionProblem", "SelectionResult", "SelectionSummary", "SELECTORS",
@@ -244,7 +244,7 @@ def sel_exhaustive(p: SelectionProblem, k: int, ev: SubsetEvaluator = None, max_
                    **_) -> tuple[list[int], dict]:
     n_sub = math.comb(p.N, k)
     if n_sub > max_subsets:
-        raise ValueError(f"exhaustive search over C({p.N},{k}) = {n_sub} subsets exceeds max_subsets={max_subsets}")
+        raise InputError(f"exhaustive search over C({p.N},{k}) = {n_sub} subsets exceeds max_subsets={max_subsets}")
     best, best_v = None, -math.inf
     for S in itertools.combinations(range(p.N), k):
         v = ev(S)
@@ -310,9 +310,9 @@ class SelectionResult:
 def select(problem: SelectionProblem, method: str, k: int, **opts) -> SelectionResult:
     """Run one selector; selection/test accuracies are scored with the problem's combiner (uncounted)."""
     if method not in SELECTORS:
-        raise ValueError(f"unknown selector {method!r}; use one of {', '.join(SELECTORS)}")
+        raise InputError(f"unknown selector {method!r}; use one of {', '.join(SELECTORS)}")
     if not 1 <= k <= problem.N:
-        raise ValueError(f"k must be in 1..{problem.N}, got {k}")
+        raise InputError(f"k must be in 1..{problem.N}, got {k}")
     ev = SubsetEvaluator(problem.data, problem.combiner, problem.sel_rows)
     members, info = SELECTORS[method](problem, k, ev=ev, **opts)
     members = [int(i) for i in members]
@@ -406,9 +406,9 @@ def run_selector(data: EnsembleData, split: Split, method: str, k: int, combiner
                            "n_selection": len(tr_by[t]), "n_test": len(te_by[t])}
             subsets[t] = res.members
     else:
-        raise ValueError(f"scope must be 'per-task' or 'global', got {scope!r}")
+        raise InputError(f"scope must be 'per-task' or 'global', got {scope!r}")
     if not per_task:
-        raise ValueError("no task has training rows to select on")
+        raise InputError("no task has training rows to select on")
     sel_p, sel_m = _agg({t: r["selection_accuracy"] for t, r in per_task.items()},
                         {t: r["n_selection"] for t, r in per_task.items()})
     te_p, te_m = _agg({t: r["test_accuracy"] for t, r in per_task.items()},

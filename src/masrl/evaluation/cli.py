@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from masrl.config import ConfigError, load_config
+from masrl.config import load_config
+from masrl.errors import ConfigError, check_output_folder
 
 
 def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: bool):
@@ -24,16 +26,46 @@ def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: boo
     raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")
 
 
-def _resolve_checkpoint(path: str) -> Path:
-    from masrl.training.checkpoint import latest_valid_checkpoint
+def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
+    """``(tasks that fit, one reason per task skipped)``: a task is skipped when its question alone is longer
+    than some agent's context (the policy's max positions less the agent's max_new_tokens). A question is
+    first measured in characters against ``room * max_token_chars`` (never tokenizing a huge one), then in
+    tokens when it could be close."""
+    from masrl.rollout.runner import max_token_chars
+
+    budgets = {}
+    for agent, acfg in agents.items():
+        policy = policies[acfg.policy]
+        room = max(policy.max_positions - acfg.max_new_tokens, 0)
+        budgets.setdefault((acfg.policy, room), (policy, agent))
+    kept, skipped = [], []
+    for task in tasks:
+        question = task.question if isinstance(task.question, str) else str(task.question)
+        for (name, room), (policy, agent) in budgets.items():
+            chars = room * max_token_chars(policy.tokenizer)
+            if len(question) > chars or (len(question.encode("utf-8", "surrogatepass")) + 8 > room and
+                                         len(policy.tokenizer(question, add_special_tokens=False)["input_ids"]) > room):
+                skipped.append(f"{task.id}: question of {len(question):,} characters is longer than the context of "
+                               f"agent {agent!r} ({room} tokens of policy {name!r} after max_new_tokens)")
+                break
+        else:
+            kept.append(task)
+    return kept, skipped
+
+
+def load_eval_checkpoint(path: str, policies) -> Path:
+    """Load ``RUN_DIR/checkpoints/step_N`` (that one) or ``RUN_DIR`` (its newest checkpoint that loads, falling
+    back past broken ones as ``--resume`` does) into ``policies``, weights only; returns the step folder."""
+    from masrl.training.checkpoint import load_checkpoint, load_latest_checkpoint
 
     p = Path(path)
     if (p / "manifest.json").is_file():
+        load_checkpoint(p, policies, load_optimizer=False)
         return p
-    found = latest_valid_checkpoint(p)
+    found = load_latest_checkpoint(p, policies, load_optimizer=False)
     if found is None:
         raise ConfigError(f"--checkpoint {path}: no valid checkpoint there (expected RUN_DIR or RUN_DIR/checkpoints/step_N)")
-    return found
+    return found[0]
 
 
 def run_eval(args) -> int:
@@ -43,8 +75,17 @@ def run_eval(args) -> int:
     from masrl.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    if (args.n is not None and args.n < 1) or (args.limit is not None and args.limit < 1):
+        raise ConfigError(f"--n and --limit must be >= 1, got --n {args.n} --limit {args.limit}")
     n = args.n or cfg.eval.n
-    ks = [int(k) for k in args.k.split(",")] if args.k else list(cfg.eval.k)
+    try:
+        ks = [int(k) for k in args.k.split(",")] if args.k else list(cfg.eval.k)
+    except ValueError:
+        raise ConfigError(f"--k must be comma-separated integers, e.g. 1,4; got {args.k!r}") from None
+    if any(k < 1 for k in ks):
+        raise ConfigError(f"--k values must be >= 1, got {args.k!r}")
+    if args.out:
+        check_output_folder(args.out, "--out")
     ks = sorted({k for k in ks if k <= n})
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
         results, samples, ckpt_path, out = _eval_benches(args, cfg, trainer, n, ks)
@@ -72,22 +113,25 @@ def run_eval(args) -> int:
 def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
     from masrl.evaluation.runner import repeat_tasks, summarize_episodes
-    from masrl.training.checkpoint import load_checkpoint
-
     ckpt_path = None
     if args.checkpoint:
-        ckpt_path = _resolve_checkpoint(args.checkpoint)
-        load_checkpoint(ckpt_path, trainer.policies, load_optimizer=False)
+        ckpt_path = load_eval_checkpoint(args.checkpoint, trainer.policies)
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
     for bench in [b.strip() for b in args.bench.split(",") if b.strip()]:
         tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, args.limit or cfg.eval.limit, args.strict)
+        tasks, skipped = fit_context(tasks, trainer.policies, cfg.agents)
+        if skipped:
+            print(f"masrl eval: {bench}: skipped {len(skipped)} task(s) that cannot fit the model context; "
+                  f"first: {skipped[0]}", file=sys.stderr)
         if not tasks:
-            raise ConfigError(f"--bench {bench}: no tasks loaded")
+            raise ConfigError(f"--bench {bench}: no tasks loaded" + (f" ({len(skipped)} skipped: {skipped[0]})"
+                                                                     if skipped else ""))
         rep, groups = repeat_tasks(tasks, n)
         episodes = trainer.rollout(rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed, score=score)
         summary = summarize_episodes(episodes, ks, bench=bench)
+        summary["skipped_over_context"] = len(skipped)
         tokens = {}
         for e in episodes:
             for t in e.turns:

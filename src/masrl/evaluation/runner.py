@@ -29,12 +29,13 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: st
 def agent_facts(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-agent tokens and calls per episode; verifier approval precision/recall where judged."""
     out: dict[str, float] = {}
-    tokens, calls = defaultdict(int), defaultdict(int)
+    tokens, calls, refused = defaultdict(int), defaultdict(int), defaultdict(int)
     verdicts = defaultdict(lambda: {"tp": 0, "fp": 0, "fn": 0, "tn": 0})
     for e in episodes:
         for t in e.turns:
             tokens[t.agent] += len(t.response_ids)
             calls[t.agent] += 1
+            refused[t.agent] += "refused" in t.info
             if "verdict" in t.info and "judged_correct" in t.info:
                 approve = t.info["verdict"] in ("approve", "yes", "correct")
                 key = ("tp" if t.info["judged_correct"] else "fp") if approve else \
@@ -44,6 +45,8 @@ def agent_facts(episodes: Sequence[Episode]) -> dict[str, float]:
     for agent in sorted(tokens):
         out[f"agent/{agent}/tokens_per_episode"] = tokens[agent] / n
         out[f"agent/{agent}/calls_per_episode"] = calls[agent] / n
+        if refused[agent]:  # prompts over the model's context: invalid turns, nothing generated
+            out[f"agent/{agent}/refused_prompts"] = refused[agent]
     for agent, c in verdicts.items():
         judged = sum(c.values())
         out[f"agent/{agent}/verdict_accuracy"] = (c["tp"] + c["tn"]) / judged

@@ -28,11 +28,12 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from masrl.config import ConfigError, RunConfig, load_config
+from masrl.errors import UserInputError
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.training import checkpoint as ckpt
 
 
-class ExportError(ValueError):
+class ExportError(UserInputError, ValueError):
     """A run folder, checkpoint or policy that cannot be exported; one line (the CLI exits 2)."""
 
 

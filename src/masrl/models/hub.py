@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from masrl.errors import UserInputError
+
 __all__ = ["ALIASES", "ModelLoadError", "load_pretrained", "resolve_model_source"]
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserInputError, RuntimeError):
     """A model or tokenizer could not be found or loaded; the message is one line."""
 
 

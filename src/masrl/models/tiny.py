@@ -11,6 +11,8 @@ from typing import Any
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from masrl.errors import ConfigError
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 # multi-character tokens: the tags and verdicts workflows emit, so tiny models need fewer steps
 WORD_TOKENS = [
@@ -64,14 +66,20 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, overrides: dict[str, An
     params = {**TINY_DEFAULTS, **(overrides or {})}
     unknown = sorted(set(params) - set(LlamaConfig().to_dict()) - {"rope_theta"})
     if unknown:
-        raise ValueError(f"unknown tiny model config keys {unknown}; see transformers.LlamaConfig")
-    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         **params)
+        raise ConfigError(f"unknown tiny model config keys {unknown}; see transformers.LlamaConfig")
+    sizes = [k for k, v in TINY_DEFAULTS.items() if type(v) is int]
+    wrong = {k: params[k] for k in sizes if type(params[k]) is not int or params[k] < 1}
+    if wrong:
+        raise ConfigError(f"tiny model config: {wrong} must be positive integers")
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
+        config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                             **params)
         model = LlamaForCausalLM(config)
+    except Exception as e:  # noqa: BLE001 - transformers' own checks (heads that do not divide the width, ...)
+        raise ConfigError(f"tiny model config {overrides or {}}: {str(e).strip().splitlines()[-1].strip()}") from None
     finally:
         torch.random.set_rng_state(state)
     return model

@@ -36,12 +36,11 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         """On resume, drop RL/eval records after the checkpoint's step (those steps are redone); keep SFT."""
         kept = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            record = parse_record(line)
+            if record is None:
                 continue  # a partial last line from a crash
-            if record.get("phase") == "sft" or record.get("step", -1) <= step:
+            if record.get("phase") == "sft" or record["step"] <= step:
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
@@ -70,13 +69,24 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Records of ``metrics.jsonl``, tolerating a partial last line."""
+    """Records of ``metrics.jsonl``, skipping lines that are not records (a partial last line, garbage)."""
     path = Path(run_dir) / "metrics.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    if not path.exists():
+        return []
+    records = (parse_record(line) for line in path.read_text(encoding="utf-8", errors="replace").splitlines())
+    return [r for r in records if r is not None]
+
+
+def parse_record(line: str) -> dict | None:
+    """One metrics record, or None for a line that is not one (partial, not UTF-8, not an object with a
+    finite numeric ``step``): such lines are skipped, never fatal."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
+        return None
+    return record

@@ -17,9 +17,14 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
     async def call(agent: str, prompt: str) -> Turn:
         acfg = agents[agent]
         policy = policies[acfg.policy]
+        room = policy.max_positions - acfg.max_new_tokens
+        limit = max(room, 0) * max_token_chars(policy.tokenizer)
+        if len(prompt) + len(acfg.system_prompt or "") > limit:  # refused before tokenizing it
+            return refused_turn(agent, acfg.policy, prompt, f"prompt of {len(prompt):,} characters cannot fit the "
+                                f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
+                                f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
         prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
         info = {}
-        room = policy.max_positions - acfg.max_new_tokens
         if len(prompt_ids) > room:  # keep the end of an over-long prompt, and say so
             info["prompt_truncated_from"] = len(prompt_ids)
             prompt_ids = prompt_ids[-room:]
@@ -32,6 +37,27 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
                     truncated=result.truncated, info=info)
 
     return call
+
+
+_MAX_TOKEN_CHARS: dict[int, int] = {}
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` can stand for (its longest vocabulary entry; byte-level
+    entries spell one character per byte, so this bounds decoded characters too). A text of more than
+    ``n * max_token_chars`` characters needs more than ``n`` tokens: longer prompts are refused untokenized."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        _MAX_TOKEN_CHARS[key] = max((len(t) for t in vocab), default=64) or 64
+    return _MAX_TOKEN_CHARS[key]
+
+
+def refused_turn(agent: str, policy: str, prompt: str, reason: str) -> Turn:
+    """An invalid turn that generated nothing: its prompt could not fit the model (``info["refused"]``)."""
+    shown = prompt if len(prompt) <= 2000 else prompt[:2000] + f"... [{len(prompt):,} characters]"
+    return Turn(agent=agent, policy=policy, prompt_ids=[], response_ids=[], logprobs=[], text="", prompt_text=shown,
+                valid=False, info={"refused": reason})
 
 
 def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,

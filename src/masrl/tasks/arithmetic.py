@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from masrl.errors import ConfigError
 from masrl.types import Task
 from masrl.workflows.parsing import extract_boxed
 
@@ -31,6 +32,20 @@ class ArithmeticConfig:
     max_operand: int = 30
     ops: str = "+-"
     seed: int = 1234  # data seed, independent of the training seed
+
+    def __post_init__(self):
+        for name, kind in (("train_size", int), ("test_size", int), ("min_terms", int), ("max_terms", int),
+                           ("max_operand", int), ("ops", str), ("seed", int)):
+            value = getattr(self, name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"task.params.{name} must be {'an integer' if kind is int else 'a string'}, "
+                                  f"got {value!r}")
+        if min(self.train_size, self.test_size, self.max_operand, self.seed) < 0:
+            raise ConfigError("task.params train_size, test_size, max_operand and seed must be >= 0")
+        if not 1 <= self.min_terms <= self.max_terms:
+            raise ConfigError(f"task.params: need 1 <= min_terms <= max_terms, got {self.min_terms}, {self.max_terms}")
+        if not self.ops or set(self.ops) - set("+-*"):
+            raise ConfigError(f"task.params.ops must be made of + - *, got {self.ops!r}")
 
 
 def _expression(rng: random.Random, cfg: ArithmeticConfig) -> tuple[str, int]:
@@ -58,9 +73,9 @@ def make_arithmetic_tasks(cfg: ArithmeticConfig) -> tuple[list[Task], list[Task]
     while len(out) < target:
         attempts += 1
         if attempts > 50 * target:
-            raise ValueError(f"arithmetic task: cannot draw {target} distinct expressions with "
-                             f"max_operand={cfg.max_operand}, terms {cfg.min_terms}..{cfg.max_terms}; "
-                             "lower train_size/test_size or widen the ranges")
+            raise ConfigError(f"arithmetic task: cannot draw {target} distinct expressions with "
+                              f"max_operand={cfg.max_operand}, terms {cfg.min_terms}..{cfg.max_terms}; "
+                              "lower train_size/test_size or widen the ranges")
         text, value = _expression(rng, cfg)
         if text in seen:
             continue
@@ -98,7 +113,7 @@ class ArithmeticTeacher:
                  seed: int = 0):
         for name, value in (("error_rate", error_rate), ("slip_rate", slip_rate), ("verifier_noise", verifier_noise)):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
+                raise ConfigError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
         self.error_rate = error_rate
         self.slip_rate = slip_rate
         self.verifier_noise = verifier_noise

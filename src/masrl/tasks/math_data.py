@@ -24,14 +24,14 @@ Malformed rows (bad JSON, missing/empty fields) are skipped with a warning namin
 from __future__ import annotations
 
 import ast
-import json
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
+from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
 from masrl.types import Task
 from masrl.workflows.parsing import extract_boxed
 
@@ -51,16 +51,8 @@ __all__ = [
 ]
 
 
-class MalformedRowWarning(UserWarning):
-    """A data row was skipped because it could not be read."""
-
-
-class DatasetLoadError(RuntimeError):
+class DatasetLoadError(UserInputError, RuntimeError):
     """A dataset could not be loaded (library missing, hub unreachable, bad split or fields)."""
-
-
-class _BadRow(ValueError):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,15 +62,15 @@ def normalize_gold(value: Any) -> str:
     """Gold answer as a clean string: floats with integer value lose ``.0``, plain integers
     lose thousands separators and leading zeros, surrounding whitespace is stripped."""
     if isinstance(value, bool):
-        raise _BadRow(f"answer is a boolean ({value!r})")
+        raise BadRow(f"answer is a boolean ({value!r})")
     if isinstance(value, float):
         if value != value:  # NaN
-            raise _BadRow("answer is NaN")
+            raise BadRow("answer is NaN")
         return str(int(value)) if value.is_integer() else repr(value)
     if isinstance(value, int):
         return str(value)
     if not isinstance(value, str):
-        raise _BadRow(f"answer has type {type(value).__name__}")
+        raise BadRow(f"answer has type {type(value).__name__}")
     s = value.strip()
     plain = s.replace(",", "") if _is_thousands(s) else s
     body = plain[1:] if plain[:1] in "+-" else plain
@@ -118,20 +110,14 @@ def _field(row: dict, *names: str) -> Any:
         v = row.get(n)
         if v is not None and not (isinstance(v, str) and not v.strip()):
             return v
-    raise _BadRow(f"missing field {' / '.join(repr(n) for n in names)}")
+    raise BadRow(f"missing field {' / '.join(repr(n) for n in names)}")
 
 
 def _text(row: dict, *names: str) -> str:
     v = _field(row, *names)
     if not isinstance(v, str):
-        raise _BadRow(f"field {names[0]!r} is not a string ({type(v).__name__})")
+        raise BadRow(f"field {names[0]!r} is not a string ({type(v).__name__})")
     return v.strip()
-
-
-def _report(msg: str, strict: bool) -> None:
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, MalformedRowWarning, stacklevel=4)
 
 
 RowFn = Callable[[dict], tuple[str, str, dict]]
@@ -142,36 +128,16 @@ def _load_jsonl(path: str | Path, bench: str, row_fn: RowFn, limit: int | None, 
     if not path.is_file():
         raise FileNotFoundError(
             f"benchmark file {path} not found (data folder: $MASRL_DATA_DIR or ../shared/data beside the repo)")
-    tasks: list[Task] = []
-    if limit is not None and limit <= 0:
-        return tasks
-    row = -1
-    with path.open("r", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            row += 1
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
-                continue
-            if not isinstance(obj, dict):
-                _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
-                continue
-            try:
-                question, answer, meta = row_fn(obj)
-            except _BadRow as e:
-                _report(f"{where}: {e}; row skipped", strict)
-                continue
-            full_meta = {"data_source": bench, "benchmark": bench}
-            if "id" in obj or "idx" in obj or "unique_id" in obj:
-                full_meta["source_id"] = str(obj.get("id", obj.get("idx", obj.get("unique_id"))))
-            full_meta.update(meta)
-            tasks.append(Task(id=f"{bench}/{row}", question=question, answer=answer, meta=full_meta))
-            if limit is not None and len(tasks) >= limit:
-                break
+
+    def parse(obj: dict, pos: RowPos) -> Task:
+        question, answer, meta = row_fn(obj)
+        full_meta = {"data_source": bench, "benchmark": bench}
+        if "id" in obj or "idx" in obj or "unique_id" in obj:
+            full_meta["source_id"] = str(obj.get("id", obj.get("idx", obj.get("unique_id"))))
+        full_meta.update(meta)
+        return Task(id=f"{bench}/{pos.index}", question=question, answer=answer, meta=full_meta)
+
+    tasks, _ = read_rows(path, parse, strict=strict, limit=limit, format="jsonl")
     return tasks
 
 
@@ -182,10 +148,10 @@ def _gsm8k_row(obj: dict) -> tuple[str, str, dict]:
     question = _text(obj, "question")
     raw = _text(obj, "answer")
     if "####" not in raw:
-        raise _BadRow("answer has no '#### <number>' line")
+        raise BadRow("answer has no '#### <number>' line")
     gold = raw.rsplit("####", 1)[1].strip().replace(",", "").replace("$", "").strip()
     if not gold:
-        raise _BadRow("empty answer after '####'")
+        raise BadRow("empty answer after '####'")
     return question, normalize_gold(gold), {}
 
 
@@ -216,14 +182,14 @@ def _olympiad_row(obj: dict) -> tuple[str, str, dict]:
             try:
                 fa = ast.literal_eval(s)
             except (ValueError, SyntaxError) as e:
-                raise _BadRow(f"final_answer is not a list literal ({e})") from None
+                raise BadRow(f"final_answer is not a list literal ({e})") from None
         else:
             fa = [s]
     if not isinstance(fa, (list, tuple)) or not fa or not isinstance(fa[0], str):
-        raise _BadRow("final_answer is not a non-empty list of strings")
+        raise BadRow("final_answer is not a non-empty list of strings")
     gold = _strip_dollars(fa[0])
     if not gold:
-        raise _BadRow("final_answer is empty")
+        raise BadRow("final_answer is empty")
     meta: dict[str, Any] = {}
     for k in ("answer_type", "unit", "subfield", "is_multiple_answer"):
         v = obj.get(k)
@@ -237,7 +203,7 @@ def _minerva_row(obj: dict) -> tuple[str, str, dict]:
     gold = extract_boxed(_text(obj, "solution"))
     gold = _strip_dollars(gold) if gold else gold
     if not gold:
-        raise _BadRow("solution has no \\boxed{} answer")
+        raise BadRow("solution has no \\boxed{} answer")
     meta = {"type": obj["type"]} if "type" in obj else {}
     return question, normalize_gold(gold), meta
 
@@ -296,7 +262,7 @@ def load_benchmark(name: str, limit: int | None = None, strict: bool = False,
     ``root`` overrides the data folder (default ``masrl.paths.data_dir()``).
     """
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
+        raise ConfigError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
     rel, loader = BENCHMARKS[name]
     base = Path(root) if root is not None else data_dir()
     return loader(base / rel, bench=name, limit=limit, strict=strict)
@@ -336,29 +302,27 @@ def load_hf_dataset(
             f"{type(e).__name__}: {first}") from None
     name = bench or hub_id.split("/")[-1]
     conv = answer_fn or normalize_gold
-    tasks: list[Task] = []
-    for i, row in enumerate(ds):
-        if limit is not None and len(tasks) >= limit:
-            break
-        where = f"{hub_id}[{split}]:{i}"
+    meta = {"data_source": name, "benchmark": name, "hub_id": hub_id, "split": split}
+
+    def parse(row: dict, pos: RowPos) -> Task:
+        if question_field not in row or answer_field not in row:
+            raise BadRow(f"missing field {question_field!r} or {answer_field!r} "
+                         f"(fields: {', '.join(sorted(row))})")
+        question = row[question_field]
+        if not isinstance(question, str) or not question.strip():
+            raise BadRow(f"empty or non-string {question_field!r}")
         try:
-            if question_field not in row or answer_field not in row:
-                raise _BadRow(f"missing field {question_field!r} or {answer_field!r} "
-                              f"(fields: {', '.join(sorted(row))})")
-            question = row[question_field]
-            if not isinstance(question, str) or not question.strip():
-                raise _BadRow(f"empty or non-string {question_field!r}")
             answer = conv(row[answer_field])
-            if isinstance(answer, str):
-                answer = answer.strip()
-            if answer is None or answer == "":
-                raise _BadRow(f"empty {answer_field!r}")
-        except _BadRow as e:
-            _report(f"{where}: {e}; row skipped", strict)
-            continue
+        except BadRow:
+            raise
         except Exception as e:  # noqa: BLE001 - a user answer_fn failing on one row
-            _report(f"{where}: answer_fn failed ({type(e).__name__}: {e}); row skipped", strict)
-            continue
-        tasks.append(Task(id=f"{name}/{i}", question=question.strip(), answer=answer,
-                          meta={"data_source": name, "benchmark": name, "hub_id": hub_id, "split": split}))
+            raise BadRow(f"answer_fn failed ({type(e).__name__}: {e})") from None
+        if isinstance(answer, str):
+            answer = answer.strip()
+        if answer is None or answer == "":
+            raise BadRow(f"empty {answer_field!r}")
+        return Task(id=f"{name}/{pos.index}", question=question.strip(), answer=answer, meta=dict(meta))
+
+    records = ((RowPos(str(i), i), row) for i, row in enumerate(ds))
+    tasks, _ = parse_rows(records, parse, source=f"{hub_id}[{split}]", strict=strict, limit=limit)
     return tasks

@@ -14,26 +14,26 @@ dataset name (see ``QA_DATASETS``) resolved under ``masrl.paths.data_dir()``.
 """
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import data_dir
-from masrl.tasks.retrieval.corpus import _Issues, _load_json, _open_text
+from masrl.tasks.lines import open_binary
+from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, read_rows
 from masrl.types import Task
 
 QA_METRICS = ("em", "f1", "subem")
 
 
-class QADataError(ValueError):
+class QADataError(UserInputError, ValueError):
     """A QA file is missing or malformed (malformed rows raise only with ``strict=True``)."""
 
 
-class QADataWarning(UserWarning):
-    """A malformed QA row was skipped."""
+QADataWarning = MalformedRowWarning  # the one warning for a skipped row (masrl.tasks.rows); old name kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
     ``correct`` is exact match whatever the reward metric.
     """
     if metric not in QA_METRICS:
-        raise ValueError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
+        raise ConfigError(f"unknown QA metric {metric!r}; expected one of {QA_METRICS}")
     golds = gold_answers(task.answer)
     em, f1 = exact_match(answer, golds), f1_score(answer, golds)
     reward = {"em": em, "f1": f1}.get(metric)
@@ -113,10 +113,6 @@ def qa_score(task: Task, answer: str | None, metric: str = "em") -> dict:
 # ----------------------------------------------------------------------------------------------
 # loaders
 
-def _issues(path: Path, strict: bool) -> _Issues:
-    return _Issues(path, strict, what="QA row", error=QADataError, warning=QADataWarning)
-
-
 def _source_from_name(path: Path) -> str:
     stem = path.name.split(".")[0]
     for prefix in ("searchr1_", "hipporag_"):
@@ -125,31 +121,22 @@ def _source_from_name(path: Path) -> str:
     return stem.split("_")[0] or stem
 
 
-def _make_task(row_id: Any, question: Any, answers: Any, meta: dict) -> Task | str:
-    """A task, or the reason the row is malformed."""
+def _make_task(row_id: Any, question: Any, answers: Any, meta: dict) -> Task:
+    """A task, or :class:`BadRow` with the reason the row is malformed."""
     if not isinstance(question, str) or not question.strip():
-        return "missing or empty 'question'"
+        raise BadRow("missing or empty 'question'")
     if hasattr(answers, "tolist"):  # numpy arrays from parquet
         answers = answers.tolist()
     golds = gold_answers(answers) if isinstance(answers, (str, int, float, list, tuple, dict)) else []
     golds = [g for g in golds if g.strip()]
     if not golds:
-        return "missing or empty gold answer(s)"
+        raise BadRow("missing or empty gold answer(s)")
     return Task(id=str(row_id), question=question.strip(), answer=golds, meta=meta)
 
 
-def _collect(rows: Iterator[tuple[str, Task | str]], issues: _Issues, limit: int | None) -> list[Task]:
-    tasks: list[Task] = []
-    if limit is not None and limit <= 0:
-        return tasks
-    for where, task in rows:
-        if isinstance(task, str):
-            issues.report(where, task)
-            continue
-        tasks.append(task)
-        if limit is not None and len(tasks) >= limit:
-            break
-    issues.summarize()
+def _read(path: Path, parse: Callable[[dict, RowPos], Task], fmt: str, limit: int | None,
+          strict: bool) -> list[Task]:
+    tasks, _ = read_rows(path, parse, strict=strict, limit=limit, format=fmt, error=QADataError)
     return tasks
 
 
@@ -165,98 +152,63 @@ def load_flashrag_jsonl(path: str | Path, *, limit: int | None = None, strict: b
     path = _check_file(path)
     default_source = _source_from_name(path)
 
-    def rows():
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield f"line {lineno}", f"invalid JSON ({e.msg})"
-                    continue
-                if not isinstance(row, dict):
-                    yield f"line {lineno}", "expected a JSON object"
-                    continue
-                answers = row.get("golden_answers", row.get("answers", row.get("answer")))
-                meta = {"data_source": row.get("data_source", default_source), "file": path.name}
-                if isinstance(row.get("metadata"), dict):
-                    meta["metadata"] = row["metadata"]
-                yield f"line {lineno}", _make_task(row.get("id", f"{default_source}-{lineno - 1}"),
-                                                   row.get("question"), answers, meta)
+    def parse(row: dict, pos: RowPos) -> Task:
+        answers = row.get("golden_answers", row.get("answers", row.get("answer")))
+        meta = {"data_source": row.get("data_source", default_source), "file": path.name}
+        if isinstance(row.get("metadata"), dict):
+            meta["metadata"] = row["metadata"]
+        return _make_task(row.get("id", f"{default_source}-{pos.line - 1}"), row.get("question"), answers, meta)
 
-    return _collect(rows(), _issues(path, strict), limit)
+    return _read(path, parse, "jsonl", limit, strict)
 
 
 def load_qa_json(path: str | Path, *, limit: int | None = None, strict: bool = False) -> list[Task]:
     """A JSON array ``[{"question", "answer": str | [str]}]`` (``golden_answers`` also accepted)."""
     path = _check_file(path)
-    data = _load_json_qa(path)
     source = _source_from_name(path)
 
-    def rows():
-        for i, row in enumerate(data):
-            if not isinstance(row, dict):
-                yield f"index {i}", "expected a JSON object"
-                continue
-            answers = row.get("answer", row.get("golden_answers", row.get("answers")))
-            meta = {"data_source": row.get("data_source", source), "file": path.name}
-            yield f"index {i}", _make_task(row.get("id", f"{source}-{i}"), row.get("question"), answers, meta)
+    def parse(row: dict, pos: RowPos) -> Task:
+        answers = row.get("answer", row.get("golden_answers", row.get("answers")))
+        meta = {"data_source": row.get("data_source", source), "file": path.name}
+        return _make_task(row.get("id", f"{source}-{pos.index}"), row.get("question"), answers, meta)
 
-    return _collect(rows(), _issues(path, strict), limit)
+    return _read(path, parse, "json", limit, strict)
 
 
 def load_hotpotqa_raw(path: str | Path, *, limit: int | None = None, strict: bool = False) -> list[Task]:
     """Raw HotpotQA: ``meta`` keeps ``type``, ``level`` and the supporting titles."""
     path = _check_file(path)
-    data = _load_json_qa(path)
 
-    def rows():
-        for i, row in enumerate(data):
-            if not isinstance(row, dict):
-                yield f"index {i}", "expected a JSON object"
-                continue
-            facts = row.get("supporting_facts") or []
-            titles = sorted({f[0] for f in facts if isinstance(f, (list, tuple)) and f and isinstance(f[0], str)})
-            meta = {"data_source": "hotpotqa", "file": path.name, "type": row.get("type"),
-                    "level": row.get("level"), "supporting_titles": titles}
-            yield f"index {i}", _make_task(row.get("_id", f"hotpotqa-{i}"), row.get("question"),
-                                           row.get("answer"), meta)
+    def parse(row: dict, pos: RowPos) -> Task:
+        facts = row.get("supporting_facts") or []
+        titles = sorted({f[0] for f in facts if isinstance(f, (list, tuple)) and f and isinstance(f[0], str)})
+        meta = {"data_source": "hotpotqa", "file": path.name, "type": row.get("type"),
+                "level": row.get("level"), "supporting_titles": titles}
+        return _make_task(row.get("_id", f"hotpotqa-{pos.index}"), row.get("question"), row.get("answer"), meta)
 
-    return _collect(rows(), _issues(path, strict), limit)
+    return _read(path, parse, "json", limit, strict)
 
 
 def load_searchr1_parquet(path: str | Path, *, limit: int | None = None, strict: bool = False) -> list[Task]:
     """Search-R1 parquet: gold from ``reward_model.ground_truth.target`` (else ``golden_answers``);
     the question from the ``question`` column, else from the prompt after its last ``Question:``."""
-    import pyarrow.parquet as pq
-
     path = _check_file(path)
-    try:
-        table = pq.read_table(path)
-    except Exception as e:
-        raise QADataError(f"{path}: unreadable parquet ({e})") from None
     source = _source_from_name(path)
-    columns = set(table.column_names)
-    records = table.to_pylist()
 
-    def rows():
-        for i, row in enumerate(records):
-            question = row.get("question") if "question" in columns else None
-            if not question:
-                question = _question_from_prompt(row.get("prompt"))
-            answers = None
-            rm = row.get("reward_model")
-            if isinstance(rm, dict) and isinstance(rm.get("ground_truth"), dict):
-                answers = rm["ground_truth"].get("target")
-            if answers is None:
-                answers = row.get("golden_answers")
-            meta = {"data_source": row.get("data_source") or source, "file": path.name}
-            if isinstance(row.get("extra_info"), dict):
-                meta["extra_info"] = row["extra_info"]
-            yield f"row {i}", _make_task(row.get("id") or f"{source}-{i}", question, answers, meta)
+    def parse(row: dict, pos: RowPos) -> Task:
+        question = row.get("question") or _question_from_prompt(row.get("prompt"))
+        answers = None
+        rm = row.get("reward_model")
+        if isinstance(rm, dict) and isinstance(rm.get("ground_truth"), dict):
+            answers = rm["ground_truth"].get("target")
+        if answers is None:
+            answers = row.get("golden_answers")
+        meta = {"data_source": row.get("data_source") or source, "file": path.name}
+        if isinstance(row.get("extra_info"), dict):
+            meta["extra_info"] = row["extra_info"]
+        return _make_task(row.get("id") or f"{source}-{pos.index}", question, answers, meta)
 
-    return _collect(rows(), _issues(path, strict), limit)
+    return _read(path, parse, "parquet", limit, strict)
 
 
 def _question_from_prompt(prompt: Any) -> str | None:
@@ -269,16 +221,6 @@ def _question_from_prompt(prompt: Any) -> str | None:
         return None
     _, sep, tail = prompt.rpartition("Question:")
     return tail.strip() if sep else prompt.strip()
-
-
-def _load_json_qa(path: Path) -> list:
-    try:
-        data = _load_json(path)
-    except ValueError as e:
-        raise QADataError(str(e)) from None
-    if not isinstance(data, list):
-        raise QADataError(f"{path}: expected a JSON array of questions")
-    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,8 +256,11 @@ def detect_qa_format(path: Path) -> str:
     if name.endswith((".jsonl", ".jsonl.gz")):
         return "flashrag_jsonl"
     if name.endswith((".json", ".json.gz")):
-        with _open_text(path) as f:
-            head = f.read(65536)
+        try:
+            with open_binary(path) as f:
+                head = f.read(65536).decode("utf-8", errors="replace")
+        except (OSError, EOFError) as e:
+            raise QADataError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
         return "hotpotqa_raw" if re.search(r'"(supporting_facts|context)"\s*:', head) else "qa_json"
     raise QADataError(f"{path}: cannot tell the QA format from the name; pass format= one of {sorted(QA_FORMATS)}")
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from masrl.config import TaskConfig
+from masrl.errors import ConfigError
 from masrl.types import Task
 from masrl.workflows.base import ScoreFn
 
@@ -28,9 +29,12 @@ def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     try:
         acfg = ArithmeticConfig(**{k: v for k, v in cfg.params.items() if k != "answer_fallback"})
     except TypeError as e:
-        raise ValueError(f"task.params for arithmetic: {e}; known: {sorted(ArithmeticConfig.__dataclass_fields__)}")
+        raise ConfigError(f"task.params for arithmetic: {e}; known: {sorted(ArithmeticConfig.__dataclass_fields__)}")
     train, test = make_arithmetic_tasks(acfg)
-    teacher = ArithmeticTeacher(**sft_teacher)
+    try:
+        teacher = ArithmeticTeacher(**sft_teacher)
+    except TypeError as e:
+        raise ConfigError(f"sft.teacher for arithmetic: {e}") from None
     return TaskSource("arithmetic", train, test, _math_score(cfg), teacher.reply)
 
 
@@ -42,7 +46,7 @@ def _math_score(cfg: TaskConfig):
 
     fallback = cfg.params.get("answer_fallback", "none")
     if fallback not in ("none", "last_number"):
-        raise ValueError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
+        raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
     return partial(math_score, fallback=fallback) if fallback != "none" else math_score
 
 
@@ -84,8 +88,8 @@ def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit)
     retriever = cfg.params.get("retriever")
     if retriever is None:
-        raise ValueError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
-                         "(a corpus path, a retrieval server URL, or a {type: ...} mapping)")
+        raise ConfigError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
+                          "(a corpus path, a retrieval server URL, or a {type: ...} mapping)")
     return TaskSource(cfg.name, train, test, _qa_score(cfg), None, {"retriever": resolve_retriever(retriever)})
 
 
@@ -120,7 +124,7 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
             source = _qa_benchmark(cfg, sft_teacher or {})
         else:
             known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
-            raise ValueError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)}")
+            raise ConfigError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)}")
     if cfg.train_limit is not None:
         source.train = source.train[:cfg.train_limit]
     if cfg.test_limit is not None:
@@ -128,5 +132,5 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
     if not source.train:
         why = ("task.train_limit is 0" if cfg.train_limit == 0 else
                "check task.params (e.g. train_size) or the data file")
-        raise ValueError(f"task {cfg.name!r}: the training split is empty ({why})")
+        raise ConfigError(f"task {cfg.name!r}: the training split is empty ({why})")
     return source

@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from masrl.errors import ConfigError
 from masrl.tasks.retrieval.base import Passage
 from masrl.types import Task
 
@@ -130,20 +131,20 @@ def generate_kb(seed: int = 0, n_people: int = 48, n_companies: int = 12, n_citi
     shape all have the same length, which makes copying easier for a tiny model).
     """
     if n_people < n_companies or min(n_people, n_companies, n_cities) < 1:
-        raise ValueError("need n_people >= n_companies >= 1 and n_cities >= 1")
+        raise ConfigError("need n_people >= n_companies >= 1 and n_cities >= 1")
     if not 0.0 <= test_fraction < 1.0:
-        raise ValueError("test_fraction must be in [0, 1)")
+        raise ConfigError("test_fraction must be in [0, 1)")
     if split_by not in SPLIT_MODES:
-        raise ValueError(f"split_by must be one of {SPLIT_MODES}, got {split_by!r}")
+        raise ConfigError(f"split_by must be one of {SPLIT_MODES}, got {split_by!r}")
     if question_style not in QUESTION_STYLES:
-        raise ValueError(f"question_style must be one of {sorted(QUESTION_STYLES)}, got {question_style!r}")
+        raise ConfigError(f"question_style must be one of {sorted(QUESTION_STYLES)}, got {question_style!r}")
     templates = QUESTION_STYLES[question_style]
     relations = tuple(QUESTION_TEMPLATES) if relations is None else tuple(relations)
     unknown = sorted(set(relations) - set(QUESTION_TEMPLATES))
     if unknown or not relations:
-        raise ValueError(f"relations: unknown or none {unknown}; known: {sorted(QUESTION_TEMPLATES)}")
+        raise ConfigError(f"relations: unknown or none {unknown}; known: {sorted(QUESTION_TEMPLATES)}")
     if name_length not in (None, 4, 5, 6):
-        raise ValueError(f"name_length must be 4, 5, 6 or None, got {name_length!r}")
+        raise ConfigError(f"name_length must be 4, 5, 6 or None, got {name_length!r}")
     rng = random.Random(seed)
     taken: set[str] = set()
     cities = invent_names(rng, n_cities, taken, name_length)

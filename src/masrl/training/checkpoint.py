@@ -20,12 +20,14 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from masrl.errors import UserInputError
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserInputError, RuntimeError):
+    """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
 def _sha256(path: Path) -> str:
@@ -178,21 +180,68 @@ def latest_valid_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: bool = True) -> dict:
-    """Load weights (and optimizer state) into ``policies``; returns the trainer state."""
+    """Load weights (and optimizer state) into ``policies``; returns the trainer state.
+
+    Every file is read and checked before any policy is touched; every way a file can fail to load
+    (a checksum, a safetensors header or JSON that does not parse although it was hashed, a trainer
+    state without its fields, weights or optimizer state that do not fit) is a ``CheckpointError``.
+    """
+    state, loaded = _read_checkpoint(Path(path), policies, load_optimizer)
+    for name, (weights, opt_tensors, meta) in loaded.items():
+        restore_policy(policies[name], weights, opt_tensors, meta, where=f"{path}: policy {name!r}")
+    return state
+
+
+def load_latest_checkpoint(run_dir: Path, policies: Mapping[str, Any], *,
+                           load_optimizer: bool = True) -> tuple[Path, dict] | None:
+    """``(path, trainer state)`` of the newest checkpoint that verifies and loads into ``policies``;
+    each one that does not is reported (``UserWarning``) and the previous one tried. None: none loads."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, load_checkpoint(path, policies, load_optimizer=load_optimizer)
+        except CheckpointError as e:
+            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", stacklevel=2)
+    return None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - SafetensorError (header), OSError, ...: the file does not load
+        raise CheckpointError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _read_checkpoint(path: Path, policies: Mapping[str, Any], load_optimizer: bool) -> tuple[dict, dict]:
+    """(trainer state, {policy: (weights, optimizer tensors, optimizer metadata)}), all read and checked."""
     verify_checkpoint(path)
+    state = _read_json(path / "trainer_state.json")
+    if not isinstance(state, dict) or type(state.get("step")) is not int or state["step"] < 0:
+        raise CheckpointError(f"{path}/trainer_state.json: no step (not a masrl trainer state)")
+    if not isinstance(state.get("rng", {}), dict) or not isinstance(state.get("history", {}), dict):
+        raise CheckpointError(f"{path}/trainer_state.json: malformed rng or history")
+    loaded = {}
     for name, policy in policies.items():
-        pdir = Path(path) / "policies" / name
+        pdir = path / "policies" / name
         if not policy.cfg.trainable:
             continue
         if not pdir.is_dir():
             raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
-        weights = load_file(str(pdir / "model.safetensors"))
-        opt_tensors, meta = None, None
+        weights, opt_tensors, meta = _read_tensors(pdir / "model.safetensors"), None, None
         if load_optimizer and policy.optimizer is not None:
-            meta = json.loads((pdir / "optimizer.json").read_text())
-            opt_tensors = load_file(str(pdir / "optimizer.safetensors"))
-        restore_policy(policy, weights, opt_tensors, meta, where=f"{path}: policy {name!r}")
-    return json.loads((Path(path) / "trainer_state.json").read_text())
+            meta = _read_json(pdir / "optimizer.json")
+            if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
+                    or not isinstance(meta.get("param_groups"), list):
+                raise CheckpointError(f"{pdir}/optimizer.json: malformed optimizer state")
+            opt_tensors = _read_tensors(pdir / "optimizer.safetensors")
+        loaded[name] = (weights, opt_tensors, meta)
+    return state, loaded
 
 
 def policy_state(policy: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
@@ -212,12 +261,19 @@ def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
         raise CheckpointError(f"{where} weights do not fit the model (missing {missing}, unexpected {extra})")
+    params = dict(policy.model.named_parameters())
+    wrong = [n for n, t in weights.items() if t.shape != params[n].shape]
+    if wrong:
+        raise CheckpointError(f"{where} weights do not fit the model ({wrong[0]}: shape "
+                              f"{tuple(weights[wrong[0]].shape)}, the model has {tuple(params[wrong[0]].shape)})")
     with torch.no_grad():
-        params = dict(policy.model.named_parameters())
         for n, t in weights.items():
             params[n].copy_(t)
     if opt_tensors is not None and policy.optimizer is not None:
-        optimizer_from_tensors(policy.optimizer, opt_tensors, opt_meta)
+        try:
+            optimizer_from_tensors(policy.optimizer, opt_tensors, opt_meta)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CheckpointError(f"{where}: optimizer state does not fit ({type(e).__name__}: {e})") from None
     from masrl.training.policy import after_update
 
     after_update(policy)  # a separate rollout engine (vLLM) serves the restored weights

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from masrl.config import PolicyConfig, RolloutConfig
+from masrl.errors import ConfigError
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.engine import TransformersEngine
 
@@ -129,7 +130,7 @@ def _vllm_engine(name: str, cfg: PolicyConfig, rollout: RolloutConfig, model, to
 
     if cfg.model == "tiny":  # built in memory: vLLM loads it from a folder
         if workdir is None:
-            raise ValueError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
+            raise ConfigError(f"policy {name}: a tiny model with rollout.engine=vllm needs a work folder")
         source = save_for_vllm(model, tokenizer, Path(workdir) / name)
     else:
         from masrl.models.hub import resolve_model_source

@@ -22,6 +22,7 @@ import torch
 
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
+from masrl.errors import ConfigError
 from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
@@ -55,12 +56,12 @@ class Trainer:
         missing = [a for a in self.spec.agents if a not in cfg.agents]
         extra = [a for a in cfg.agents if a not in self.spec.agents]
         if missing or extra:
-            raise ValueError(f"workflow {self.spec.name!r} has agents {list(self.spec.agents)}; the config's "
-                             f"agents section is missing {missing} and has unknown {extra}")
+            raise ConfigError(f"workflow {self.spec.name!r} has agents {list(self.spec.agents)}; the config's "
+                              f"agents section is missing {missing} and has unknown {extra}")
         unknown_prompts = sorted(set(cfg.workflow.prompts) - set(self.spec.prompts))
         if unknown_prompts:
-            raise ValueError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
-                             f"{self.spec.name} uses {sorted(self.spec.prompts)}")
+            raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
+                              f"{self.spec.name} uses {sorted(self.spec.prompts)}")
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
         self.runtime = make_runtime(cfg, self.run_dir)  # local (this process) or Ray worker groups
         self.policies: dict[str, Policy] = self.runtime.build_policies()
@@ -161,10 +162,10 @@ class Trainer:
         if cfg.sft.steps == 0:
             return
         if self.source.teacher is None:
-            raise ValueError(f"sft.steps > 0 but task {cfg.task.name!r} has no teacher for demonstrations")
+            raise ConfigError(f"sft.steps > 0 but task {cfg.task.name!r} has no teacher for demonstrations")
         unknown = sorted(set(cfg.sft.filter_agents) - set(cfg.agents))
         if unknown:
-            raise ValueError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
+            raise ConfigError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
         rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
                                       agents=cfg.agents, score=self.source.score, prompts=cfg.workflow.prompts,
                                       params=self.params, filter_agents=cfg.sft.filter_agents)
@@ -211,10 +212,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start_step = 0
         if resume:
-            path = ckpt.latest_valid_checkpoint(self.run_dir)
-            if path is None:
-                raise FileNotFoundError(f"--resume: no valid checkpoint under {self.run_dir / 'checkpoints'}")
-            state = ckpt.load_checkpoint(path, self.policies)
+            found = ckpt.load_latest_checkpoint(self.run_dir, self.policies)  # falls back past broken ones
+            if found is None:
+                raise ckpt.CheckpointError(f"--resume: no valid checkpoint under {self.run_dir / 'checkpoints'}")
+            path, state = found
             ckpt.set_rng_state(state["rng"])
             self.history = state.get("history", {})
             if self.drift is not None and "drift" in state:
@@ -292,9 +293,9 @@ def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
     if not used:
         return
     if not overwrite:
-        raise ValueError(f"run folder {run_dir} already holds a run ({', '.join(used)}); continue it with "
-                         f"`masrl train --resume {run_dir}`, choose another folder (--output-dir, seed, name), "
-                         "or start over with --overwrite")
+        raise ConfigError(f"run folder {run_dir} already holds a run ({', '.join(used)}); continue it with "
+                          f"`masrl train --resume {run_dir}`, choose another folder (--output-dir, seed, name), "
+                          "or start over with --overwrite")
     import shutil
 
     for name in RUN_OUTPUTS:

@@ -11,12 +11,15 @@ Workflows mark malformed turns with ``turn.valid = False`` (a format penalty app
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
+from masrl.errors import ConfigError
 from masrl.types import Episode, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
@@ -24,6 +27,7 @@ WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
 CallFn = Callable[[str, str], Awaitable[Turn]]
 # (task, final answer text) -> {"reward": float, "correct": bool, ...}
 ScoreFn = Callable[[Task, str | None], dict]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,24 +66,24 @@ def get_workflow(name: str) -> WorkflowSpec:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ValueError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
+            raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
         obj = getattr(mod, attr, None)
         if obj is None:
-            raise ValueError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
         if isinstance(obj, WorkflowSpec):
             return obj
         for spec in WORKFLOWS.values():  # registered by the import
             if spec.fn is obj:
                 return spec
         if not inspect.iscoroutinefunction(obj):
-            raise ValueError(f"workflow {name!r} must be an async function (task, team) -> Episode")
+            raise ConfigError(f"workflow {name!r} must be an async function (task, team) -> Episode")
         agents = getattr(obj, "agents", None)
         if not agents:
-            raise ValueError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
-                             "or set a function attribute `agents = (...)`")
+            raise ConfigError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
+                              "or set a function attribute `agents = (...)`")
         return WorkflowSpec(name, obj, tuple(agents), dict(getattr(obj, "prompts", {})), {})
     known = ", ".join(sorted(WORKFLOWS))
-    raise ValueError(f"unknown workflow {name!r}; known workflows: {known} (or use 'package.module:function')")
+    raise ConfigError(f"unknown workflow {name!r}; known workflows: {known} (or use 'package.module:function')")
 
 
 def _load_builtin() -> None:
@@ -98,6 +102,24 @@ def render(template: str, **fields: Any) -> str:
     return pattern.sub(lambda m: str(fields[m.group(1)]), template)
 
 
+def never_raises(score: ScoreFn) -> ScoreFn:
+    """``score`` that cannot take a training step down: an exception (or a result without a
+    numeric ``reward``) becomes reward 0 with ``reason="score_error"``, logged per episode."""
+
+    @functools.wraps(score)
+    def guarded(task: Task, *args: Any, **kwargs: Any) -> dict:
+        try:
+            result = score(task, *args, **kwargs)
+            return {**result, "reward": float(result["reward"])}
+        except Exception as e:
+            log.warning("reward function failed on task %r (scored 0): %s: %s", getattr(task, "id", task),
+                        type(e).__name__, str(e)[:500], exc_info=not isinstance(e, RecursionError))
+            return {"reward": 0.0, "correct": False, "reason": "score_error",
+                    "detail": f"{type(e).__name__}: {str(e)[:500]}"}
+
+    return guarded
+
+
 class Team:
     """What a workflow sees for one episode: call agents, render prompts, score the answer."""
 
@@ -107,7 +129,7 @@ class Team:
         self.task = task
         self.spec = spec
         self._call = call
-        self._score = score
+        self._score = never_raises(score)
         self.prompts = {**spec.prompts, **(prompts or {})}
         self.params = {**spec.params, **(params or {})}
         self.turns: list[Turn] = []

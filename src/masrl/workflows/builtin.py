@@ -4,7 +4,7 @@ import pkgutil
 
 import masrl.workflows as _pkg
 
-_NOT_WORKFLOWS = {"base", "builtin", "parsing", "testing"}
+_NOT_WORKFLOWS = {"base", "builtin", "common", "parsing", "testing"}
 
 for _info in pkgutil.iter_modules(_pkg.__path__):
     if _info.name not in _NOT_WORKFLOWS:

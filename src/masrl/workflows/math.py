@@ -1,6 +1,7 @@
 """Dr. MAS math team: Solver -> Verifier -> Solver ..., up to ``max_loops`` Solver turns."""
 from __future__ import annotations
 
+from masrl.errors import ConfigError
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.parsing import extract_boxed, parse_choice
@@ -27,10 +28,12 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     ``<verify>approve|reject</verify>`` is invalid and counts as ``untagged_verdict``
     (default reject; the Dr. MAS reference silently approves).
     """
-    max_loops = int(team.params["max_loops"])
+    max_loops = team.params["max_loops"]
+    if type(max_loops) is not int or max_loops < 1:
+        raise ConfigError(f"math_solver_verifier: workflow.params.max_loops must be an integer >= 1, got {max_loops!r}")
     untagged = team.params["untagged_verdict"]
     if untagged not in ("approve", "reject"):
-        raise ValueError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
+        raise ConfigError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
     context, answer, verdicts = "", None, []
     for loop in range(max_loops):
         solver = await team.call("Solver", team.render("Solver", question=task.question, context=context))

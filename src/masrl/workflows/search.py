@@ -25,6 +25,7 @@ import asyncio
 import inspect
 from dataclasses import dataclass, field
 
+from masrl.errors import ConfigError
 from masrl.tasks.retrieval import Passage, format_passages, resolve_retriever
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
@@ -118,15 +119,15 @@ async def run_search(retriever, query: str, topk: int) -> list[Passage]:
 def _check_params(p: dict) -> None:
     for key in ("untagged_verdict", "untagged_last_turn"):
         if p[key] not in VERDICTS:
-            raise ValueError(f"search_verifier_router: {key} must be 'yes' or 'no', got {p[key]!r}")
+            raise ConfigError(f"search_verifier_router: {key} must be 'yes' or 'no', got {p[key]!r}")
     for key in ("max_turns", "topk"):
         if not isinstance(p[key], int) or p[key] < 1:
-            raise ValueError(f"search_verifier_router: {key} must be an integer >= 1, got {p[key]!r}")
+            raise ConfigError(f"search_verifier_router: {key} must be an integer >= 1, got {p[key]!r}")
     if not isinstance(p["history_length"], int) or p["history_length"] < 0:
-        raise ValueError(f"search_verifier_router: history_length must be an integer >= 0, got {p['history_length']!r}")
+        raise ConfigError(f"search_verifier_router: history_length must be an integer >= 0, got {p['history_length']!r}")
     if p["retriever"] is None:
-        raise ValueError("search_verifier_router needs params['retriever']: an object with "
-                         "search(queries, topk), a corpus path, 'synthetic_kb', a URL, or {'type': ..., ...}")
+        raise ConfigError("search_verifier_router needs params['retriever']: an object with "
+                          "search(queries, topk), a corpus path, 'synthetic_kb', a URL, or {'type': ..., ...}")
 
 
 @register_workflow("search_verifier_router", agents=("Verifier", "Search", "Answer"), prompts=SEARCH_PROMPTS,

@@ -335,6 +335,7 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOEXEC = 1, 2
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 SYS_MOUNT_SETATTR = 442  # same number on every architecture (new-style syscall table)
 SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 
 _libc = None
@@ -445,8 +446,12 @@ def _open_exposed(cfg):
 
 def _setup_mounts(cfg, keep):
     """Read-only view of the host file system: hidden paths become empty, the Python install
-    stays visible, the work directory is the only writable place."""
+    stays visible, no pseudo-terminals, a private /dev/shm, and the work directory is the only
+    other writable place: a fresh tmpfs of bounded size and inode count that vanishes with the
+    mount namespace."""
     workdir = cfg["workdir"]
+    handles = dict(keep)
+    script = _read_script(handles.get(workdir))
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     hidden = []
     for h in cfg["hide"]:
@@ -455,22 +460,66 @@ def _setup_mounts(cfg, keep):
         _mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=755")
         hidden.append(h)
     for p, fd in keep:
-        if p == workdir or any(_is_under(p, h) for h in hidden):
+        if p != workdir and any(_is_under(p, h) for h in hidden):
             os.makedirs(p, exist_ok=True)
             _mount(f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    shm = os.path.isdir("/dev/shm")
+    if shm:
+        _mount("tmpfs", "/dev/shm", "tmpfs", flags, "size=16m,nr_inodes=1024,mode=1777")
+    # host pseudo-terminals: /dev/ptmx opens /dev/null, /dev/pts is empty
+    if os.path.exists("/dev/ptmx"):
+        _mount("/dev/null", "/dev/ptmx", None, MS_BIND)
+    if os.path.isdir("/dev/pts"):
+        _mount("tmpfs", "/dev/pts", "tmpfs", flags, "size=4k,nr_inodes=16,mode=755")
+    # the work dir's path exists in this view (it may lie under a hidden directory or /dev/shm)
+    os.makedirs(workdir, exist_ok=True)
+    _mount(f"/proc/self/fd/{handles[workdir]}", workdir, None, MS_BIND)
+    for _, fd in keep:
         os.close(fd)
     # not NODEV: /dev/null, /dev/urandom must keep working (device files ignore read-only mounts)
     try:
         _mount_setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, True)
+        if shm:
+            _mount_setattr("/dev/shm", 0, MOUNT_ATTR_RDONLY, False)
     except OSError:  # kernels before 5.12: remount every mount point read-only
         _remount_all_readonly()
-    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        if shm:
+            _mount(None, "/dev/shm", None, MS_REMOUNT | MS_BIND | flags)
+    lim = cfg["limits"]
+    owner = 0 if cfg["iso"].get("userns") else cfg["iso"].get("uid")
+    opts = f"size={max(1, int(lim['disk_bytes']) >> 10)}k,nr_inodes={max(16, int(lim['inodes']))},mode=700"
+    if owner is not None:
+        opts += f",uid={owner},gid={owner}"
+    _mount("tmpfs", workdir, "tmpfs", flags, opts)
+    if script is not None:
+        fd = os.open(os.path.join(workdir, "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            while script:
+                script = script[os.write(fd, script):]
+            if owner is not None:
+                os.fchown(fd, owner, owner)
+        finally:
+            os.close(fd)
+
+
+def _read_script(dir_fd):
+    """The program file the harness wrote into the (host) work directory, if any."""
+    if dir_fd is None:
+        return None
     try:
-        _mount_setattr(workdir, MOUNT_ATTR_NOEXEC, MOUNT_ATTR_RDONLY, False)
-    except OSError:
-        _mount(None, workdir, None, MS_REMOUNT | MS_BIND | flags)
-    if os.path.isdir("/dev/shm"):
-        _mount("tmpfs", "/dev/shm", "tmpfs", flags, "size=16m,mode=1777")
+        fd = os.open("main.py", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(chunks)
+            chunks.append(b)
+    finally:
+        os.close(fd)
 
 
 def _remount_all_readonly():
@@ -482,6 +531,91 @@ def _remount_all_readonly():
             _mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
         except OSError:
             pass
+
+
+def _limit_ipc(lim, required):
+    """SysV IPC limits of the new IPC namespace (its memory is not counted by RLIMIT_AS). Older
+    kernels refuse these writes inside a user namespace: then only the seccomp filter (which
+    refuses shmget/msgget altogether) holds, and without it the set-up fails."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    shm = int(lim.get("shm_bytes", 16 << 20))
+    for name, value in (("shmmax", shm), ("shmall", max(1, shm // page)), ("shmmni", 16),
+                        ("msgmni", 4), ("msgmnb", 16384), ("msgmax", 8192)):
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:
+                f.write(str(value))
+        except OSError:
+            if required:
+                raise
+
+
+def _fresh_session_keyring():
+    """Join a new anonymous session keyring: no possessor rights on the harness's keys, and
+    keys the program adds die with it."""
+    import ctypes
+
+    nr = SYS_KEYCTL.get(os.uname().machine)
+    if nr is None:
+        raise OSError("keyctl: unknown syscall number for this architecture")
+    ret = _c().syscall(ctypes.c_long(nr), ctypes.c_long(1), ctypes.c_void_p(None))  # KEYCTL_JOIN_SESSION_KEYRING
+    if ret < 0:
+        err = ctypes.get_errno()
+        # ENOSYS: a kernel without keys; EPERM: keyctl is filtered for everyone here (e.g. a
+        # container's seccomp profile), the program cannot reach any keyring either
+        if err not in (1, 38):
+            raise OSError(err, f"keyctl(JOIN_SESSION_KEYRING): {os.strerror(err)}")
+
+
+# system calls refused to the candidate (seccomp): memory outside RLIMIT_AS (memfd, SysV shm
+# and message queues), keyrings, namespaces and mounts, io_uring, eBPF, perf, userfaultfd
+_DENY_NAMES = ("memfd_create", "memfd_secret", "shmget", "msgget", "semget", "keyctl", "add_key", "request_key", "unshare",
+               "setns", "mount", "umount2", "pivot_root", "fsopen", "fsconfig", "fsmount", "fspick", "open_tree",
+               "move_mount", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register",
+               "userfaultfd", "bpf", "perf_event_open")
+_SYSCALLS = {
+    "x86_64": dict(arch=0xC000003E, clone=56, clone3=435, memfd_create=319, memfd_secret=447, shmget=29, msgget=68, semget=64,
+                   keyctl=250, add_key=248, request_key=249, unshare=272, setns=308, mount=165, umount2=166,
+                   pivot_root=155, fsopen=430, fsconfig=431, fsmount=432, fspick=433, open_tree=428,
+                   move_mount=429, mount_setattr=442, io_uring_setup=425, io_uring_enter=426,
+                   io_uring_register=427, userfaultfd=323, bpf=321, perf_event_open=298),
+    "aarch64": dict(arch=0xC00000B7, clone=220, clone3=435, memfd_create=279, memfd_secret=447, shmget=194,
+                    msgget=186, semget=190, keyctl=219, add_key=217, request_key=218, unshare=97, setns=268, mount=40,
+                    umount2=39, pivot_root=41, fsopen=430, fsconfig=431, fsmount=432, fspick=433, open_tree=428,
+                    move_mount=429, mount_setattr=442, io_uring_setup=425, io_uring_enter=426,
+                    io_uring_register=427, userfaultfd=282, bpf=280, perf_event_open=241),
+}
+CLONE_NEW_MASK = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+
+
+def _install_seccomp():
+    """A seccomp filter (raw BPF through ctypes; needs NO_NEW_PRIVS) refusing _DENY_NAMES with
+    EPERM, clone() with namespace flags, clone3 (ENOSYS: libc falls back to clone) and every
+    system call of another ABI (x32, i386)."""
+    import ctypes
+
+    table = _SYSCALLS.get(os.uname().machine)
+    if table is None:
+        raise OSError("seccomp: no system call table for this architecture")
+    eperm, enosys, allow = 0x00050000 | 1, 0x00050000 | 38, 0x7FFF0000
+    ins = [(0x20, 0, 0, 4), (0x15, 1, 0, table["arch"]), (0x06, 0, 0, enosys), (0x20, 0, 0, 0)]
+    if os.uname().machine == "x86_64":
+        ins += [(0x35, 0, 1, 0x40000000), (0x06, 0, 0, enosys)]  # x32 system calls
+    for name in _DENY_NAMES:
+        ins += [(0x15, 0, 1, table[name]), (0x06, 0, 0, eperm)]
+    ins += [(0x15, 0, 1, table["clone3"]), (0x06, 0, 0, enosys),
+            (0x15, 0, 3, table["clone"]), (0x20, 0, 0, 16), (0x45, 0, 1, CLONE_NEW_MASK), (0x06, 0, 0, eperm),
+            (0x06, 0, 0, allow)]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    prog_ins = (SockFilter * len(ins))(*[SockFilter(*i) for i in ins])
+    prog = SockFprog(len(ins), prog_ins)
+    _check(_c().prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(prog), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)), "prctl(PR_SET_SECCOMP)")
 
 
 def _set_rlimits(lim):
@@ -541,9 +675,20 @@ def _install_guard(workdir, read_roots, allow_network, allow_fork):
         if r is not None and not any(under(r, w) for w in writable):
             raise PermissionError(f"sandbox: writing {p!r} is not allowed")
 
+    # no audit event covers these: host pseudo-terminals and POSIX shared memory (/dev/shm)
+    import posix
+
+    for name in ("openpty", "forkpty", "login_tty"):
+        for mod in (os, posix):
+            if hasattr(mod, name):
+                delattr(mod, name)
+    blocked_modules = ("_posixshmem",)
+
     def hook(event, args):
         if event.startswith(blocked):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "import" and args and args[0] in blocked_modules:
+            raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
             r = resolve(path)
@@ -609,6 +754,10 @@ def _become_candidate(cfg):
         except OSError:
             pass
     _set_rlimits(cfg["limits"])
+    if cfg.get("keyring"):
+        _fresh_session_keyring()
+    if cfg.get("seccomp"):
+        _install_seccomp()
     os.chdir(cfg["workdir"])
     if iso.get("guard"):
         _install_guard(cfg["workdir"], cfg["read_roots"], cfg["network"], iso.get("allow_fork", False))
@@ -795,6 +944,9 @@ def main(cfg):
     iso = cfg["iso"]
     status_fd = cfg.get("status_fd")
     try:
+        for path in cfg.get("cgroups") or ():  # first: everything below is counted
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
         if iso.get("pidns") or iso.get("mntns") or iso.get("userns"):
             _die_with_harness(cfg)
         flags = 0
@@ -831,6 +983,8 @@ def main(cfg):
                 os.setresgid(0, 0, 0)  # become the namespace's root (keeps its capabilities)
                 os.setresuid(0, 0, 0)
                 _die_with_harness(cfg)
+        if flags & CLONE_NEWIPC:
+            _limit_ipc(cfg["limits"], required=not cfg.get("seccomp"))
         if iso.get("mntns"):
             _setup_mounts(cfg, keep)
     except BaseException as e:

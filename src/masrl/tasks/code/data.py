@@ -20,43 +20,21 @@ hidden tests, as a dict read by :func:`masrl.tasks.code.scoring.score_code`::
 ``Task.meta`` has ``data_source``/``benchmark`` (``mbpp``/``humaneval``), ``task_id``,
 ``entry_point``, ``split`` and ``reference_solution`` (the dataset's canonical code; for
 HumanEval the body completion). Malformed rows are skipped with a
-:class:`MalformedRowWarning` naming ``file:line``, or raise ``ValueError`` with ``strict=True``.
+:class:`~masrl.tasks.rows.MalformedRowWarning` naming ``file:line``, or raise ``ValueError`` with
+``strict=True`` (see :mod:`masrl.tasks.rows`).
 """
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import warnings
 from pathlib import Path
-from typing import Iterator
 
 from masrl.paths import data_dir
+from masrl.tasks.rows import MalformedRowWarning  # noqa: F401 - re-exported (the one warning class)
+from masrl.tasks.rows import BadRow, RowPos, read_rows
 from masrl.types import Task
 
 MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974)}
-
-
-class MalformedRowWarning(UserWarning):
-    """A data row was skipped because it is malformed."""
-
-
-class _BadRow(Exception):
-    pass
-
-
-def _report(msg: str, strict: bool) -> None:
-    if strict:
-        raise ValueError(msg)
-    warnings.warn(msg, MalformedRowWarning, stacklevel=4)
-
-
-def _rows(path: Path) -> Iterator[tuple[int, str]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if line.strip():
-                yield lineno, line
 
 
 def _find(path: str | Path | None, *names: str) -> Path:
@@ -75,12 +53,12 @@ def _find(path: str | Path | None, *names: str) -> Path:
 
 def _str_field(obj: dict, key: str, *, allow_empty: bool = False) -> str:
     if key not in obj:
-        raise _BadRow(f"missing field {key!r}")
+        raise BadRow(f"missing field {key!r}")
     v = obj[key]
     if not isinstance(v, str):
-        raise _BadRow(f"field {key!r} is not a string ({type(v).__name__})")
+        raise BadRow(f"field {key!r} is not a string ({type(v).__name__})")
     if not allow_empty and not v.strip():
-        raise _BadRow(f"field {key!r} is empty")
+        raise BadRow(f"field {key!r} is empty")
     return v
 
 
@@ -90,7 +68,7 @@ def _parse(src: str, what: str) -> ast.Module:
             warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
             return ast.parse(src)
     except (SyntaxError, ValueError) as e:
-        raise _BadRow(f"{what} does not parse ({e.__class__.__name__}: {e})") from None
+        raise BadRow(f"{what} does not parse ({e.__class__.__name__}: {e})") from None
 
 
 def _top_level_names(tree: ast.Module, imports: bool = True) -> set[str]:
@@ -159,22 +137,22 @@ def _mbpp_row(obj: dict, show_tests: bool) -> tuple[str, dict, dict]:
         if "test_setup_code" in obj else ""
     tests = obj.get("test_list")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
-        raise _BadRow("field 'test_list' must be a non-empty list of strings")
+        raise BadRow("field 'test_list' must be a non-empty list of strings")
     challenge = obj.get("challenge_test_list") or []
     if not isinstance(challenge, list) or not all(isinstance(t, str) for t in challenge):
-        raise _BadRow("field 'challenge_test_list' must be a list of strings")
+        raise BadRow("field 'challenge_test_list' must be a list of strings")
     code_tree = _parse(code, "field 'code'")
     trees = []
     for i, t in enumerate(tests):
         tree = _parse(t, f"test {i}")
         if not any(isinstance(n, ast.Assert) for n in ast.walk(tree)):
-            raise _BadRow(f"test {i} has no assert")
+            raise BadRow(f"test {i} has no assert")
         trees.append(tree)
     defined = _top_level_names(code_tree, imports=False)
     setup_defined = _top_level_names(_parse(setup, "field 'test_setup_code'")) if setup.strip() else set()
     entry = next((n for n in _called_names(trees) if n in defined), None)
     if entry is None:
-        raise _BadRow("no function called by the tests is defined by the reference code")
+        raise BadRow("no function called by the tests is defined by the reference code")
     # names the tests take from the candidate's program (not from the judge's builtins/stdlib;
     # modules the reference code imports, like ``sys``, are imported by the judge itself)
     remote = [n for n in free_names(trees) if n in defined or n in setup_defined]
@@ -188,21 +166,6 @@ def _mbpp_row(obj: dict, show_tests: bool) -> tuple[str, dict, dict]:
     return question, answer, meta
 
 
-def _json_objects(p: Path, strict: bool):
-    """``(file:line, object)`` for each JSON-object row; malformed rows are reported and skipped."""
-    for lineno, line in _rows(p):
-        where = f"{p}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            _report(f"{where}: bad JSON ({e.msg} at column {e.colno}); row skipped", strict)
-            continue
-        if not isinstance(obj, dict):
-            _report(f"{where}: expected a JSON object, got {type(obj).__name__}; row skipped", strict)
-            continue
-        yield where, obj
-
-
 def load_mbpp(path: str | Path | None = None, split: str = "test", limit: int | None = None,
               strict: bool = False, *, show_tests: bool = False) -> list[Task]:
     """MBPP tasks of one standard split (``prompt``/``test``/``validation``/``train``/``all``)."""
@@ -210,32 +173,24 @@ def load_mbpp(path: str | Path | None = None, split: str = "test", limit: int | 
         raise ValueError(f"MBPP split must be one of {sorted(MBPP_SPLITS) + ['all']}, not {split!r}")
     lo, hi = MBPP_SPLITS.get(split, (-10 ** 9, 10 ** 9))
     p = _find(path, "mbpp.jsonl", "mbpp.jsonl.gz")
-    tasks: list[Task] = []
-    if limit is not None and limit <= 0:
-        return tasks
     seen: set[int] = set()
-    for where, obj in _json_objects(p, strict):
+
+    def parse(obj: dict, pos: RowPos) -> Task | None:
         tid = obj.get("task_id")
         if isinstance(tid, str) and tid.strip().isdigit():
             tid = int(tid)
         if not isinstance(tid, int) or isinstance(tid, bool):
-            _report(f"{where}: missing or non-integer 'task_id'; row skipped", strict)
-            continue
+            raise BadRow("missing or non-integer 'task_id'")
         if not lo <= tid <= hi:
-            continue
+            return None
         if tid in seen:
-            _report(f"{where}: duplicate task_id {tid}; row skipped", strict)
-            continue
-        try:
-            question, answer, meta = _mbpp_row(obj, show_tests)
-        except _BadRow as e:
-            _report(f"{where}: {e}; row skipped", strict)
-            continue
+            raise BadRow(f"duplicate task_id {tid}")
+        question, answer, meta = _mbpp_row(obj, show_tests)
         seen.add(tid)
         meta = {"data_source": "mbpp", "benchmark": "mbpp", "task_id": tid, "split": split, **meta}
-        tasks.append(Task(id=f"mbpp/{tid}", question=question, answer=answer, meta=meta))
-        if limit is not None and len(tasks) >= limit:
-            break
+        return Task(id=f"mbpp/{tid}", question=question, answer=answer, meta=meta)
+
+    tasks, _ = read_rows(p, parse, strict=strict, limit=limit, format="jsonl")
     return tasks
 
 
@@ -245,11 +200,11 @@ def _humaneval_row(obj: dict) -> tuple[str, str, dict, dict]:
     entry = _str_field(obj, "entry_point").strip()
     test = _str_field(obj, "test")
     if not entry.isidentifier():
-        raise _BadRow(f"entry_point {entry!r} is not an identifier")
+        raise BadRow(f"entry_point {entry!r} is not an identifier")
     _parse(prompt, "field 'prompt'")
     tree = _parse(test, "field 'test'")
     if not any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body):
-        raise _BadRow("field 'test' defines no check(candidate) function")
+        raise BadRow("field 'test' defines no check(candidate) function")
     canonical = obj.get("canonical_solution", "")
     answer = {"kind": "humaneval", "prompt": prompt, "test": test, "entry_point": entry}
     meta = {"entry_point": entry, "reference_solution": canonical if isinstance(canonical, str) else ""}
@@ -262,23 +217,16 @@ def load_humaneval(path: str | Path | None = None, split: str = "test", limit: i
     if split not in ("test", "all"):
         raise ValueError(f"HumanEval has only the 'test' split, not {split!r}")
     p = _find(path, "HumanEval.jsonl.gz", "HumanEval.jsonl", "humaneval.jsonl")
-    tasks: list[Task] = []
-    if limit is not None and limit <= 0:
-        return tasks
     seen: set[str] = set()
-    for where, obj in _json_objects(p, strict):
-        try:
-            tid, question, answer, meta = _humaneval_row(obj)
-        except _BadRow as e:
-            _report(f"{where}: {e}; row skipped", strict)
-            continue
+
+    def parse(obj: dict, pos: RowPos) -> Task:
+        tid, question, answer, meta = _humaneval_row(obj)
         if tid in seen:
-            _report(f"{where}: duplicate task_id {tid!r}; row skipped", strict)
-            continue
+            raise BadRow(f"duplicate task_id {tid!r}")
         seen.add(tid)
         meta = {"data_source": "humaneval", "benchmark": "humaneval", "task_id": tid, "split": "test", **meta}
-        tasks.append(Task(id=tid if tid.lower().startswith("humaneval/") else f"humaneval/{tid}",
-                          question=question, answer=answer, meta=meta))
-        if limit is not None and len(tasks) >= limit:
-            break
+        return Task(id=tid if tid.lower().startswith("humaneval/") else f"humaneval/{tid}",
+                    question=question, answer=answer, meta=meta)
+
+    tasks, _ = read_rows(p, parse, strict=strict, limit=limit, format="jsonl")
     return tasks

@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import re
 
-_FENCE = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})[ \t]*([^\s`]*)[^\n`]*$")
+# an opening fence, then an info string without backticks whose first word is the language;
+# matched in two steps (two overlapping starred classes in one pattern backtrack quadratically
+# on a long line ending in a backtick)
+_FENCE = re.compile(r"[ \t]{0,3}(`{3,}|~{3,})")
+_LANG = re.compile(r"[ \t]*([^\s`]*)")
 _PYTHON_TAGS = {"python", "py", "python3", "py3", "pycon", "ipython", "{.python}", "{python}"}
 
 
@@ -14,10 +18,10 @@ def _blocks(text: str) -> list[tuple[str, str]]:
     i = 0
     while i < len(lines):
         m = _FENCE.match(lines[i])
-        if not m:
+        if not m or "`" in lines[i][m.end():]:
             i += 1
             continue
-        fence, lang = m.group(1), m.group(2).lower()
+        fence, lang = m.group(1), _LANG.match(lines[i], m.end()).group(1).lower()
         body: list[str] = []
         j = i + 1
         closed = False

@@ -27,8 +27,8 @@ import marshal
 import math
 import os
 import random
+import re
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,7 +41,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from masrl.tasks.code import _child
+from masrl.tasks.code import _cgroup, _child
+from masrl.tasks.code._cleanup import remove_tree
 
 __all__ = [
     "SandboxResult", "Limits", "Isolation", "Sandbox", "SandboxError", "run_python", "sandbox_capabilities",
@@ -100,6 +101,8 @@ class Limits:
     max_file_bytes: int = 16 << 20
     nproc: int = 32
     nofile: int = 256
+    max_disk_bytes: int = 64 << 20  # the work directory (a tmpfs with namespaces)
+    max_inodes: int = 8192
 
     def cpu_seconds(self) -> int:
         return int(math.ceil(self.cpu_s if self.cpu_s is not None else self.timeout_s + 1))
@@ -248,6 +251,7 @@ class _Proc:
         self.t0 = time.monotonic()
         self.killed = False
         self.status_buf = b""
+        self.cgroup: _cgroup.ExecCgroup | None = None
 
     # -- start ---------------------------------------------------------------------
     def start(self) -> None:
@@ -261,24 +265,20 @@ class _Proc:
                 os.chown(self.workdir, self.uid, self.uid)
             if self.script is not None:
                 path = os.path.join(self.workdir, "main.py")
-                with open(path, "w", encoding="utf-8", errors="surrogateescape") as f:
-                    f.write(self.script)
+                with open(path, "wb") as f:  # lone surrogates pass: compiling them fails in the child
+                    f.write(self.script.encode("utf-8", "surrogatepass"))
                 if self.uid is not None:
                     os.chown(path, self.uid, self.uid)
+            if sb.cgroups:
+                # the whole execution's memory (memfd, SysV shm, tmpfs, all its processes) and pids
+                try:
+                    self.cgroup = _cgroup.ExecCgroup(int(self.limits.memory_mb) << 20, int(self.limits.nproc) + 8)
+                except OSError as e:
+                    raise SandboxError(f"cannot create the execution's cgroup: {e}") from e
             ready_r, ready_w = os.pipe()
             self.fds["ready"] = ready_r
             child_fds.append(ready_w)
-            cfg: dict[str, Any] = {
-                "mode": self.mode, "workdir": self.workdir, "network": bool(self.network),
-                "ready_fd": ready_w, "harness_pid": os.getpid(),
-                "iso": {"userns": iso.userns, "mntns": iso.mntns, "netns": iso.netns, "pidns": iso.pidns,
-                        "guard": iso.guard, "allow_fork": iso.allow_fork,
-                        "uid": self.uid, "gid": self.uid},
-                "limits": {"cpu_s": self.limits.cpu_seconds(), "memory_bytes": int(self.limits.memory_mb) << 20,
-                           "file_bytes": int(self.limits.max_file_bytes), "nofile": int(self.limits.nofile),
-                           "nproc": int(self.limits.nproc)},
-                "hide": sb.hide_paths, "expose": sb.python_dirs, "read_roots": sb.read_roots,
-            }
+            cfg = self._child_config(ready_w)
             if iso.pidns:
                 status_r, status_w = os.pipe()
                 self.fds["status"] = status_r
@@ -290,6 +290,8 @@ class _Proc:
                 self.fds["req"], self.fds["resp"] = req_w, resp_r
                 child_fds += [req_r, resp_w]
                 cfg["req_fd"], cfg["resp_fd"] = req_r, resp_w
+            if self.cgroup is not None:
+                cfg["cgroups"] = self.cgroup.procs_files
             env = {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
                    "LANG": os.environ.get("LANG", "C.UTF-8"), "HOME": self.workdir, "TMPDIR": self.workdir,
                    "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -323,6 +325,21 @@ class _Proc:
                 self.sel.register(self.proc.stdin.fileno(), selectors.EVENT_WRITE, "stdin")
             else:
                 self.proc.stdin.close()
+
+    def _child_config(self, ready_w: int) -> dict[str, Any]:
+        """What the child needs to set itself up (the pipes are added by :meth:`start`)."""
+        sb, iso, lim = self.sb, self.iso, self.limits
+        return {
+            "mode": self.mode, "workdir": self.workdir, "network": bool(self.network),
+            "ready_fd": ready_w, "harness_pid": os.getpid(),
+            "iso": {"userns": iso.userns, "mntns": iso.mntns, "netns": iso.netns, "pidns": iso.pidns,
+                    "guard": iso.guard, "allow_fork": iso.allow_fork, "uid": self.uid, "gid": self.uid},
+            "limits": {"cpu_s": lim.cpu_seconds(), "memory_bytes": int(lim.memory_mb) << 20,
+                       "file_bytes": int(lim.max_file_bytes), "nofile": int(lim.nofile), "nproc": int(lim.nproc),
+                       "disk_bytes": int(lim.max_disk_bytes), "inodes": int(lim.max_inodes), "shm_bytes": 16 << 20},
+            "keyring": True, "seccomp": sb.seccomp,
+            "hide": sb.hide_paths, "expose": sb.python_dirs, "read_roots": sb.read_roots,
+        }
 
     # -- i/o -------------------------------------------------------------------------
     def _exited(self) -> bool:
@@ -386,14 +403,7 @@ class _Proc:
                 if len(self.frames) >= 4 + n:
                     body = bytes(self.frames[4:4 + n])
                     del self.frames[:4 + n]
-                    try:
-                        msg = json.loads(body.decode("utf-8", "surrogatepass"))
-                        if not isinstance(msg, dict):
-                            raise ValueError("not an object")
-                        return msg
-                    except (ValueError, RecursionError):
-                        self.kill("protocol_error")
-                        raise _Died("protocol_error", "malformed message from the sandbox")
+                    return self._decode_frame(body)
             if self.resp_eof:
                 raise _Died("exited", "the sandboxed process exited")
             now = time.monotonic()
@@ -403,6 +413,22 @@ class _Proc:
             self._pump_once(min(deadline - now, 0.25))
             if not self.sel.get_map() and not self.resp_eof:
                 time.sleep(0.01)
+
+    def _decode_frame(self, body: bytes) -> dict:
+        """One response frame as a dict; its item count is checked before anything is built
+        (a 15 MiB frame of ``{},`` would otherwise cost some 400 MiB to decode)."""
+        items = _json_items(body, self.sb.max_message_items)
+        if items > self.sb.max_message_items:
+            self.kill("protocol_error")
+            raise _Died("protocol_error", f"message with {items} items (the limit is {self.sb.max_message_items})")
+        try:
+            msg = json.loads(body.decode("utf-8", "surrogatepass"))
+            if not isinstance(msg, dict):
+                raise ValueError("not an object")
+            return msg
+        except (ValueError, RecursionError, MemoryError):
+            self.kill("protocol_error")
+            raise _Died("protocol_error", "malformed message from the sandbox") from None
 
     def send(self, obj: dict, deadline: float) -> None:
         """Write one request (serve mode), draining the outputs meanwhile; never blocks past
@@ -496,6 +522,8 @@ class _Proc:
             pass
         if self.uid is not None and not self.iso.pidns and os.geteuid() == 0:
             _kill_uid(self.uid)
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
 
     def _read_fd(self, name: str) -> bytes:
         fd = self.fds.get(name)
@@ -562,8 +590,11 @@ class _Proc:
         for fd in self.fds.values():
             _close(fd)
         self.fds.clear()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         if self.workdir:
-            _rmtree(self.workdir)
+            remove_tree(self.workdir, _CLEANUP_BUDGET_S)
             self.workdir = None
         if self.uid is not None:
             self.sb._uids.release(self.uid)
@@ -571,6 +602,10 @@ class _Proc:
 
     def text(self, name: str) -> str:
         return bytes(self.out[name]).decode("utf-8", errors="replace")
+
+    def oom_killed(self) -> bool:
+        """Did the execution's cgroup hit its memory limit?"""
+        return self.cgroup is not None and self.cgroup.oom_killed()
 
 
 def _close(fd: int) -> None:
@@ -580,16 +615,27 @@ def _close(fd: int) -> None:
         pass
 
 
-def _rmtree(path: str) -> None:
-    def onerror(func, p, exc_info):
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
+_CLEANUP_BUDGET_S = 1.0  # the caller waits at most this long for the work dir; the rest goes on in the background
+_JSON_STRING = re.compile(rb'"[^"]*"')  # a string once its escapes are gone
 
-    shutil.rmtree(path, onerror=onerror)
+
+def _json_items(body: bytes, budget: int) -> int:
+    """An upper bound on the number of values (and keys) in the JSON text ``body``, exact
+    enough to compare with ``budget``; C-speed scans only, nothing is built. Strings are taken
+    out first (their commas and brackets are text) only when the plain count is over budget."""
+    def structure(b: bytes) -> int:
+        return b.count(b",") + b.count(b":") + b.count(b"[") + b.count(b"{") + 1
+
+    n = structure(body)
+    if n <= budget or b'"' not in body:
+        return n
+    # in valid JSON a backslash only starts an escape, read left to right: drop escaped
+    # backslashes, then escaped quotes; every quote left opens or closes a string
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    strings = plain.count(b'"') // 2
+    if strings > budget:  # each string is an object of its own
+        return strings
+    return max(strings, structure(_JSON_STRING.sub(b"", plain)))
 
 
 def _is_zombie(pid: str) -> bool:
@@ -719,7 +765,8 @@ class Sandbox:
                  hide_paths: Iterable[str] | None = None, extra_hide_paths: Iterable[str] = (),
                  site_packages: bool = False, tmp_root: str | None = None, python: str | None = None,
                  uid_range: tuple[int, int] = (1_500_000_000, 1_600_000_000),
-                 max_message_bytes: int = 16 << 20):
+                 max_message_bytes: int = 16 << 20, max_message_items: int = 1 << 18,
+                 cgroups: bool | None = None):
         if sys.platform != "linux":
             raise SandboxError("the sandbox needs Linux")
         self.max_workers = max(1, int(max_workers))
@@ -731,6 +778,10 @@ class Sandbox:
         self.site_packages = site_packages
         self.tmp_root = tmp_root
         self.max_message_bytes = int(max_message_bytes)
+        self.max_message_items = int(max_message_items)
+        # a memory/pids cgroup per execution where the harness may create one (None: if possible)
+        self.cgroups = _cgroup.available() if cgroups is None else bool(cgroups)
+        self.seccomp = _seccomp_available()
         self.python_dirs = list(_python_dirs(self.python, bool(site_packages)))
         hide = list(default_hide_paths() if hide_paths is None else hide_paths) + list(extra_hide_paths)
         # an ancestor of the Python install that other users cannot traverse (pyenv under a
@@ -762,8 +813,10 @@ class Sandbox:
 
     def describe(self) -> dict:
         iso = self.resolve()
+        lay = _cgroup.layout() if self.cgroups else None
         return {"isolation": iso.name, "setuid": iso.setuid, "userns": iso.userns, "mount_ns": iso.mntns,
                 "net_ns": iso.netns, "pid_ns": iso.pidns, "audit_guard": iso.guard, "fork_allowed": iso.allow_fork,
+                "memory_cgroup": lay[0] if lay else None, "seccomp": self.seccomp,
                 "notes": list(iso.notes), "hidden_paths": list(self.hide_paths),
                 "python": self.python, "site_packages": self.site_packages}
 
@@ -780,10 +833,12 @@ class Sandbox:
         limits = self._limits(timeout_s=timeout_s, memory_mb=memory_mb, cpu_s=cpu_s,
                               max_output_bytes=max_output_bytes, nproc=nproc)
         if isinstance(stdin, str):
-            stdin = stdin.encode()
+            stdin = stdin.encode("utf-8", "surrogatepass")
         return self._run_script(code if isinstance(code, str) else str(code), limits, stdin=stdin, network=network)
 
     def _run_script(self, code: str, limits: Limits, *, stdin: bytes | None, network: bool) -> SandboxResult:
+        if len(code) > limits.max_disk_bytes // 4 and len(code.encode("utf-8", "surrogatepass")) > limits.max_disk_bytes:
+            return SandboxResult("error", None, "", "", 0.0, detail="program larger than max_disk_bytes")
         proc = _Proc(self, limits, mode="script", script=code, stdin=stdin, network=network)
         try:
             proc.start()
@@ -798,26 +853,22 @@ class Sandbox:
             if not ready and died is None:
                 raise SandboxError(f"sandbox set-up failed ({self.isolation.name}): "
                                    f"{setup_error or stderr.strip()[-500:] or 'no details'}")
-            return _classify(code_, sig, died, stdout, stderr, duration, proc.truncated)
+            res = _classify(code_, sig, died, stdout, stderr, duration, proc.truncated)
+            if res.status in ("killed", "error") and proc.oom_killed():
+                res.status, res.detail = "memory", "memory limit of the execution (cgroup)"
+            return res
         finally:
             proc.close()
 
     def run_many(self, codes: Sequence[str], **kwargs) -> list[SandboxResult]:
         """Run several programs in parallel (at most ``max_workers`` at a time), in order."""
+        return self.map(lambda c: self.run(c, **kwargs), codes)
+
+    def map(self, fn, items: Iterable) -> list:
+        """``[fn(x) for x in items]`` on the sandbox's thread pool (``max_workers`` at a time), in
+        order; ``masrl.tasks.code.scoring.score_many`` scores through it."""
         self.resolve()
-        return list(self._executor().map(lambda c: self.run(c, **kwargs), codes))
-
-    def score(self, task, answer, mode: str = "fraction", **kwargs) -> dict:
-        from masrl.tasks.code.scoring import score_code
-
-        return score_code(task, answer, mode=mode, sandbox=self, **kwargs)
-
-    def score_many(self, tasks: Sequence, answers: Sequence, mode: str = "fraction", **kwargs) -> list[dict]:
-        """Score several (task, answer) pairs in parallel, in order."""
-        if len(tasks) != len(answers):
-            raise ValueError("tasks and answers must have the same length")
-        self.resolve()
-        return list(self._executor().map(lambda ta: self.score(ta[0], ta[1], mode, **kwargs), zip(tasks, answers)))
+        return list(self._executor().map(fn, items))
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -864,6 +915,16 @@ def _classify(code: int | None, sig: int | None, died: _Died | None, stdout: str
         else:
             status = "error"
     return SandboxResult(status, code, stdout, stderr, duration, sig, truncated, detail)
+
+
+def _seccomp_available() -> bool:
+    """Can the child install a seccomp filter (kernel support, known system call table)?"""
+    try:
+        with open("/proc/sys/kernel/seccomp/actions_avail") as f:
+            actions = f.read().split()
+    except OSError:
+        return False
+    return "errno" in actions and os.uname().machine in _child._SYSCALLS
 
 
 def _signame(sig: int) -> str:

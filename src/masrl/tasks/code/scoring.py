@@ -18,8 +18,8 @@ docs/sandbox.md.
 
 Tests: MBPP: each assert of ``test_list`` (``test_setup_code`` runs in the sandbox after the
 program). HumanEval: each ``assert`` statement of ``check`` (an assert inside a loop is one test
-and passes only if it holds in every iteration; ``assert True`` lines are not counted; an
-assert never reached -- because ``check`` stopped on an error -- fails).
+and passes only if it holds in every iteration and the loop ran to its end; ``assert True``
+lines are not counted; when ``check`` stops on an error, every assert it had not finished fails).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 from masrl.tasks.code._child import CodecError, decode_value, encode_value
 from masrl.tasks.code.data import free_names
@@ -40,7 +40,7 @@ from masrl.tasks.code.extract import extract_code
 from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, _Died, _Proc, default_sandbox
 from masrl.types import Task
 
-__all__ = ["score_code", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
+__all__ = ["score_code", "score_many", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
 
 log = logging.getLogger(__name__)
 MODES = ("fraction", "all")
@@ -218,8 +218,9 @@ class _Session:
             proc.send(msg, deadline)
             resp = proc.next_frame(deadline)
         except _Died as e:
+            oom = e.status == "exited" and proc.oom_killed()
             self.discard()
-            status = {"exited": "crashed"}.get(e.status, e.status)
+            status = "memory" if oom else {"exited": "crashed"}.get(e.status, e.status)
             if status == "timeout" and deadline >= self.deadline:
                 status = "deadline"
             raise SandboxFailure(status, e.detail) from None
@@ -318,7 +319,9 @@ class _Recorder:
         """Stop the check (mode "all" after a failure)."""
 
     def __init__(self, n: int, stop_on_fail: bool):
-        self.status: list[bool | None] = [None] * n
+        # None: not reached; "held": held every time so far, its statement not finished yet;
+        # True/False: final
+        self.status: list[bool | str | None] = [None] * n
         self.reasons: list[str] = [""] * n
         self.stop_on_fail = stop_on_fail
 
@@ -327,7 +330,23 @@ class _Recorder:
 
     def ok(self, i: int) -> None:
         if self.status[i] is None:
-            self.status[i] = True
+            self.status[i] = "held"
+
+    def settle(self, ids: tuple[int, ...]) -> None:
+        """The statement holding asserts ``ids`` finished (its loops ran to the end): the ones
+        that held every time pass."""
+        for i in ids:
+            if self.status[i] == "held":
+                self.status[i] = True
+
+    def finish(self, completed: bool, why: str) -> None:
+        """``check`` returned (``completed``) or stopped: asserts still open pass only if it returned."""
+        for i, st in enumerate(self.status):
+            if st == "held" and completed:
+                self.status[i] = True
+            elif st is None or st == "held":
+                self.status[i] = False
+                self.reasons[i] = why
 
     def fail(self, i: int, exc: BaseException) -> None:
         if self.status[i] is not False:
@@ -412,14 +431,22 @@ def _prepare_mbpp(tests: tuple[str, ...], remote: tuple[str, ...]) -> tuple[list
 
 
 class _Instrument(ast.NodeTransformer):
+    """Each ``assert`` of ``check`` records its outcome and execution goes on. An assert passes
+    only when the top-level statement of ``check`` holding it finished (so an assert inside a
+    loop passes only when the loop ran to its end) or, inside a nested function, when ``check``
+    returned; :meth:`settle_statements` adds the calls that say so."""
+
     def __init__(self) -> None:
         self.count = 0
+        self.depth = 0  # nested function/class definitions inside check
 
     def visit_Assert(self, node: ast.Assert) -> ast.AST:
         if isinstance(node.test, ast.Constant) and node.test.value:
             return node  # `assert True` / `assert True, "..."` lines are not tests
         i = self.count
         self.count += 1
+        if self.depth == 0:
+            self.settled.append(i)
         wrapper = ast.parse(
             f"try:\n    __masrl_rec__.begin({i})\n    pass\n"
             f"except __masrl_rec__.Abort:\n    raise\n"
@@ -427,6 +454,26 @@ class _Instrument(ast.NodeTransformer):
             f"else:\n    __masrl_rec__.ok({i})\n").body[0]
         wrapper.body[1] = node
         return ast.copy_location(wrapper, node)
+
+    def _nested(self, node: ast.AST) -> ast.AST:
+        self.depth += 1
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _nested
+
+    def settle_statements(self, check: ast.FunctionDef) -> None:
+        """Instrument ``check``: after each of its top-level statements, settle its asserts."""
+        body = []
+        for stmt in check.body:
+            self.settled: list[int] = []
+            body.append(self.visit(stmt))
+            if self.settled:
+                call = ast.parse(f"__masrl_rec__.settle({tuple(self.settled)!r})").body[0]
+                body.append(ast.copy_location(call, stmt))
+        check.body = body
 
 
 @functools.lru_cache(maxsize=1024)
@@ -442,7 +489,7 @@ def _prepare_humaneval_inner(prompt: str, test: str):
     inst = _Instrument()
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "check":
-            inst.visit(node)
+            inst.settle_statements(node)
     ast.fix_missing_locations(tree)
     code = compile(tree, "<test>", "exec", dont_inherit=True, optimize=0)
     names = free_names([ast.parse(test)])
@@ -469,6 +516,7 @@ def _run_mbpp(spec: dict, session: _Session, stop_on_fail: bool) -> _Recorder:
                 break
         else:
             rec.ok(i)
+            rec.settle((i,))
     return rec
 
 
@@ -483,24 +531,21 @@ def _run_humaneval(spec: dict, session: _Session, stop_on_fail: bool) -> _Record
     rec = _Recorder(max(n, 1), stop_on_fail)
     ns["__masrl_rec__"] = rec
     exec(test_code, ns)
-    check_error = ""
-    aborted = False
     try:
         ns["check"](candidate)
     except _Recorder.Abort:
-        aborted = True
+        rec.finish(False, "skipped")
     except Exception as e:
+        # check stopped: an assert it did not finish (not reached, or inside a loop that did
+        # not run to its end) fails
         check_error = _reason(e)
         if n == 0:
-            rec.status[0] = False
-            rec.reasons[0] = check_error
+            rec.status[0], rec.reasons[0] = False, check_error
+        rec.finish(False, f"not_reached ({check_error})")
     else:
         if n == 0:
             rec.status[0] = True
-    for i, st in enumerate(rec.status):
-        if st is None:
-            rec.status[i] = False
-            rec.reasons[i] = "skipped" if aborted else "not_reached" + (f" ({check_error})" if check_error else "")
+        rec.finish(True, "not_reached")
     return rec
 
 
@@ -580,7 +625,7 @@ def score_code(task: Task, answer: str | None, mode: str = "fraction", *, sandbo
         session.close()
     tests = []
     for st, why in zip(rec.status, rec.reasons):
-        if st:
+        if st is True:
             tests.append({"passed": True, "reason": "ok"})
         else:
             tests.append({"passed": False, "reason": why or "skipped"})
@@ -598,6 +643,15 @@ def score_code(task: Task, answer: str | None, mode: str = "fraction", *, sandbo
         reason = kinds.pop() if len(kinds) == 1 else "tests_failed"
     detail = next((t["reason"] for t in tests if not t["passed"]), "")
     return _result(reward, correct, reason, passed, n, tests, mode, t0, detail)
+
+
+def score_many(tasks: Sequence[Task], answers: Sequence[str | None], mode: str = "fraction", *,
+               sandbox: Sandbox | None = None, **kwargs: Any) -> list[dict]:
+    """Score several (task, answer) pairs in parallel on ``sandbox``'s pool, in order."""
+    if len(tasks) != len(answers):
+        raise ValueError(f"tasks and answers must have the same length ({len(tasks)} != {len(answers)})")
+    sb = sandbox or default_sandbox()
+    return sb.map(lambda ta: score_code(ta[0], ta[1], mode=mode, sandbox=sb, **kwargs), zip(tasks, answers))
 
 
 def make_code_score(mode: str = "fraction", **kwargs: Any):

@@ -13,12 +13,13 @@ import time
 
 from masrl.tasks.code.data import load_humaneval, load_mbpp
 from masrl.tasks.code.sandbox import Sandbox
+from masrl.tasks.code.scoring import score_many
 
 
 def verify(tasks, sandbox: Sandbox, mode: str = "all", timeout_s: float = 10.0) -> dict:
     t0 = time.monotonic()
     answers = [t.meta.get("reference_solution", "") for t in tasks]
-    results = sandbox.score_many(tasks, answers, mode=mode, timeout_s=timeout_s, extract=False)
+    results = score_many(tasks, answers, mode=mode, sandbox=sandbox, timeout_s=timeout_s, extract=False)
     failures = [{"id": t.id, "reason": r["reason"], "detail": r["detail"][:200]}
                 for t, r in zip(tasks, results) if not r["correct"]]
     n = len(tasks)

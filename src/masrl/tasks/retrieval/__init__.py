@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping
 
+from masrl.errors import ConfigError
 from masrl.tasks.retrieval.base import Passage, Retriever, RetrieverError, format_passages
 from masrl.tasks.retrieval.bm25 import BM25Retriever
 from masrl.tasks.retrieval.corpus import CorpusError, CorpusWarning, load_corpus
@@ -57,22 +58,22 @@ def build_retriever(spec: Any) -> Retriever:
         else:
             spec = {"type": "bm25", "corpus": text}
     if not isinstance(spec, Mapping):
-        raise ValueError(f"retriever spec must be an object with .search, a URL, a corpus path or a mapping "
-                         f"with 'type'; got {type(spec).__name__}")
+        raise ConfigError(f"retriever spec must be an object with .search, a URL, a corpus path or a mapping "
+                          f"with 'type'; got {type(spec).__name__}")
     opts = dict(spec)
     kind = opts.pop("type", "bm25")
     if kind not in RETRIEVER_TYPES:
-        raise ValueError(f"unknown retriever type {kind!r}; expected one of {RETRIEVER_TYPES}")
+        raise ConfigError(f"unknown retriever type {kind!r}; expected one of {RETRIEVER_TYPES}")
     if kind == "http":
         if "url" not in opts:
-            raise ValueError("retriever type 'http' needs 'url'")
+            raise ConfigError("retriever type 'http' needs 'url'")
         return HttpRetriever(opts.pop("url"), **opts)
     if kind == "synthetic_kb":
         from masrl.tasks.synthetic_kb import synthetic_kb_retriever
 
         return synthetic_kb_retriever(**opts)
     if "corpus" not in opts:
-        raise ValueError(f"retriever type {kind!r} needs 'corpus' (a corpus file path)")
+        raise ConfigError(f"retriever type {kind!r} needs 'corpus' (a corpus file path)")
     corpus = opts.pop("corpus")
     common = {k: opts.pop(k) for k in ("format", "cache", "cache_root", "strict") if k in opts}
     if kind == "bm25":

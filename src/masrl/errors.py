@@ -1,0 +1,71 @@
+"""The one user-facing error type. Bottom layer: imports nothing from masrl.
+
+``UserInputError`` means "the input the user gave is wrong": a config key, a data file, a model
+path, a checkpoint, a command-line value. Its message is one line that names the thing at fault
+(file and line, key, path) and, where possible, what would be accepted. ``masrl`` prints it as
+``masrl: error: <message>`` and exits 2 (docs/reliability.md). Every other exception is a bug in
+masrl (or the environment) and keeps its traceback.
+
+``ConfigError`` (here), ``DatasetLoadError``, ``CheckpointError``, ``ModelLoadError``, ``QADataError``,
+``CorpusError`` and the ensemble's input errors subclass it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class UserInputError(Exception):
+    """Bad input from the user (exit 2, one line, no traceback)."""
+
+
+class ConfigError(UserInputError, ValueError):
+    """A configuration problem (a key, a value, a name the config gives), with one clear message:
+    what, where, what to do. Also a ``ValueError`` for code that validated with ``ValueError``."""
+
+
+def read_user_text(path: str | os.PathLike, what: str = "file", *, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of a file the user named; every way it cannot be read is one ``UserInputError``
+    naming ``what`` and the path (missing, a folder, unreadable, not UTF-8, over ``max_bytes``)."""
+    path = Path(path)
+    try:
+        if max_bytes is not None and path.stat().st_size > max_bytes:
+            raise UserInputError(f"{what} {path} is {path.stat().st_size:,} bytes; the limit is {max_bytes:,}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise UserInputError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserInputError(f"{what} {path} is a folder, not a file") from None
+    except OSError as e:  # permissions, a symlink loop, a name too long, an I/O error
+        raise UserInputError(f"{what} {path} cannot be read ({e.strerror or e})") from None
+    return decode_utf8(data, path, what)
+
+
+def decode_utf8(data: bytes, path: str | os.PathLike, what: str = "file") -> str:
+    """``data`` as UTF-8, or a ``UserInputError`` naming the file, line and byte offset at fault."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserInputError(f"{what} {path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                             f"{e.start}); save it as UTF-8") from None
+
+
+def check_output_folder(path: str | os.PathLike, what: str = "output folder") -> Path:
+    """``path`` can be (or become) a writable folder: not a file, no file among its parents, the nearest
+    existing parent writable. Creates nothing; raises one ``UserInputError`` naming ``what``."""
+    path = Path(path)
+    probe = path
+    while True:
+        try:
+            exists = probe.exists()
+        except OSError as e:  # a name too long, a symlink loop
+            raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
+        if exists or probe == probe.parent:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserInputError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserInputError(f"{what} {path}: {probe} is not writable")
+    return path
