@@ -195,3 +195,22 @@ def test_bf16_autocast_matches_the_plain_path_under_autocast():
     # the same bf16 matmuls and float32 softmax; only the summation order of the tokens' matmul differs
     torch.testing.assert_close(out[1][0], out[0][0], atol=2e-2, rtol=0)
     torch.testing.assert_close(out[1][1], out[0][1], atol=2e-3, rtol=5e-2)
+
+
+def test_bfloat16_weights_without_autocast():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(12, 16, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(90, 16, generator=g) * 0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, 90, (12,), generator=g)
+    out = []
+    for chunked in (False, True):
+        hidden.grad = weight.grad = None
+        if chunked:
+            logp = chunked_token_logprobs(hidden, weight, None, targets, 5)[0]
+        else:
+            logp = token_logprobs(torch.nn.functional.linear(hidden, weight).float(), targets)
+        logp.sum().backward()
+        assert logp.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+        out.append((logp.detach(), hidden.grad.float(), weight.grad.float()))
+    for a, b in zip(*out):
+        torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)

@@ -21,20 +21,18 @@ from torch import Tensor
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def _compute_dtype(hidden: Tensor) -> torch.dtype | None:
-    """The autocast dtype for a matmul on ``hidden``'s device, or None when autocast is off."""
+def _compute_dtype(hidden: Tensor) -> torch.dtype:
+    """The LM head matmul's dtype: the autocast dtype on ``hidden``'s device, else ``hidden``'s own."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return None
+    return hidden.dtype
 
 
-def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype | None) -> Tensor:
-    """float32 ``h @ weight.T + bias``; the matmul in ``dtype`` when autocast asked for it (as the plain path)."""
-    if dtype is not None:
-        h, weight = h.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    return torch.nn.functional.linear(h, weight, bias).float()
+def _chunk_logits(h: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """float32 ``h @ weight.T + bias`` with the matmul in ``dtype`` (as the plain path under autocast)."""
+    bias = bias.to(dtype) if bias is not None else None
+    return torch.nn.functional.linear(h.to(dtype), weight.to(dtype), bias).float()
 
 
 def _chunk_stats(z: Tensor, targets: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -96,13 +94,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_z.sub_(probs.mul_(g))
                     grad_z.scatter_add_(-1, targets[sl, None], g.contiguous())
                 grad_z.div_(temp[sl, None])  # dz/dlogits = 1/T
-                gz = grad_z.to(dtype) if dtype is not None else grad_z
+                gz = grad_z.to(dtype)
                 if need_h:
-                    w = weight.to(dtype) if dtype is not None else weight
-                    grad_h[sl] = (gz @ w).to(hidden.dtype)
+                    grad_h[sl] = (gz @ weight.to(dtype)).to(hidden.dtype)
                 if need_w:
-                    hc = h.to(dtype) if dtype is not None else h.to(gz.dtype)
-                    grad_w.add_((gz.t() @ hc).float())
+                    grad_w.add_((gz.t() @ h.to(dtype)).float())
                 if need_b:
                     grad_b.add_(grad_z.sum(0))
         grad_w = grad_w.to(weight.dtype) if grad_w is not None else None
@@ -149,7 +145,10 @@ def lm_head_params(model: torch.nn.Module) -> tuple[Tensor, Tensor | None] | Non
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is torch.nn.Linear:
         return head.weight, head.bias
-    from peft.tuners.lora.layer import LoraLayer
+    try:
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:  # no PEFT installed: no LoRA head either
+        return None
 
     if not isinstance(head, LoraLayer) or type(head.get_base_layer()) is not torch.nn.Linear:
         return None
