@@ -79,6 +79,12 @@ def _cmd_plot(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    from masrl.sweep import main as sweep_main
+
+    return sweep_main(args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="masrl", description="Stable RL for teams of LLM agents")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir")
     plot.set_defaults(func=_cmd_plot)
 
+    sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
+                           "summarize it (masrl sweep report DIR)")
+    sweep.add_argument("argv", nargs=argparse.REMAINDER)
+    sweep.set_defaults(func=_cmd_sweep)
+
     exp = sub.add_parser("export", help="write trained policies as Hugging Face model / PEFT adapter folders")
     exp.add_argument("run_dir", help="a masrl run folder (config.yaml + checkpoints/)")
     exp.add_argument("--out", required=True, help="folder to create (one sub-folder per policy)")
@@ -128,7 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # its own parsers (masrl.sweep): `masrl sweep SPEC` and `masrl sweep report DIR`
+        args = argparse.Namespace(func=_cmd_sweep, argv=argv[1:])
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

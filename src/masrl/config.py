@@ -145,7 +145,9 @@ class LossConfig(_Strict):
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0)
     dual_clip: Optional[float] = Field(None, gt=1.0)
-    agg: str = "token-mean"
+    agg: str = Field("token-mean", description=(
+        "token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or role-balanced: token mean within each agent, "
+        "then the mean over the agents in the policy batch (every role the same weight; docs/algorithms.md)"))
     kl_coef: float = Field(0.0, ge=0.0)
     kl_kind: str = "k3"
     entropy_coef: float = 0.0

@@ -25,6 +25,7 @@ from masrl.algorithms.losses import (
     kl_penalty,
     policy_loss,
     register_loss,
+    role_balanced_weights,
 )
 from masrl.algorithms.rollout_correction import IS_LEVELS, IS_MODES, truncated_is_weights
 
@@ -48,5 +49,6 @@ __all__ = [
     "policy_loss",
     "register_advantage",
     "register_loss",
+    "role_balanced_weights",
     "truncated_is_weights",
 ]

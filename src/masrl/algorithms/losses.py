@@ -9,12 +9,12 @@ value or a gradient, even when they hold NaN or -inf. Formulas and sources: docs
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "role-balanced")
 KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to [-20, 20] before exp (as verl does)
 
@@ -22,13 +22,16 @@ LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to [-20, 20] before exp (as ver
 # --------------------------------------------------------------------------- aggregation
 
 
-def agg_loss(values: Tensor, mask: Tensor, agg: str = "token-mean", *, norm_length: float | None = None) -> Tensor:
+def agg_loss(values: Tensor, mask: Tensor, agg: str = "token-mean", *, norm_length: float | None = None,
+             row_weights: Tensor | None = None) -> Tensor:
     """Reduce per-token ``values`` [B, T] over the valid positions of ``mask`` to a scalar.
 
     * ``token-mean``: sum over valid tokens / number of valid tokens in the batch.
     * ``seq-mean-token-mean``: mean over rows with >= 1 valid token of each row's token mean.
     * ``seq-mean-token-sum-norm``: each row's token sum / ``norm_length`` (default T, the
       mask width; Dr. GRPO), then the mean over rows with >= 1 valid token.
+    * ``role-balanced``: Σ_rows ``row_weights[r]`` · (row r's token sum), with the weights of
+      :func:`role_balanced_weights` computed over the whole policy batch (so that micro-batches add up).
 
     With no valid token at all the result is 0 (still attached to the graph).
     """
@@ -40,6 +43,11 @@ def agg_loss(values: Tensor, mask: Tensor, agg: str = "token-mean", *, norm_leng
     masked = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
     if agg == "token-mean":
         return masked.sum() / valid.sum().clamp(min=1)
+    if agg == "role-balanced":
+        if row_weights is None or tuple(row_weights.shape) != tuple(values.shape[:1]):
+            raise ValueError(f"agg 'role-balanced' needs row_weights of shape {tuple(values.shape[:1])} "
+                             "(role_balanced_weights over the policy batch)")
+        return (masked.sum(-1) * row_weights.detach().to(masked.dtype)).sum()
     row_tokens = valid.sum(-1)
     row_valid = row_tokens > 0
     row_sum = masked.sum(-1)
@@ -51,6 +59,21 @@ def agg_loss(values: Tensor, mask: Tensor, agg: str = "token-mean", *, norm_leng
             raise ValueError(f"norm_length must be > 0; got {norm_length!r}")
         row_value = row_sum / length
     return row_value.sum() / row_valid.sum().clamp(min=1)
+
+
+def role_balanced_weights(agents: Sequence[str], token_counts: Sequence[int]) -> dict[str, float]:
+    """Per-agent token weight for ``agg: role-balanced``: 1 / (K · N_k).
+
+    N_k = agent k's valid tokens in the policy batch, K = agents with N_k > 0. Every token of agent
+    k then weighs 1 / (K N_k): a token mean within each agent, then the mean over the K agents, so
+    every role contributes the same total weight 1/K to a shared policy's loss, however many
+    tokens it wrote.
+    """
+    tokens: dict[str, int] = {}
+    for agent, n in zip(agents, token_counts, strict=True):
+        tokens[agent] = tokens.get(agent, 0) + int(n)
+    present = {a: n for a, n in tokens.items() if n > 0}
+    return {a: 1.0 / (len(present) * n) for a, n in present.items()}
 
 
 # --------------------------------------------------------------------------- KL and entropy
@@ -163,6 +186,7 @@ def policy_loss(
     agg: str = "token-mean",
     norm_length: float | None = None,
     is_weights: Tensor | None = None,
+    row_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss on response tokens; gradients flow only through ``logprobs``.
 
@@ -170,7 +194,8 @@ def policy_loss(
     sequence ratio, or one added with :func:`register_loss`):
         L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))
     and with ``dual_clip`` c > 1, for A < 0: L = min(L, -c A). Reduced by ``agg``
-    (see :func:`agg_loss`). ``advantages`` is [B] (one per row) or [B, T].
+    (see :func:`agg_loss`; ``row_weights`` [B] for ``role-balanced``). ``advantages`` is [B] (one per
+    row) or [B, T].
     ``is_weights`` [B, T] (optional, detached): rollout-correction weights that multiply each
     token's L before aggregation (:func:`masrl.algorithms.rollout_correction.truncated_is_weights`).
 
@@ -211,7 +236,7 @@ def policy_loss(
             raise ValueError(f"is_weights shape {tuple(is_weights.shape)} differs from logprobs shape "
                              f"{tuple(logprobs.shape)}")
         token_loss = token_loss * torch.where(valid, is_weights.detach().to(token_loss.dtype), zero)
-    loss_value = agg_loss(token_loss, valid, agg, norm_length=norm_length)
+    loss_value = agg_loss(token_loss, valid, agg, norm_length=norm_length, row_weights=row_weights)
 
     with torch.no_grad():
         def frac(flags: Tensor) -> float:

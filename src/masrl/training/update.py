@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from masrl.algorithms import agg_loss, entropy_from_logits, kl_penalty, policy_loss, truncated_is_weights
+from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_loss, role_balanced_weights,
+                              truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
 from masrl.rollout.engine import TransformersEngine
@@ -228,6 +229,9 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
             total_rows = sum(1 for r in minibatch if r.response_ids)
             if total_tokens == 0:
                 continue
+            # role-balanced: per-agent token weights over this whole minibatch (one optimizer step), not per chunk
+            role_w = role_balanced_weights([r.agent for r in minibatch], [len(r.response_ids) for r in minibatch]) \
+                if lc.agg == "role-balanced" else None
             policy.optimizer.zero_grad(set_to_none=True)
             before = [torch.zeros_like(p) for p in params] if per_agent_norms and not routed else None
             summed = [torch.zeros_like(p) for p in params] if before is not None and dp else None
@@ -247,6 +251,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                     if recompute and single_pass:  # nothing has changed the policy yet: its own log-probs are old
                         old, engine_logprobs = logprobs.detach(), batch.old_logprobs
                     is_weights = None
+                    row_w = torch.tensor([role_w[r.agent] for r in chunk], device=device) if role_w else None
                     if ris.enabled:
                         is_weights, is_stats = truncated_is_weights(old, engine_logprobs, batch.response_mask,
                                                                     cap=ris.cap, level=ris.level, mode=ris.mode)
@@ -255,20 +260,20 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
                     loss, stats = policy_loss(logprobs, old, batch.advantages, batch.response_mask,
                                               loss=lc.loss, clip_low=lc.clip_low, clip_high=lc.clip_high,
                                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
-                                              is_weights=is_weights)
+                                              is_weights=is_weights, row_weights=row_w)
                     if lc.entropy_coef:
                         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg,
-                                                                 norm_length=norm_length)
+                                                                 norm_length=norm_length, row_weights=row_w)
                     if lc.kl_coef or track_kl:
                         with autocast(trainer, device):
                             ref = reference_logprobs(policy, batch, trainer.logprob_chunk_tokens)
                         kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
                         if lc.kl_coef:
                             loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg,
-                                                                norm_length=norm_length)
+                                                                norm_length=norm_length, row_weights=row_w)
                         _per_agent_token_mean(kl, batch.response_mask, chunk, "kl_ref", metrics)
                     weight = (batch.num_tokens / total_tokens if lc.agg == "token-mean"
-                              else len(chunk) / max(total_rows, 1))
+                              else 1.0 if role_w else len(chunk) / max(total_rows, 1))  # role-balanced: weights are global
                     if not torch.isfinite(loss):
                         finite = False
                         break

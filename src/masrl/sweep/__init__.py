@@ -1,0 +1,67 @@
+"""``masrl sweep``: grids of runs over seeds (run.py) and an honest summary of them (report.py).
+
+Sits just below the CLI: it may import anything in masrl; nothing but ``masrl.cli`` imports it.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+USAGE = "masrl sweep SPEC.yaml [options]  |  masrl sweep report DIR [--baseline-arm AXIS=LABEL ...]"
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="masrl sweep", description="run every cell x seed of a sweep spec "
+                                "(resumable: finished runs are skipped); docs/study.md",
+                                epilog="summarize with: masrl sweep report DIR")
+    p.add_argument("spec", help="sweep spec (YAML): name, base, out, seeds, overrides, axes")
+    p.add_argument("--out", help="output folder (default: the spec's 'out')")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+    p.add_argument("--nice", type=int, default=0, help="start each run under `nice -n N`")
+    p.add_argument("--ray", metavar="ADDRESS", help="run each run as a Ray task on this cluster "
+                   "('auto', 'ray://host:10001', or 'local' to start one here)")
+    p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --ray: GPUs each run's task asks for")
+    p.add_argument("--quick", action="store_true", help="2 RL steps, tiny SFT and eval: a smoke test, not a result")
+    p.add_argument("--dry-run", action="store_true", help="print every run's command line and whether it is "
+                   "finished, run nothing")
+    return p
+
+
+def report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="masrl sweep report", description="tables over seeds (mean ± 95% CI, "
+                                "paired differences) and plots of a sweep's runs: summary.md, summary.json, PNGs")
+    p.add_argument("dir", help="the sweep's output folder")
+    p.add_argument("--baseline-arm", action="append", default=[], metavar="AXIS=LABEL",
+                   help="the arm the others are compared with on that axis (default: the axis's first label)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    from masrl.config import ConfigError
+
+    if argv[:1] == ["report"]:
+        args = report_parser().parse_args(argv[1:])
+        from masrl.sweep.report import report
+
+        paths = report(args.dir, args.baseline_arm)
+        for p in paths:
+            print(p)
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        run_parser().print_help()
+        print(f"\nusage: {USAGE}")
+        return 0 if argv else 2
+    args = run_parser().parse_args(argv)
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.gpus_per_run and not args.ray:
+        raise ConfigError("--gpus-per-run needs --ray (local runs use the devices their config names)")
+    from masrl.sweep.run import sweep
+    from masrl.sweep.spec import load_spec
+
+    spec = load_spec(args.spec)
+    out = args.out or spec.out
+    if not out:
+        raise ConfigError(f"{args.spec}: no output folder: set 'out:' in the spec or pass --out")
+    return sweep(spec, Path(out), jobs=args.jobs, nice=args.nice, ray_address=args.ray, gpus=args.gpus_per_run,
+                 quick=args.quick, dry_run=args.dry_run)

@@ -1,0 +1,359 @@
+"""``masrl sweep report DIR``: every run's report.json and metrics.jsonl -> tables over seeds and plots.
+
+Per metric: each arm's mean ± 95% t-interval over its seeds (n stated), the paired difference of each
+arm against its baseline on the seeds both have (with its interval) and how many seeds favour each
+side. Runs that did not finish are listed with their reason, never dropped silently. Writes
+``summary.json``, ``summary.md`` and PNGs into DIR. Metric definitions: docs/study.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from masrl.config import ConfigError, load_config
+from masrl.sweep.run import read_report
+from masrl.sweep.spec import cell_name, parse_cell_name
+from masrl.sweep.stats import mean_ci, paired
+
+TRAIN_REWARD_WINDOW = 10  # train_reward_final: mean team/reward over the last 10 RL steps
+
+
+@dataclass
+class RunResult:
+    cell: str
+    labels: tuple[tuple[str, str], ...]
+    seed: int
+    run_dir: Path
+    status: str  # ok | failed | unfinished | missing
+    reason: str = ""
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    eval_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out avg@n in %)
+    grad_norms: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # agent -> (step, norm)
+    rl_steps: int = 0
+    avg_key: str = "avg@n"
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    label: str
+    better: str | None  # "higher", "lower" or None (no preferred direction)
+    unit: str = ""
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    from masrl.monitoring.logger import read_metrics
+
+    return read_metrics(run_dir)
+
+
+# ---------------------------------------------------------------------- per run
+
+def run_metrics(run_dir: Path, report: dict, records: Sequence[dict]) -> dict[str, float | None]:
+    """The scalar metrics of one finished run (accuracies in %; None where the run has no value)."""
+    out: dict[str, float | None] = {}
+    sft, final = report["eval"].get("sft", {}), report["eval"].get("final", {})
+    avg = avg_key(report)
+    for key in ["avg@n"] + sorted((k for k in final if k.startswith("pass@")), key=lambda k: int(k[5:])):
+        before, after = _pct(sft.get(key)), _pct(final.get(key))
+        name = avg if key == "avg@n" else key
+        out[f"{name}_sft"], out[f"{name}_rl"] = before, after
+        out[f"{name}_gain"] = after - before if before is not None and after is not None else None
+    evals = [_pct(r.get("eval/test/avg@n")) for r in records if r.get("phase") == "eval"]
+    out[f"{avg}_peak"] = max((v for v in evals if v is not None), default=None)
+    final_acc = out.get(f"{avg}_rl")
+    out[f"{avg}_peak_drop"] = out[f"{avg}_peak"] - final_acc if None not in (out[f"{avg}_peak"], final_acc) else None
+    train = [r for r in records if r.get("phase") == "train"]
+    rewards = [r.get("team/reward") for r in train[-TRAIN_REWARD_WINDOW:]]
+    out["train_reward_final"] = statistics.fmean(rewards) if rewards and None not in rewards else None
+    for agent in _agents(train):
+        norms = [r.get(f"agent/{agent}/grad_norm") for r in train if f"agent/{agent}/grad_norm" in r]
+        ok = [v for v in norms if v is not None and math.isfinite(v) and v > 0]  # 0: no gradient this step
+        out[f"grad_norm_max/{agent}"] = max(ok) if ok else None
+        out[f"grad_norm_median/{agent}"] = statistics.median(ok) if ok else None
+        out[f"spikes/{agent}"] = float(sum(1 for r in train if r.get(f"agent/{agent}/grad_spike")))
+        out[f"role_captures/{agent}"] = float(sum(1 for r in train if r.get(f"agent/{agent}/role_capture")))
+        drift = [r[f"agent/{agent}/chi2_drift"] for r in train if r.get(f"agent/{agent}/chi2_drift") is not None]
+        out[f"chi2_drift_final/{agent}"] = drift[-1] if drift else None
+    out["nonfinite_steps"] = float(sum(1 for r in train if _any(r, "nonfinite_skipped")))
+    out["skipped_steps"] = float(sum(1 for r in train if _any(r, "_skipped")))
+    return out
+
+
+def avg_key(report: dict) -> str:
+    """``avg@<n>``: the held-out accuracy averaged over the n samples per task the run evaluated with."""
+    n = next((e.get("n") for e in report["eval"].values() if isinstance(e, dict) and e.get("n")), None)
+    return f"avg@{int(n)}" if n else "avg@n"
+
+
+def _pct(value) -> float | None:
+    return 100.0 * value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _agents(records: Sequence[dict]) -> list[str]:
+    agents = {k.split("/")[1] for r in records for k in r if k.startswith("agent/") and k.endswith("/grad_norm")}
+    return sorted(agents)
+
+
+def _any(record: dict, suffix: str) -> bool:
+    return any(k.startswith("policy/") and k.endswith(suffix) and (v or 0) > 0 for k, v in record.items())
+
+
+def run_times(run: RunResult, log_path: Path) -> dict[str, float | None]:
+    """Wall and CPU seconds from the sweep's record (seed<S>.json); else wall from the run folder's file
+    times (config.yaml written at the start, report.json at the end) and no CPU time."""
+    try:
+        rec = json.loads(log_path.with_suffix(".json").read_text())
+        return {"wall_s": float(rec["wall_s"]), "cpu_s": float(rec["cpu_s"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        wall = (run.run_dir / "report.json").stat().st_mtime - (run.run_dir / "config.yaml").stat().st_mtime
+    except OSError:
+        wall = None
+    return {"wall_s": wall, "cpu_s": None}
+
+
+def load_run(out: Path, labels, seed: int) -> RunResult:
+    cell = cell_name(labels)
+    run_dir, log = out / cell / f"seed{seed}", out / cell / f"seed{seed}.log"
+    run = RunResult(cell, tuple(labels), seed, run_dir, "ok")
+    report = read_report(run_dir)
+    if report is None:
+        run.status, run.reason = _why_not_finished(run_dir, log)
+        return run
+    records = read_records(run_dir)
+    run.metrics = {**run_metrics(run_dir, report, records), **run_times(run, log)}
+    run.eval_curve = [(int(r["step"]), _pct(r["eval/test/avg@n"])) for r in records
+                      if r.get("phase") == "eval" and _pct(r.get("eval/test/avg@n")) is not None]
+    train = [r for r in records if r.get("phase") == "train"]
+    run.grad_norms = {a: [(int(r["step"]), r[f"agent/{a}/grad_norm"]) for r in train
+                          if r.get(f"agent/{a}/grad_norm")] for a in _agents(train)}  # 0 and None left out
+    run.rl_steps, run.avg_key = len(train), avg_key(report)
+    return run
+
+
+def _why_not_finished(run_dir: Path, log: Path) -> tuple[str, str]:
+    if not run_dir.exists() and not log.exists():
+        return "missing", "not run yet"
+    last = _last_line(log)
+    try:
+        rec = json.loads(log.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return "unfinished", f"no valid report.json and no exit record (still running, or interrupted){last}"
+    if rec.get("rc") == 0:
+        return "failed", f"exit code 0 but no valid report.json{last}"
+    return "failed", f"exit code {rec.get('rc')}{last}"
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return f"; log {log}: {lines[-1].strip()[:200]!r}" if lines else f"; log {log} is empty"
+
+
+# ---------------------------------------------------------------------- the grid
+
+def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[str, str], ...], int]], str]:
+    """(axes -> labels in order, expected (labels, seed) runs, sweep name) from sweep.json, else the folders."""
+    found = []
+    for cell_dir in sorted(p for p in out.iterdir() if p.is_dir()):
+        labels = parse_cell_name(cell_dir.name)
+        if labels is None:
+            continue
+        seeds = {int(p.name[4:].split(".")[0]) for p in cell_dir.iterdir()
+                 if p.name.startswith("seed") and p.name[4:].split(".")[0].isdigit()}
+        found += [(labels, s) for s in sorted(seeds)]
+    manifest_path = out / "sweep.json"
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        axes = {a: list(labels) for a, labels in manifest["axes"].items()}
+        expected = [(parse_cell_name(c), s) for s in manifest["seeds"] for c in manifest["cells"]]
+        return axes, expected + [r for r in found if r not in expected], manifest.get("name", out.name)
+    if not found:
+        raise ConfigError(f"masrl sweep report: {out} has no sweep.json and no run folders "
+                          "(<axis>=<label>__.../seed<S>); is it a sweep's output folder?")
+    axes: dict[str, list[str]] = {}
+    for labels, _ in found:
+        for axis, label in labels:
+            axes.setdefault(axis, [])
+            if label not in axes[axis]:
+                axes[axis].append(label)
+    axes = {a: sorted(labels) for a, labels in axes.items()}
+    return axes, found, out.name
+
+
+def baselines(axes: dict[str, list[str]], chosen: Sequence[str]) -> dict[str, str]:
+    """Each axis's baseline label: the first one, or AXIS=LABEL from ``--baseline-arm``."""
+    base = {a: labels[0] for a, labels in axes.items()}
+    for item in chosen:
+        axis, sep, label = item.partition("=")
+        if not sep or axis not in axes or label not in axes[axis]:
+            raise ConfigError(f"--baseline-arm {item!r}: give AXIS=LABEL with one of "
+                              + ", ".join(f"{a}={'|'.join(ls)}" for a, ls in axes.items()))
+        base[axis] = label
+    return base
+
+
+def comparisons(cells: dict[str, tuple], axes: dict[str, list[str]], base: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(axis, arm cell, baseline cell): each cell against the cell that differs only in that axis's baseline."""
+    out = []
+    for axis in axes:
+        for name, labels in cells.items():
+            mine = dict(labels)
+            if mine.get(axis) in (None, base[axis]):
+                continue
+            sibling = cell_name(tuple((a, base[axis] if a == axis else lab) for a, lab in labels))
+            if sibling in cells:
+                out.append((axis, name, sibling))
+    return out
+
+
+# ---------------------------------------------------------------------- summary
+
+def metric_list(runs: Sequence[RunResult]) -> list[Metric]:
+    names = list(dict.fromkeys(k for r in runs if r.status == "ok" for k in r.metrics))
+    return [_describe(n) for n in names]
+
+
+def _describe(name: str) -> Metric:
+    stage = {"sft": "after SFT", "rl": "after RL", "gain": "gain (after RL − after SFT)", "peak": "peak over evals",
+             "peak_drop": "drop from peak to final (peak − after RL)"}
+    if name.startswith(("avg@", "pass@")):
+        key, _, when = name.partition("_")
+        return Metric(name, f"held-out {key} {stage[when]}", "lower" if when == "peak_drop" else "higher", "%")
+    if "/" in name:
+        kind, agent = name.split("/", 1)
+        label = {"grad_norm_max": "grad-norm max", "grad_norm_median": "grad-norm median",
+                 "spikes": "grad spikes (count)", "role_captures": "role-capture events (count)",
+                 "chi2_drift_final": "χ² drift at the last RL step"}[kind]
+        return Metric(name, f"{agent}: {label}", "lower" if kind in ("grad_norm_max", "spikes") else None)
+    labels = {"train_reward_final": (f"train reward, last {TRAIN_REWARD_WINDOW} steps", "higher"),
+              "nonfinite_steps": ("steps with a non-finite gradient", "lower"),
+              "skipped_steps": ("steps with a skipped update", "lower"), "wall_s": ("wall time", "lower"),
+              "cpu_s": ("CPU time", "lower")}
+    label, better = labels.get(name, (name, None))
+    return Metric(name, label, better, "s" if name.endswith("_s") else "")
+
+
+def summarize(runs: Sequence[RunResult], axes: dict[str, list[str]], base: dict[str, str], name: str) -> dict:
+    ok = [r for r in runs if r.status == "ok"]
+    cells = {r.cell: r.labels for r in runs}
+    pairs = comparisons({c: l for c, l in cells.items() if any(r.cell == c for r in ok)}, axes, base)
+    metrics = {}
+    for m in metric_list(runs):
+        by_cell = {c: {r.seed: r.metrics.get(m.name) for r in ok if r.cell == c} for c in cells}
+        arms = {c: {**mean_ci(list(v.values())).as_dict(), "values": v} for c, v in by_cell.items() if v}
+        comps = []
+        for axis, arm, baseline in pairs:
+            p = paired(by_cell[arm], by_cell[baseline])
+            favour = {"higher": (p.arm_higher, p.baseline_higher), "lower": (p.baseline_higher, p.arm_higher)}
+            fa, fb = favour.get(m.better, (None, None))
+            comps.append({"axis": axis, "arm": arm, "baseline": baseline, **p.as_dict(),
+                          "favours_arm": fa, "favours_baseline": fb})
+        metrics[m.name] = {"label": m.label, "better": m.better, "unit": m.unit, "arms": arms, "comparisons": comps}
+    not_ok = [{"cell": r.cell, "seed": r.seed, "status": r.status, "reason": r.reason} for r in runs
+              if r.status != "ok"]
+    return {"name": name, "axes": axes, "baselines": base, "confidence": 0.95,
+            "runs": {"ok": len(ok), "total": len(runs)}, "not_finished": not_ok, "metrics": metrics,
+            "per_run": [{"cell": r.cell, "seed": r.seed, "metrics": r.metrics} for r in ok]}
+
+
+def _fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "–"
+    if unit == "%":
+        return f"{v:.1f}"
+    return f"{v:.0f}" if unit == "s" or (abs(v) >= 100 and float(v).is_integer()) else f"{v:.4g}"
+
+
+def _ci(s: dict, unit: str) -> str:
+    if s["mean"] is None:
+        return "–"
+    return f"{_fmt(s['mean'], unit)} ± {_fmt(s['half_width'], unit)}" if s["half_width"] is not None else \
+        f"{_fmt(s['mean'], unit)} (n=1, no CI)"
+
+
+def to_markdown(summary: dict) -> str:
+    lines = [f"# Sweep {summary['name']}: {summary['runs']['ok']} of {summary['runs']['total']} runs finished", "",
+             "Each arm: mean ± half-width of the 95% Student-t interval over seeds (n − 1 df; n = seeds with a "
+             "value). Comparisons: arm − baseline, paired on the seeds both arms have. Accuracies in %.",
+             "Baselines: " + ", ".join(f"{a}={lab}" for a, lab in summary["baselines"].items()), ""]
+    lines += _not_finished_md(summary["not_finished"]) + _headline_md(summary)
+    for name, m in summary["metrics"].items():
+        unit = m["unit"]
+        better = f" ({m['better']} is better)" if m["better"] else ""
+        lines += [f"## {m['label']}{better}", f"`{name}`", "", "| arm | n | mean ± 95% CI | by seed |", "|---|---|---|---|"]
+        for cell, s in m["arms"].items():
+            by_seed = ", ".join(f"{seed}: {_fmt(v, unit)}" for seed, v in s["values"].items())
+            lines.append(f"| {cell} | {s['n']} | {_ci(s, unit)} | {by_seed} |")
+        if m["comparisons"]:
+            lines += ["", "| arm − baseline | pairs | difference ± 95% CI | seeds favouring arm / baseline / tie |",
+                      "|---|---|---|---|"]
+            for c in m["comparisons"]:
+                n = len(c["seeds"])
+                if c["favours_arm"] is None:
+                    fav = f"arm higher {c['arm_higher']}/{n}, baseline higher {c['baseline_higher']}/{n}, tie {c['ties']}/{n}"
+                else:
+                    fav = f"{c['favours_arm']}/{n} / {c['favours_baseline']}/{n} / {c['ties']}/{n}"
+                lines.append(f"| {c['arm']} − {c['baseline']} | {n} | {_ci(c['diff'], unit)} | {fav} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _headline_md(summary: dict) -> list[str]:
+    """One row per arm: held-out accuracy after RL, its gain, the final train reward (mean ± CI)."""
+    names = list(summary["metrics"])
+    pick = [n for n in names if n.startswith("avg@") and n.endswith("_rl")]
+    pick += [n for n in names if n.startswith("pass@") and n.endswith("_rl")][-1:]
+    pick += [n for n in names if n.startswith("avg@") and n.endswith("_gain")] + \
+        [n for n in names if n == "train_reward_final"]
+    if not pick:
+        return []
+    ms = [summary["metrics"][n] for n in pick]
+    lines = ["## Headline", "", "| arm | " + " | ".join(m["label"] for m in ms) + " |", "|---|" + "---|" * len(ms)]
+    for cell in ms[0]["arms"]:
+        cells = [_ci(m["arms"][cell], m["unit"]) + (f" (n={m['arms'][cell]['n']})" if m["arms"][cell]["n"] > 1 else "")
+                 if cell in m["arms"] else "–" for m in ms]
+        lines.append(f"| {cell} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _not_finished_md(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["Every run finished.", ""]
+    lines = [f"## Runs not in the tables ({len(rows)})", "", "| cell | seed | status | reason |", "|---|---|---|---|"]
+    lines += [f"| {r['cell']} | {r['seed']} | {r['status']} | {r['reason'].replace('|', '/')} |" for r in rows]
+    return lines + [""]
+
+
+def report(out: str | Path, baseline_arms: Sequence[str] = ()) -> list[Path]:
+    """Summarize the sweep in ``out``; returns the files written."""
+    from masrl.sweep.plots import plot_sweep
+
+    out = Path(out)
+    if not out.is_dir():
+        raise ConfigError(f"masrl sweep report: {out} is not a folder")
+    axes, expected, name = discover(out)
+    base = baselines(axes, baseline_arms)
+    runs = [load_run(out, labels, seed) for labels, seed in expected]
+    summary = summarize(runs, axes, base, name)
+    paths = [_write(out / "summary.json", json.dumps(summary, indent=1, default=str)),
+             _write(out / "summary.md", to_markdown(summary))]
+    if any(r.status == "ok" for r in runs):
+        paths += plot_sweep(out, runs)
+    return paths
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,374 @@
+"""masrl sweep: spec validation, grid expansion, resumability, the statistics, the report, one real sweep."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from masrl.cli import main as cli_main
+from masrl.config import ConfigError, dump_config, load_config
+from masrl.sweep import run as sweep_run
+from masrl.sweep.report import report
+from masrl.sweep.spec import SweepSpec, expand_cells, expand_runs, load_spec, parse_cell_name
+from masrl.sweep.stats import mean_ci, paired, t_quantile
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = "examples/quickstart.yaml"
+SEPARATE = ["agents.Verifier.policy=verifier", "policies.verifier={model: tiny, tiny: {hidden_size: 32}}"]
+
+
+def spec_dict(**over) -> dict:
+    spec = {"name": "e1", "base": QUICKSTART, "out": "runs/sweeps/e1", "seeds": [0, 1],
+            "overrides": ["trainer.threads=1"],
+            "axes": {"estimator": {"key": "algorithm.estimator", "values": ["grpo", "drmas"]},
+                     "mapping": {"shared": [], "separate": SEPARATE}}}
+    spec.update(over)
+    return spec
+
+
+def write_spec(tmp_path: Path, **over) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec_dict(**over), sort_keys=False))
+    return path
+
+
+# ---------------------------------------------------------------------- spec
+
+@pytest.mark.parametrize("over, needle", [
+    ({"axis": {}}, "unknown key 'axis'"),
+    ({"seeds": []}, "key 'seeds'"),
+    ({"seeds": [0, 0]}, "seeds repeat"),
+    ({"axes": {"estimator": {"key": "algorithm.estimator"}}}, "key 'axes.estimator'"),
+    ({"axes": {"estimator": {"key": "algorithm.estimator", "values": ["a/b"]}}}, "label 'a/b'"),
+    ({"axes": {"est__x": {"key": "algorithm.estimator", "values": ["grpo"]}}}, "axis name 'est__x'"),
+    ({"axes": {"m": {"shared": {"overrides": [], "bsae": "x.yaml"}}}}, "unknown key 'axes.m.shared.bsae'"),
+    ({"axes": {"m": {"shared": ["trainer.threads"]}}}, "axes.m.shared: override 'trainer.threads'"),
+    ({"overrides": ["seed=3"]}, "'seed' is set by the sweep"),
+    ({"axes": {"k": {"key": "eval.k", "values": [[1, 2]]}}}, "value [1, 2] is not a string, number"),
+    ({"axes": {"m": {"shared": "trainer.threads=1"}}}, "label 'shared': give a list of overrides"),
+])
+def test_spec_errors_name_the_key(tmp_path, over, needle):
+    with pytest.raises(ConfigError) as e:
+        load_spec(write_spec(tmp_path, **over))
+    assert needle in str(e.value) and "spec.yaml" in str(e.value)
+
+
+def test_spec_cli_errors_exit_2(tmp_path, capsys):
+    assert cli_main(["sweep", str(write_spec(tmp_path, seeds="zero"))]) == 2
+    assert "key 'seeds'" in capsys.readouterr().err
+    assert cli_main(["sweep", str(tmp_path / "nope.yaml")]) == 2
+    assert cli_main(["sweep", str(write_spec(tmp_path, base="missing.yaml")), "--dry-run"]) == 2
+    assert "base config 'missing.yaml' does not exist" in capsys.readouterr().err
+    assert cli_main(["sweep", str(write_spec(tmp_path)), "--jobs", "0"]) == 2
+    assert cli_main(["sweep", str(write_spec(tmp_path)), "--gpus-per-run", "1"]) == 2
+    assert "--jobs must be >= 1" in (err := capsys.readouterr().err) and "--gpus-per-run needs --ray" in err
+    assert cli_main(["sweep", "report", str(tmp_path)]) == 2
+    assert "no sweep.json and no run folders" in capsys.readouterr().err
+    bad = write_spec(tmp_path, axes={"lr": {"key": "policies.shared.optim.lr", "values": ["fast"]}})
+    assert cli_main(["sweep", str(bad), "--dry-run", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "cell lr=fast (seed 0)" in err and "policies.shared.optim.lr" in err
+
+
+def test_two_bases_in_one_cell_is_an_error():
+    spec = SweepSpec.model_validate(spec_dict(axes={
+        "a": {"x": {"base": "one.yaml", "overrides": []}}, "b": {"y": {"base": "two.yaml"}}}))
+    with pytest.raises(ConfigError, match="a=x__b=y: two axes set a base config"):
+        expand_cells(spec)
+
+
+# ---------------------------------------------------------------------- grid
+
+def test_grid_expansion_cell_names_and_argv(tmp_path):
+    spec = SweepSpec.model_validate(spec_dict(axes={
+        "estimator": {"key": "algorithm.estimator", "values": ["grpo", "drmas"]},
+        "lr": {"key": "policies.shared.optim.lr", "values": [1e-4, 3e-4]},
+        "mapping": {"shared": [], "separate": {"overrides": SEPARATE, "base": "other.yaml"}}}))
+    cells = expand_cells(spec)
+    assert [c.name for c in cells][:3] == ["estimator=grpo__lr=0.0001__mapping=shared",
+                                           "estimator=grpo__lr=0.0001__mapping=separate",
+                                           "estimator=grpo__lr=0.0003__mapping=shared"]
+    assert len(cells) == 8 and cells[1].base == "other.yaml" and cells[0].base == QUICKSTART
+    assert cells[1].overrides == ("algorithm.estimator=grpo", "policies.shared.optim.lr=0.0001", *SEPARATE)
+    assert parse_cell_name(cells[1].name) == cells[1].labels
+    runs = expand_runs(spec, tmp_path / "out")
+    assert [(r.seed, r.cell.name) for r in runs[7:9]] == [(0, cells[7].name), (1, cells[0].name)]  # seed-major
+    argv = runs[1].argv("python")
+    assert argv == ["python", "-m", "masrl.cli", "train", "other.yaml", "seed=0", "logging.progress=false",
+                    "trainer.threads=1", "algorithm.estimator=grpo", "policies.shared.optim.lr=0.0001", *SEPARATE,
+                    "--output-dir", str(tmp_path / "out" / cells[1].name / "seed0"), "--overwrite"]
+
+
+def test_value_axis_overrides_read_back_as_the_value(tmp_path):
+    spec = SweepSpec.model_validate(spec_dict(axes={
+        "lr": {"key": "policies.shared.optim.lr", "values": [1e-4]},
+        "drift": {"key": "monitoring.drift", "values": [False]}}))
+    run = expand_runs(spec, tmp_path)[0]
+    assert run.cell.name == "lr=0.0001__drift=False"
+    cfg = run.config()
+    assert cfg.policies["shared"].optim.lr == 1e-4 and cfg.monitoring.drift is False and cfg.seed == 0
+
+
+def test_dry_run_prints_every_argv(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert cli_main(["sweep", str(write_spec(tmp_path)), "--dry-run", "--nice", "10",
+                     "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("nice -n 10 ")]
+    assert len(lines) == 8 and "seed=1" in lines[-1] and "--overwrite" in lines[-1]
+    assert "# estimator=drmas__mapping=separate seed 1 (to run)" in out
+    assert not (tmp_path / "o").exists()  # a dry run writes nothing
+
+
+def test_shipped_example_spec_expands(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    spec = load_spec("examples/sweeps/quickstart_estimators.yaml")
+    runs = expand_runs(spec, tmp_path)
+    assert len(runs) == 20 and runs[1].cell.name == "estimator=grpo__mapping=separate"
+    cfg = runs[1].config()
+    assert cfg.agents["Verifier"].policy == "verifier" and set(cfg.policies) == {"shared", "verifier"}
+    assert cfg.trainer.threads == 1 and cfg.algorithm.estimator == "grpo"
+
+
+# ---------------------------------------------------------------------- resumability
+
+def finish_run(run, steps: int | None = None, report_text: str | None = None) -> None:
+    """Make ``run``'s folder look like a finished ``masrl train`` run (its real config.yaml)."""
+    cfg = run.config()
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    (run.run_dir / "config.yaml").write_text(dump_config(cfg))
+    report = {"steps": cfg.trainer.total_steps if steps is None else steps, "eval": {}}
+    (run.run_dir / "report.json").write_text(report_text if report_text is not None else json.dumps(report))
+
+
+def test_plan_skips_finished_runs_and_reruns_broken_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    runs = expand_runs(SweepSpec.model_validate(spec_dict()), tmp_path)
+    finish_run(runs[0])
+    finish_run(runs[1], report_text='{"steps": 40, "ev')  # cut off mid-write
+    finish_run(runs[2], steps=12)  # stopped early
+    todo, done = sweep_run.plan(runs)
+    assert done == [runs[0]] and todo == runs[1:]
+    (runs[0].run_dir / "config.yaml").write_text(
+        (runs[0].run_dir / "config.yaml").read_text().replace("lr: 0.0001", "lr: 0.0002"))
+    with pytest.raises(ConfigError, match="(?s)another config than the spec asks for.*optim.lr: 0.0002 -> 0.0001"):
+        sweep_run.plan(runs)
+
+
+def test_sweep_runs_only_unfinished_runs_and_reports_failures(tmp_path, monkeypatch, capsys):
+    """The orchestration with the process replaced: which runs start, records, progress, exit code."""
+    monkeypatch.chdir(REPO)
+    spec = SweepSpec.model_validate(spec_dict())
+    runs = expand_runs(spec, tmp_path)
+    finish_run(runs[0])
+    started = []
+
+    def fake_execute(argv, log_path, cwd, env=None):
+        run = next(r for r in runs if str(r.log_path) == log_path)
+        started.append(run)
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(log_path).write_text("boom\n" if run is runs[3] else "ok\n")
+        if run is not runs[3]:
+            finish_run(run)
+        return {"argv": argv, "rc": 1 if run is runs[3] else 0, "wall_s": 2.0, "cpu_s": 1.5}
+
+    monkeypatch.setattr(sweep_run, "execute", fake_execute)
+    assert sweep_run.sweep(spec, tmp_path, jobs=2) == 1
+    out = capsys.readouterr().out
+    assert sorted(map(id, started)) == sorted(map(id, runs[1:])) and "1 finished (skipped), 7 to run" in out
+    assert f"{runs[3].cell.name} seed {runs[3].seed}: rc 1" in out and "FAILED" in out
+    assert out.count("ETA") == 7 and "1 of 7 runs failed" in out
+    assert json.loads(runs[3].log_path.with_suffix(".json").read_text())["rc"] == 1
+    started.clear()
+    assert sweep_run.sweep(spec, tmp_path, jobs=1) == 1 and started == [runs[3]]  # only the failed one again
+    assert json.loads((tmp_path / "sweep.json").read_text())["axes"] == {"estimator": ["grpo", "drmas"],
+                                                                         "mapping": ["shared", "separate"]}
+    held = sweep_run._lock(tmp_path)  # another sweep on the same folder
+    with pytest.raises(ConfigError, match="another masrl sweep is running on"):
+        sweep_run.sweep(spec, tmp_path)
+    held.close()
+
+
+def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = SweepSpec.model_validate(spec_dict())
+    runs = expand_runs(spec, tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(sweep_run, "run_argv", lambda run, nice: sleeper)
+    real_wait = sweep_run.wait
+
+    def interrupt(pending, return_when):  # Ctrl-C once the first run is under way
+        while not sweep_run._RUNNING:
+            real_wait(pending, timeout=0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_run, "wait", interrupt)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        sweep_run.sweep(spec, tmp_path, jobs=1)
+    assert time.monotonic() - t0 < 30 and not sweep_run._RUNNING  # the 60 s run was terminated
+    assert runs[0].log_path.exists() and not any(r.log_path.exists() for r in runs[1:])  # nothing else started
+
+
+# ---------------------------------------------------------------------- statistics
+
+def test_t_quantiles_match_the_table():
+    for df, table in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)]:
+        assert t_quantile(0.975, df) == pytest.approx(table, abs=5e-4)
+    assert t_quantile(0.025, 4) == pytest.approx(-2.776, abs=5e-4)
+
+
+def test_mean_ci_by_hand():
+    # mean 0.35; squared deviations .0025 .0001 .0004 .0036 0 -> s^2 = .0066 / 4 = .00165, s = .040620;
+    # s / sqrt(5) = .018166; t(0.975, 4) = 2.776445 -> half-width .050437
+    s = mean_ci([0.30, 0.36, 0.33, 0.41, 0.35])
+    assert s.n == 5 and s.mean == pytest.approx(0.35)
+    assert s.sd == pytest.approx(0.040620, abs=1e-6) and s.half_width == pytest.approx(0.050437, abs=1e-6)
+    assert (s.low, s.high) == (pytest.approx(0.299563, abs=1e-6), pytest.approx(0.400437, abs=1e-6))
+    one = mean_ci([0.4, None, float("nan")])  # missing values are left out; n says so
+    assert one.n == 1 and one.mean == 0.4 and one.half_width is None and one.low is None
+    assert mean_ci([]).n == 0
+
+
+def test_paired_difference_by_hand():
+    # common seeds 0-3 (seed 4 has no arm value): diffs .10 .02 -.02 .04 -> mean .035;
+    # squared deviations .004225 .000225 .003025 .000025 -> s^2 = .0075 / 3 = .0025, s = .05, se = .025;
+    # t(0.975, 3) = 3.182446 -> half-width .079561
+    p = paired({0: .40, 1: .38, 2: .35, 3: .45}, {0: .30, 1: .36, 2: .37, 3: .41, 4: .50})
+    assert p.seeds == [0, 1, 2, 3] and p.summary.mean == pytest.approx(0.035)
+    assert p.summary.half_width == pytest.approx(0.079561, abs=1e-6)
+    assert (p.arm_higher, p.baseline_higher, p.ties) == (3, 1, 0)
+
+
+# ---------------------------------------------------------------------- report
+
+def fabricate(out: Path, cell: str, seed: int, sft: float, rl: float, norms: list[float], spikes: list[int],
+              rc: int | None = 0, mid: float | None = None) -> None:
+    """A run folder as ``masrl train`` writes it (report.json, metrics.jsonl, config.yaml) and its record."""
+    run_dir = out / cell / f"seed{seed}"
+    run_dir.mkdir(parents=True)
+    (out / cell / f"seed{seed}.log").write_text("...\nmasrl: error: out of memory\n" if rc else "done\n")
+    (out / cell / f"seed{seed}.json").write_text(json.dumps({"rc": rc, "wall_s": 100.0 + seed, "cpu_s": 90.0}))
+    if rc:
+        return
+    steps = len(norms)
+    (run_dir / "config.yaml").write_text(dump_config(load_config(REPO / QUICKSTART,
+                                                                 [f"trainer.total_steps={steps}"])))
+    ev = {"sft": {"n": 4, "avg@n": sft, "pass@4": sft + 0.1}, "final": {"n": 4, "avg@n": rl, "pass@4": rl + 0.1}}
+    (run_dir / "report.json").write_text(json.dumps({"steps": steps, "eval": ev}))
+    records = [{"step": 0, "phase": "eval", "eval/test/avg@n": sft}]
+    for i, (g, s) in enumerate(zip(norms, spikes), start=1):
+        records.append({"step": i, "phase": "train", "team/reward": 0.5 + 0.01 * i, "agent/Solver/grad_norm": g,
+                        "agent/Solver/chi2_drift": 0.1 * i, **({"agent/Solver/grad_spike": 1.0} if s else {}),
+                        **({"agent/Solver/role_capture": 1.0} if s else {}),
+                        **({"policy/shared/nonfinite_skipped": 1.0} if g is None else {})})
+        if i == 1 and mid is not None:
+            records.append({"step": i, "phase": "eval", "eval/test/avg@n": mid})
+    records.append({"step": steps, "phase": "eval", "eval/test/avg@n": rl})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_report_on_fabricated_runs(tmp_path):
+    out = tmp_path / "sweep"
+    (out).mkdir()
+    (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1, 2, 3], "axes": {"est": ["grpo", "drmas"]},
+                                                "cells": ["est=grpo", "est=drmas"]}))
+    fabricate(out, "est=grpo", 0, 0.30, 0.40, [1.0, 3.0, 2.0], [0, 1, 0], mid=0.55)
+    fabricate(out, "est=grpo", 1, 0.32, 0.36, [1.0, 1.0, 0.0], [0, 0, 0])
+    fabricate(out, "est=grpo", 2, 0.30, 0.41, [2.0, None, 4.0], [0, 0, 0])
+    fabricate(out, "est=drmas", 0, 0.30, 0.45, [1.0, 1.5, 2.0], [0, 0, 0])
+    fabricate(out, "est=drmas", 1, 0.32, 0.44, [1.0, 1.0, 1.0], [0, 0, 0])
+    fabricate(out, "est=drmas", 2, 0, 0, [], [], rc=1)  # failed: listed, never dropped
+    (out / "est=grpo" / "seed3").mkdir()  # still running (or killed): no report.json, no exit record
+    (out / "est=grpo" / "seed3.log").write_text("[RL 3/40] reward 0.41\n")
+    paths = report(out)
+    assert {p.name for p in paths} == {"summary.json", "summary.md", "heldout_accuracy.png", "grad_norms.png",
+                                       "spike_rate.png"}
+    s = json.loads((out / "summary.json").read_text())
+    rl = s["metrics"]["avg@4_rl"]
+    grpo = rl["arms"]["est=grpo"]
+    assert grpo["n"] == 3 and grpo["mean"] == pytest.approx(39.0)  # (40 + 36 + 41) / 3
+    # sd of (40, 36, 41) = sqrt(7) = 2.6458; t(0.975, 2) = 4.302653 -> half-width 6.5723
+    assert grpo["half_width"] == pytest.approx(4.302653 * math.sqrt(7) / math.sqrt(3), abs=1e-4)
+    (comp,) = rl["comparisons"]
+    assert comp["arm"] == "est=drmas" and comp["baseline"] == "est=grpo" and comp["seeds"] == [0, 1]
+    assert comp["diffs"] == [pytest.approx(5.0), pytest.approx(8.0)] and comp["favours_arm"] == 2
+    gain = s["metrics"]["avg@4_gain"]["arms"]["est=grpo"]["values"]
+    assert gain == {"0": pytest.approx(10.0), "1": pytest.approx(4.0), "2": pytest.approx(11.0)}
+    solver_max = s["metrics"]["grad_norm_max/Solver"]["arms"]["est=grpo"]["values"]
+    assert solver_max == {"0": 3.0, "1": 1.0, "2": 4.0}
+    assert s["metrics"]["grad_norm_median/Solver"]["arms"]["est=grpo"]["values"]["1"] == 1.0  # the 0 left out
+    assert s["metrics"]["spikes/Solver"]["arms"]["est=grpo"]["values"] == {"0": 1.0, "1": 0.0, "2": 0.0}
+    assert s["metrics"]["nonfinite_steps"]["arms"]["est=grpo"]["values"]["2"] == 1.0
+    assert s["metrics"]["avg@4_peak_drop"]["arms"]["est=grpo"]["values"] == {"0": pytest.approx(15.0), "1": 0.0,
+                                                                            "2": 0.0}
+    assert s["metrics"]["role_captures/Solver"]["arms"]["est=grpo"]["values"]["0"] == 1.0
+    assert s["metrics"]["chi2_drift_final/Solver"]["arms"]["est=drmas"]["values"]["0"] == pytest.approx(0.3)
+    assert s["metrics"]["train_reward_final"]["arms"]["est=drmas"]["mean"] == pytest.approx(0.52)
+    assert s["metrics"]["wall_s"]["arms"]["est=drmas"]["values"] == {"0": 100.0, "1": 101.0}
+    failed, missing, unfinished = sorted(s["not_finished"], key=lambda r: r["status"])
+    assert (unfinished["cell"], unfinished["seed"], unfinished["status"]) == ("est=grpo", 3, "unfinished")
+    assert "still running, or interrupted" in unfinished["reason"] and "[RL 3/40]" in unfinished["reason"]
+    assert (missing["cell"], missing["seed"], missing["status"], missing["reason"]) == ("est=drmas", 3, "missing",
+                                                                                        "not run yet")
+    assert s["runs"] == {"ok": 5, "total": 8}
+    assert (failed["cell"], failed["seed"], failed["status"]) == ("est=drmas", 2, "failed")
+    assert "exit code 1" in failed["reason"] and "masrl: error: out of memory" in failed["reason"]
+    md = (out / "summary.md").read_text()
+    assert "| est=drmas | 2 | failed | exit code 1" in md
+    assert "| est=grpo | 3 | 39.0 ± 6.6 |" in md and "| est=drmas − est=grpo | 2 | 6.5 ± 19.1 | 2/2 / 0/2 / 0/2 |" in md
+    report(out, ["est=drmas"])  # the other baseline: the difference flips sign
+    flipped = json.loads((out / "summary.json").read_text())["metrics"]["avg@4_rl"]["comparisons"][0]
+    assert flipped["arm"] == "est=grpo" and flipped["diff"]["mean"] == pytest.approx(-6.5)
+    with pytest.raises(ConfigError, match="--baseline-arm 'est=ppo'"):
+        report(out, ["est=ppo"])
+
+
+# ---------------------------------------------------------------------- end to end
+
+def test_quick_sweep_end_to_end(tmp_path, monkeypatch, capsys):
+    """A real 2-arm x 1-seed --quick sweep (two masrl train processes), then a rerun that skips, then the report."""
+    monkeypatch.chdir(REPO)
+    spec = write_spec(tmp_path, seeds=[0], axes={"estimator": {"key": "algorithm.estimator",
+                                                               "values": ["grpo", "drmas"]}})
+    out = tmp_path / "out"
+    argv = ["sweep", str(spec), "--quick", "--jobs", "2", "--out", str(out)]
+    rc = cli_main(argv)
+    printed = capsys.readouterr().out
+    logs = "".join(p.read_text() for p in out.glob("*/seed0.log"))
+    assert rc == 0, printed + logs
+    assert "[sweep 2/2]" in printed and "rc 0" in printed
+    for est in ("grpo", "drmas"):
+        run_dir = out / f"estimator={est}" / "seed0"
+        assert json.loads((run_dir / "report.json").read_text())["steps"] == 2
+        assert load_config(run_dir / "config.yaml").algorithm.estimator == est
+    assert cli_main(argv) == 0 and "2 finished (skipped), 0 to run" in capsys.readouterr().out
+    assert cli_main(["sweep", "report", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["runs"] == {"ok": 2, "total": 2} and s["not_finished"] == []
+    assert s["metrics"]["avg@2_rl"]["comparisons"][0]["arm"] == "estimator=drmas"
+    assert (out / "grad_norms.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_quick_sweep_on_a_local_ray_cluster(tmp_path, monkeypatch):
+    """--ray local: each run is a Ray task (1 CPU) starting the same masrl train process; a failing run is
+    reported and does not stop the other."""
+    pytest.importorskip("ray")
+    monkeypatch.chdir(REPO)
+    spec = write_spec(tmp_path, seeds=[0], axes={"task": {"ok": [], "broken": ["task.name=no_such_task"]}})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "masrl.cli", "sweep", str(spec), "--quick", "--ray", "local", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "task=ok seed 0: rc 0" in proc.stdout and "1 of 2 runs failed" in proc.stdout
+    assert json.loads((out / "task=ok" / "seed0" / "report.json").read_text())["steps"] == 2
+    assert json.loads((out / "task=broken" / "seed0.json").read_text())["rc"] == 2  # unknown task: a runtime error
+    assert "no_such_task" in (out / "task=broken" / "seed0.log").read_text()
