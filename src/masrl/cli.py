@@ -14,6 +14,8 @@ def _cmd_train(args) -> int:
 
     if args.config and "=" in args.config:  # `masrl train --resume DIR key=value ...`
         args.overrides, args.config = [args.config, *args.overrides], None
+    if args.strict:
+        args.overrides = [*args.overrides, "task.strict=true"]
     if args.resume:
         run_dir = Path(args.resume)
         cfg_path = run_dir / "config.yaml"
@@ -38,6 +40,17 @@ def _cmd_train(args) -> int:
     if report and report.get("export"):
         print(f"exported: {report['export']}  (Hugging Face / PEFT folders, README.md, config.yaml)")
     return 0 if report else 1
+
+
+def _cmd_config_show(args) -> int:
+    """The resolved config (defaults filled in, overrides applied, names checked) as YAML."""
+    from masrl.config import dump_config
+    from masrl.registry_names import check_names
+
+    cfg = load_config(args.config, args.overrides)
+    check_names(cfg)
+    print(dump_config(cfg), end="")
+    return 0
 
 
 def _cmd_export(args) -> int:
@@ -86,7 +99,10 @@ def _cmd_sweep(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from masrl import __version__
+
     parser = argparse.ArgumentParser(prog="masrl", description="Stable RL for teams of LLM agents")
+    parser.add_argument("--version", action="version", version=f"masrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a team (SFT cold start, then RL)")
@@ -95,7 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last valid checkpoint")
     train.add_argument("--output-dir", help="run folder (default: output_dir from the config)")
     train.add_argument("--overwrite", action="store_true", help="start over in a run folder that holds a run")
+    train.add_argument("--strict", action="store_true", help="stop at the first data row that does not parse "
+                                                            "(task.strict=true)")
     train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="inspect a config")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config (defaults, overrides) as YAML")
+    show.add_argument("config", help="YAML config file")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=50")
+    show.set_defaults(func=_cmd_config_show)
 
     ev = sub.add_parser("eval", help="evaluate a team on benchmarks (avg@n, pass@k, maj@k)")
     ev.add_argument("config")

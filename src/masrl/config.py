@@ -54,42 +54,72 @@ class _Strict(BaseModel):
 
 
 class TaskConfig(_Strict):
-    """Where tasks come from. ``name``: ``arithmetic`` (synthetic) or a benchmark name/file."""
+    """Where tasks come from: a synthetic task, a registered benchmark, or ``dataset`` (your own files)."""
 
-    name: str = "arithmetic"
-    params: dict[str, Any] = Field(default_factory=dict)
-    train_limit: Optional[int] = Field(None, ge=0)
-    test_limit: Optional[int] = Field(None, ge=0)
+    name: str = Field("arithmetic", description=(
+        "task source: arithmetic, synthetic_kb, a math/QA/code benchmark name (gsm8k_train, nq_search, mbpp, ...) "
+        "or dataset (your files or a Hugging Face dataset: train, test, format, fields, reward in params)"))
+    params: dict[str, Any] = Field(default_factory=dict, description=(
+        "the source's options (dataset: {train: PATH or hf:ID[:split], test: ..., format: jsonl|json|parquet|hf, "
+        "fields: {question: ..., answer: ...}, reward: math|qa_em|qa_f1|code|pkg.module:function}); "
+        "docs/training.md"))
+    train_limit: Optional[int] = Field(None, ge=0, description="use only the first N training tasks")
+    test_limit: Optional[int] = Field(None, ge=0, description="use only the first N held-out tasks")
+    strict: bool = Field(False, description=(
+        "stop at the first data row that does not parse (else it is skipped with a warning naming file and line)"))
 
 
 class WorkflowConfig(_Strict):
-    name: str = "math_solver_verifier"
-    params: dict[str, Any] = Field(default_factory=dict)
-    prompts: dict[str, str] = Field(default_factory=dict)
+    """The plain-Python episode the agents play (docs/workflows.md)."""
+
+    name: str = Field("math_solver_verifier", description=(
+        "a registered workflow (math_solver_verifier, search_verifier_router, voting, ...) or 'pkg.module:function'"))
+    params: dict[str, Any] = Field(default_factory=dict, description="the workflow's parameters (e.g. max_loops)")
+    prompts: dict[str, str] = Field(default_factory=dict, description="prompt templates replacing the workflow's "
+                                                                       "defaults, by template name")
+
+
+class AgentOptimConfig(_Strict):
+    """Per-agent optimizer overrides; unset keys inherit the policy's ``optim``."""
+
+    lr: Optional[float] = Field(None, gt=0.0, description="learning rate of this agent's parameters")
+    betas: Optional[tuple[float, float]] = Field(None, description="AdamW betas of this agent's parameters")
+    weight_decay: Optional[float] = Field(None, ge=0.0, description="AdamW weight decay of this agent's parameters")
+    eps: Optional[float] = Field(None, gt=0.0, description="AdamW epsilon of this agent's parameters")
 
 
 class AgentConfig(_Strict):
-    policy: str
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(256, gt=0)
-    system_prompt: Optional[str] = None
+    """One role of the workflow: which policy plays it and how it samples."""
+
+    policy: str = Field(description="the policy (a key of policies) that plays this agent")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling threshold")
+    max_new_tokens: int = Field(256, gt=0, description="longest response of one turn, in tokens")
+    system_prompt: Optional[str] = Field(None, description="system message of the chat template")
+    optim: Optional[AgentOptimConfig] = Field(None, description=(
+        "optimizer overrides for this agent's own LoRA adapter (a policy with lora.per_agent: true): a parameter "
+        "group of the policy's AdamW"))
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(1e-6, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.01, ge=0.0)
-    grad_clip: Optional[float] = Field(1.0, gt=0.0)
-    eps: float = Field(1e-8, ge=0.0)
+    """The policy's AdamW optimizer."""
+
+    lr: float = Field(1e-6, gt=0.0, description="learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW decoupled weight decay")
+    grad_clip: Optional[float] = Field(1.0, gt=0.0, description="clip the gradient norm to this (None: no clipping)")
+    eps: float = Field(1e-8, ge=0.0, description="AdamW epsilon")
     fused: bool = Field(False, description="torch's fused AdamW kernel (much faster steps for large models)")
 
 
 class LoraConfig(_Strict):
-    r: int = Field(8, gt=0)
-    alpha: float = 16.0
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """LoRA adapters on a frozen base (docs/lora.md)."""
+
+    r: int = Field(8, gt=0, description="adapter rank")
+    alpha: float = Field(16.0, description="LoRA scaling numerator (scale = alpha / r)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="module names that get adapters")
     per_agent: bool = Field(False, description=(
         "Isolated-Policy: one adapter per agent mapped to this policy, all trained in one optimizer step "
         "from one mixed batch; false: one adapter shared by the policy's agents (Shared-Policy)"))
@@ -101,15 +131,16 @@ class LoraConfig(_Strict):
 class PolicyConfig(_Strict):
     """A trainable model: ``model`` is ``tiny``, an alias, a hub id or a local folder."""
 
-    model: str = "tiny"
-    tiny: dict[str, Any] = Field(default_factory=dict)
-    tokenizer: Optional[str] = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    trainable: bool = True
-    trust_remote_code: bool = False
-    lora: Optional[LoraConfig] = None
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    init_seed: Optional[int] = Field(None, ge=0, le=SEED_MAX)
+    model: str = Field("tiny", description="tiny (built from config), an alias (smollm2), a hub id or a local folder")
+    tiny: dict[str, Any] = Field(default_factory=dict, description="the tiny model's architecture (hidden_size, ...)")
+    tokenizer: Optional[str] = Field(None, description="a tokenizer other than the model's own (hub id or folder)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weight dtype")
+    trainable: bool = Field(True, description="false: a frozen policy (no optimizer, no updates)")
+    trust_remote_code: bool = Field(False, description="run the model repository's own Python code (off for safety)")
+    lora: Optional[LoraConfig] = Field(None, description="train LoRA adapters instead of the full model")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the policy's AdamW settings")
+    init_seed: Optional[int] = Field(None, ge=0, le=SEED_MAX, description="seed of a tiny model's random init "
+                                                                           "(None: the run's seed)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra arguments of the tokenizer's chat template (Qwen3: {enable_thinking: false})"))
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (memory for time)")
@@ -138,19 +169,21 @@ def _registered(kind: str, value: str, known) -> str:
 
 
 class LossConfig(_Strict):
-    """Choices are checked against masrl.algorithms (``LOSSES``, ``AGG_MODES``, ``KL_KINDS``), so a
-    loss added with ``@register_loss`` is accepted here."""
+    """The policy loss on response tokens (docs/algorithms.md). Choices are checked against
+    masrl.algorithms (``LOSSES``, ``AGG_MODES``, ``KL_KINDS``), so a loss added with ``@register_loss`` is
+    accepted here."""
 
-    loss: str = "ppo"
-    clip_low: float = Field(0.2, ge=0.0)
-    clip_high: float = Field(0.2, ge=0.0)
-    dual_clip: Optional[float] = Field(None, gt=1.0)
+    loss: str = Field("ppo", description="a name in masrl.algorithms.LOSSES: ppo (token ratios), gspo "
+                                         "(sequence-level ratio), or one added with @register_loss")
+    clip_low: float = Field(0.2, ge=0.0, description="ratio clip below 1 (1 - clip_low)")
+    clip_high: float = Field(0.2, ge=0.0, description="ratio clip above 1 (1 + clip_high; clip-higher when larger)")
+    dual_clip: Optional[float] = Field(None, gt=1.0, description="dual-clip constant c for negative advantages")
     agg: str = Field("token-mean", description=(
         "token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, or role-balanced: token mean within each agent, "
         "then the mean over the agents in the policy batch (every role the same weight; docs/algorithms.md)"))
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_kind: str = "k3"
-    entropy_coef: float = 0.0
+    kl_coef: float = Field(0.0, ge=0.0, description="weight of the KL to the reference policy (0: off)")
+    kl_kind: str = Field("k3", description="KL estimator: k1, k2, k3")
+    entropy_coef: float = Field(0.0, description="entropy bonus weight")
 
     @field_validator("loss")
     @classmethod
@@ -181,22 +214,31 @@ class RolloutISConfig(_Strict):
     token's loss is weighted by ``min(exp(logp_old - logp_rollout), cap)`` (docs/scaling.md).
     """
 
-    enabled: bool = False
-    cap: float = Field(2.0, gt=0.0)
-    level: Literal["token", "sequence", "geometric"] = "token"
-    mode: Literal["truncate", "mask"] = "truncate"
+    enabled: bool = Field(False, description="weight the loss by the trainer/rollout importance ratio")
+    cap: float = Field(2.0, gt=0.0, description="the ratio's cap")
+    level: Literal["token", "sequence", "geometric"] = Field("token", description="ratio per token or per sequence")
+    mode: Literal["truncate", "mask"] = Field("truncate", description="truncate at cap, or mask tokens above it")
 
 
 class AlgorithmConfig(_Strict):
-    estimator: str = Field("drmas", description="a name in masrl.algorithms.ADVANTAGE_ESTIMATORS")
-    eps: float = Field(1e-6, ge=0.0)
-    unbiased_std: bool = True
-    singleton: Literal["zero", "raw"] = "zero"
-    format_penalty: float = 0.1
+    """Rewards, advantages and the loss (docs/algorithms.md)."""
+
+    estimator: str = Field("drmas", description=(
+        "advantage estimator, a name in masrl.algorithms.ADVANTAGE_ESTIMATORS: drmas (agent-wise), grpo, "
+        "drmas_mean_only, drmas_std_only, rloo, ..."))
+    eps: float = Field(1e-6, ge=0.0, description="added to the standard deviation")
+    unbiased_std: bool = Field(True, description="standard deviation with N-1 (as the reference)")
+    singleton: Literal["zero", "raw"] = Field("zero", description="advantage of a group of one value: 0 or the "
+                                                                   "raw score")
+    format_penalty: float = Field(0.1, description="subtracted from the score of an invalid (malformed) turn")
+    reward: Literal["team", "per_turn"] = Field("team", description=(
+        "team: every turn scores the team reward (Dr. MAS); per_turn: a turn scores its own reward when the "
+        "reward function set one (turn.reward), else the team reward"))
     group_by: Literal["agent", "slot"] = Field("agent", description=(
         "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
-    loss: LossConfig = Field(default_factory=LossConfig)
-    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig)
+    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
+    rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig, description=(
+        "truncated importance sampling between trainer and rollout engine"))
 
     @field_validator("estimator")
     @classmethod
@@ -209,14 +251,14 @@ class AlgorithmConfig(_Strict):
 class RolloutConfig(_Strict):
     """The rollout engine: ``transformers`` (in-process, any device) or ``vllm`` (CUDA; docs/scaling.md)."""
 
-    engine: Literal["transformers", "vllm"] = "transformers"
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    enable_sleep_mode: bool = True
+    engine: Literal["transformers", "vllm"] = Field("transformers", description="the rollout engine")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vLLM: share of the GPU per engine")
+    enable_sleep_mode: bool = Field(True, description="vLLM: allow releasing its memory during updates")
     sleep_level: Literal[0, 1, 2] = Field(1, description="release vLLM memory during updates (0: never)")
-    max_model_len: Optional[int] = Field(None, gt=0)
-    enforce_eager: bool = False
+    max_model_len: Optional[int] = Field(None, gt=0, description="vLLM: longest sequence (None: the model's)")
+    enforce_eager: bool = Field(False, description="vLLM: no CUDA graphs")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="None: the policy's")
-    max_loras: int = Field(4, gt=0)
+    max_loras: int = Field(4, gt=0, description="vLLM: adapters served at once")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed on to vllm.LLM")
     prefix_cache: bool = Field(True, description=(
         "transformers engine: prefill each distinct prompt of a call once (a GRPO group) and reuse the "
@@ -228,11 +270,11 @@ class RolloutConfig(_Strict):
 class SFTConfig(_Strict):
     """Cold-start supervised stage on teacher demonstrations (``steps: 0`` turns it off)."""
 
-    steps: int = Field(0, ge=0)
-    batch_size: int = Field(64, gt=0)
-    lr: float = Field(3e-3, gt=0.0)
-    warmup_steps: int = Field(20, ge=0)
-    teacher: dict[str, Any] = Field(default_factory=dict)
+    steps: int = Field(0, ge=0, description="SFT steps (0: no SFT)")
+    batch_size: int = Field(64, gt=0, description="demonstration turns per SFT step")
+    lr: float = Field(3e-3, gt=0.0, description="peak SFT learning rate (warmup, then cosine)")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup steps")
+    teacher: dict[str, Any] = Field(default_factory=dict, description="the task's teacher options (error_rate, ...)")
     train_base: bool = Field(False, description=(
         "with LoRA policies: SFT trains the base weights too (a tiny model built from config starts "
         "random), then freezes them for RL"))
@@ -242,11 +284,13 @@ class SFTConfig(_Strict):
 
 
 class TrainerConfig(_Strict):
-    total_steps: int = Field(50, ge=0)
+    """The RL loop: batch sizes, update schedule, checkpoints, device."""
+
+    total_steps: int = Field(50, ge=0, description="RL steps")
     batch_size: int = Field(8, gt=0, description="tasks per step")
     group_size: int = Field(8, gt=0, description="episodes per task (G)")
-    epochs: int = Field(1, gt=0)
-    minibatches: int = Field(1, gt=0)
+    epochs: int = Field(1, gt=0, description="passes over each step's turns")
+    minibatches: int = Field(1, gt=0, description="optimizer steps per epoch (the turns split in this many parts)")
     micro_batch_tokens: int = Field(4096, gt=0, description=(
         "padded tokens (rows x longest row) per forward/backward micro-batch; 4096 since issue #7 (was 16384): "
         "quickstart update 0.74-0.84x the time, peak RSS 1.5-1.6 -> 0.9 GB on CPU (docs/performance.md)"))
@@ -255,14 +299,15 @@ class TrainerConfig(_Strict):
         "the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "
         "backward recomputes each chunk), never materialising [tokens, vocabulary] logits; equal to the plain "
         "path within float32 rounding. 0: full logits (the plain path). docs/performance.md"))
-    save_every: int = Field(0, ge=0)
-    keep_checkpoints: int = Field(2, gt=0)
-    log_every: int = Field(1, gt=0)
-    threads: Optional[int] = Field(None, gt=0)
-    device: str = "cpu"
-    per_agent_grad_norm: bool = True
-    skip_nonfinite: bool = True
-    max_rollout_batch: int = Field(512, gt=0)
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
+    log_every: int = Field(1, gt=0, description="log metrics every N steps")
+    threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (None: torch's default)")
+    device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
+    per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
+                                                         "bookkeeping per agent)")
+    skip_nonfinite: bool = Field(True, description="skip an optimizer step whose gradient is NaN/inf")
+    max_rollout_batch: int = Field(512, gt=0, description="most sequences decoded together per policy")
     autocast: Optional[Literal["bfloat16", "float16"]] = Field(None, description=(
         "mixed precision for the update's forward/backward (torch.autocast; float32 master weights, "
         "gradients and optimizer state, loss math in float32). The PPO old log-probs are then the "
@@ -275,12 +320,13 @@ class TrainerConfig(_Strict):
 
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only before/after)")
-    n: int = Field(4, gt=0)
-    k: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4])
-    temperature: Optional[float] = Field(None, ge=0.0)
-    limit: Optional[int] = Field(None, gt=0)
-    benches: list[str] = Field(default_factory=list)
-    before_after: bool = True
+    n: int = Field(4, gt=0, description="samples per task (avg@n)")
+    k: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4],
+                                                 description="k values of pass@k and maj@k")
+    temperature: Optional[float] = Field(None, ge=0.0, description="sampling temperature (None: each agent's)")
+    limit: Optional[int] = Field(None, gt=0, description="tasks per benchmark (None: all)")
+    benches: list[str] = Field(default_factory=list, description="benchmarks besides the held-out split")
+    before_after: bool = Field(True, description="evaluate before RL (after SFT) and at the end")
     prices: dict[str, float] = Field(default_factory=dict,
                                      description="USD per 1M generated tokens, by policy (cost estimate)")
 
@@ -288,18 +334,21 @@ class EvalConfig(_Strict):
 class SpikeConfig(_Strict):
     """Gradient-spike detector: robust z-score of each policy's and role's grad norm (docs/monitoring.md)."""
 
-    action: Literal["log", "skip", "scale"] = "log"
-    window: int = Field(50, ge=2)
-    threshold: float = Field(6.0, gt=0.0)
-    min_history: int = Field(10, ge=1)
+    action: Literal["log", "skip", "scale"] = Field("log", description="on a spike: log it, skip the step, or "
+                                                                        "scale the gradient down")
+    window: int = Field(50, ge=2, description="steps of history")
+    threshold: float = Field(6.0, gt=0.0, description="robust z-score that counts as a spike")
+    min_history: int = Field(10, ge=1, description="steps before the detector acts")
 
 
 class MonitoringConfig(_Strict):
-    drift: bool = True
+    """Per-role instruments (docs/monitoring.md)."""
+
+    drift: bool = Field(True, description="log each agent's response drift from step 0")
     kl_to_base: bool = Field(False, description=(
         "log agent/<a>/kl_ref (k3 to the reference: the initial model, or the base without adapters) "
         "even when algorithm.loss.kl_coef is 0; costs one extra no-grad forward per micro-batch"))
-    spike: SpikeConfig = Field(default_factory=SpikeConfig)
+    spike: SpikeConfig = Field(default_factory=SpikeConfig, description="gradient-spike detector")
     capture_threshold: float = Field(0.8, gt=0.0, lt=1.0, description="role-capture: grad-mass share")
     capture_patience: int = Field(10, ge=1, description="role-capture: consecutive steps")
 
@@ -307,11 +356,12 @@ class MonitoringConfig(_Strict):
 class PlacementConfig(_Strict):
     """Where one policy's worker group runs (Ray runtime; docs/scaling.md). Unset keys inherit ``runtime``."""
 
-    placement: Optional[Literal["colocated", "dedicated"]] = None
-    workers: Optional[int] = Field(None, gt=0)
-    cpus_per_worker: Optional[float] = Field(None, gt=0.0)
-    gpus_per_worker: Optional[float] = Field(None, ge=0.0)
-    offload: Optional[bool] = None
+    placement: Optional[Literal["colocated", "dedicated"]] = Field(None, description="runtime.placement for "
+                                                                                       "this policy")
+    workers: Optional[int] = Field(None, gt=0, description="runtime.workers for this policy")
+    cpus_per_worker: Optional[float] = Field(None, gt=0.0, description="runtime.cpus_per_worker for this policy")
+    gpus_per_worker: Optional[float] = Field(None, ge=0.0, description="runtime.gpus_per_worker for this policy")
+    offload: Optional[bool] = Field(None, description="runtime.offload for this policy")
 
 
 class RuntimeConfig(_Strict):
@@ -324,18 +374,19 @@ class RuntimeConfig(_Strict):
     ``offload``); a ``dedicated`` policy gets a pool of its own.
     """
 
-    kind: Literal["local", "ray"] = "local"
+    kind: Literal["local", "ray"] = Field("local", description="local (this process) or ray (worker groups)")
     address: Optional[str] = Field(None, description="existing Ray cluster ('auto', 'ray://host:10001'); "
                                                      "None starts a local one")
     num_cpus: Optional[int] = Field(None, gt=0, description="CPUs of a local Ray cluster")
     num_gpus: Optional[int] = Field(None, ge=0, description="GPUs of a local Ray cluster")
-    dashboard: bool = False
+    dashboard: bool = Field(False, description="start Ray's dashboard")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend inside a "
                                                                           "worker group (auto: nccl on CUDA)")
-    placement: Literal["colocated", "dedicated"] = "colocated"
+    placement: Literal["colocated", "dedicated"] = Field("colocated", description=(
+        "colocated: policies share one resource pool; dedicated: a pool per policy"))
     workers: int = Field(1, gt=0, description="data-parallel actors per policy")
-    cpus_per_worker: float = Field(1.0, gt=0.0)
-    gpus_per_worker: float = Field(0.0, ge=0.0)
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of each actor")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of each actor (fractions share a GPU)")
     offload: bool = Field(True, description="colocated: move idle policies' weights and optimizer state to CPU")
     policies: dict[str, PlacementConfig] = Field(default_factory=dict, description="per-policy overrides")
 
@@ -346,28 +397,61 @@ class RuntimeConfig(_Strict):
                                   for k in PlacementConfig.model_fields})
 
 
+REPORT_TO = ("tensorboard", "wandb", "mlflow", "trackio")
+
+
 class LoggingConfig(_Strict):
-    tensorboard: bool = True
-    progress: bool = True
-    plots: bool = True
+    """Where metrics go besides metrics.jsonl (always written): docs/monitoring.md."""
+
+    report_to: Optional[list[Literal["tensorboard", "wandb", "mlflow", "trackio"]]] = Field(None, description=(
+        "trackers that receive every metric, through their own libraries (pip install masrl[wandb], "
+        "masrl[mlflow], masrl[trackio]); None: [tensorboard] when logging.tensorboard is true"))
+    tensorboard: bool = Field(True, description="TensorBoard in RUN_DIR/tensorboard (kept for older configs: "
+                                                 "report_to replaces it when set)")
+    project: Optional[str] = Field(None, description="W&B / trackio project and MLflow experiment (None: masrl)")
+    mlflow_tracking_uri: Optional[str] = Field(None, description=(
+        "MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default); e.g. file:///path/mlruns"))
+    init_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "extra arguments of each tracker's init call, by tracker: {wandb: {entity: ..., mode: offline}}"))
+    progress: bool = Field(True, description="progress bar with ETA (one line per update when not a terminal)")
+    plots: bool = Field(True, description="PNG training curves in RUN_DIR/plots at the end")
+
+    @model_validator(mode="after")
+    def _report_to_agrees(self):
+        if self.report_to is not None and not self.tensorboard and "tensorboard" in self.report_to:
+            raise ValueError("logging.tensorboard is false but logging.report_to lists tensorboard; "
+                             "drop one of them")
+        unknown = sorted(set(self.init_kwargs) - set(REPORT_TO))
+        if unknown:
+            raise ValueError(f"logging.init_kwargs names unknown trackers {unknown}; known: {list(REPORT_TO)}")
+        return self
+
+    @property
+    def sinks(self) -> list[str]:
+        """The trackers in effect (``report_to``, else TensorBoard when ``tensorboard``), without repeats."""
+        chosen = self.report_to if self.report_to is not None else (["tensorboard"] if self.tensorboard else [])
+        return list(dict.fromkeys(chosen))
 
 
 class RunConfig(_Strict):
-    seed: int = Field(0, ge=0, le=SEED_MAX)
-    output_dir: str = "runs/{name}-{estimator}-seed{seed}"  # placeholders: {name} {estimator} {seed}
-    name: str = "run"
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
-    agents: dict[str, AgentConfig]
-    policies: dict[str, PolicyConfig]
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """One masrl run: ``masrl train CONFIG``."""
+
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="seed of sampling, tiny-model init and task order")
+    output_dir: str = Field("runs/{name}-{estimator}-seed{seed}", description=(
+        "the run folder; placeholders {name} {estimator} {seed}"))
+    name: str = Field("run", description="the run's name (in output_dir, reports and trackers)")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="where tasks and rewards come from")
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig, description="the episode the agents play")
+    agents: dict[str, AgentConfig] = Field(description="the workflow's roles, by name: policy and sampling")
+    policies: dict[str, PolicyConfig] = Field(description="the trainable models, by name")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="rewards, advantages, loss")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="the supervised cold start")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the RL loop")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric trackers, progress, plots")
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="per-role instruments")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="local or Ray worker groups")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the rollout engine")
 
     @model_validator(mode="after")
     def _runtime_names_policies(self):
@@ -406,6 +490,16 @@ class RunConfig(_Strict):
         unused = sorted(set(self.policies) - {a.policy for a in self.agents.values()})
         if unused:
             raise ValueError(f"policies {unused} are not used by any agent; map an agent to them or remove them")
+        return self
+
+    @model_validator(mode="after")
+    def _agent_optim_needs_own_adapter(self):
+        for agent, acfg in self.agents.items():
+            pcfg = self.policies.get(acfg.policy)
+            if acfg.optim is not None and pcfg is not None and not (pcfg.lora and pcfg.lora.per_agent):
+                raise ValueError(f"agents.{agent}.optim needs parameters of its own: policy {acfg.policy!r} must have "
+                                 f"lora.per_agent: true (one adapter per agent); otherwise set "
+                                 f"policies.{acfg.policy}.optim")
         return self
 
     @property
@@ -534,7 +628,7 @@ def _format_error(err: ValidationError, source: str) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key '{loc}' (check the spelling; see the config reference "
-                         "in docs/training.md)")
+                         "in docs/config.md)")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{loc}'")
         else:

@@ -43,6 +43,7 @@ class Turn:
     truncated: bool = False
     turn_index: int = 0  # order of this call among all calls of the episode
     info: dict[str, Any] = field(default_factory=dict)
+    reward: float | None = None  # a per-turn reward set by a user reward; used when algorithm.reward: per_turn
 
     @property
     def num_response_tokens(self) -> int:

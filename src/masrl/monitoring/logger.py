@@ -1,10 +1,11 @@
-"""Metric sinks: metrics.jsonl (every number a user sees), TensorBoard, and the console."""
+"""Metric sinks: metrics.jsonl (every number a user sees), TensorBoard, the trackers of
+``logging.report_to`` (W&B, MLflow, trackio: :mod:`masrl.monitoring.trackers`), and the console."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 def _clean(value: float) -> float | None:
@@ -12,9 +13,12 @@ def _clean(value: float) -> float | None:
 
 
 class MetricsLogger:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard and to
+    ``trackers`` (objects with ``log(step, metrics, phase)`` and ``close()``; closed with this logger)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_from_step: int | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, resume_from_step: int | None = None,
+                 trackers: Sequence = ()):
+        self.trackers = list(trackers)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from_step is not None and self.path.exists():
@@ -51,6 +55,8 @@ class MetricsLogger:
         record.update({k: (_clean(float(v)) if isinstance(v, (int, float)) else v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        for tracker in self.trackers:
+            tracker.log(step, metrics, phase)
         if self._tb is not None:
             writer = self._tb
             if phase == "sft":  # SFT steps have their own axis: a run of their own, untouched by resume purges
@@ -66,6 +72,8 @@ class MetricsLogger:
         for writer in (self._tb, self._tb_sft):
             if writer is not None:
                 writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -18,7 +18,9 @@ def policy_build_args(cfg, run_dir) -> dict[str, dict]:
     return {name: dict(seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
                        agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name],
                        device=cfg.trainer.device, rollout=cfg.rollout.model_dump(mode="json"),
-                       workdir=str(run_dir / "vllm"), autocast=cfg.trainer.autocast)
+                       workdir=str(run_dir / "vllm"), autocast=cfg.trainer.autocast,
+                       agent_optim={a: acfg.optim.model_dump(exclude_none=True) for a, acfg in cfg.agents.items()
+                                    if acfg.policy == name and acfg.optim is not None})
             for name in cfg.policies}
 
 

@@ -55,8 +55,8 @@ def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 
     train_name = cfg.params.get("train", cfg.name)
     test_name = cfg.params.get("test", cfg.name)
-    train = load_benchmark(train_name, limit=cfg.train_limit)
-    test = load_benchmark(test_name, limit=cfg.test_limit)
+    train = load_benchmark(train_name, limit=cfg.train_limit, strict=cfg.strict)
+    test = load_benchmark(test_name, limit=cfg.test_limit, strict=cfg.strict)
     return TaskSource(cfg.name, train, test, _math_score(cfg))
 
 
@@ -84,8 +84,8 @@ def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.qa import load_qa
     from masrl.tasks.retrieval import resolve_retriever
 
-    train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit)
-    test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit)
+    train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit, strict=cfg.strict)
+    test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit, strict=cfg.strict)
     retriever = cfg.params.get("retriever")
     if retriever is None:
         raise ConfigError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
@@ -99,32 +99,43 @@ def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 
     mode = cfg.params.get("reward_mode", "fraction")
     if cfg.name == "mbpp":
-        train = load_mbpp(split=cfg.params.get("train_split", "train"))
-        test = load_mbpp(split=cfg.params.get("test_split", "test"))
+        train = load_mbpp(split=cfg.params.get("train_split", "train"), strict=cfg.strict)
+        test = load_mbpp(split=cfg.params.get("test_split", "test"), strict=cfg.strict)
     else:
-        train = test = load_humaneval()
+        train = test = load_humaneval(strict=cfg.strict)
     return TaskSource(cfg.name, train, test, make_code_score(mode))
+
+
+def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    from masrl.tasks.dataset import dataset_source
+
+    return dataset_source(cfg, sft_teacher)
 
 
 SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
                                                                 "synthetic_kb": _synthetic_kb,
-                                                                "mbpp": _code, "humaneval": _code}
+                                                                "mbpp": _code, "humaneval": _code,
+                                                                "dataset": _dataset}
+
+
+def source_loader(cfg: TaskConfig) -> Callable[[TaskConfig, dict], TaskSource]:
+    """The loader of ``cfg.name`` (no data is read); ValueError listing the known tasks otherwise."""
+    if cfg.name in SOURCES:
+        return SOURCES[cfg.name]
+    from masrl.tasks.math_data import BENCHMARKS
+    from masrl.tasks.qa import QA_DATASETS
+
+    if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
+        return _math_benchmark
+    if cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
+        return _qa_benchmark
+    known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
+    raise ConfigError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)} "
+                     "(dataset: your own file, with task.params.train)")
 
 
 def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSource:
-    if cfg.name in SOURCES:
-        source = SOURCES[cfg.name](cfg, sft_teacher or {})
-    else:
-        from masrl.tasks.math_data import BENCHMARKS
-        from masrl.tasks.qa import QA_DATASETS
-
-        if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
-            source = _math_benchmark(cfg, sft_teacher or {})
-        elif cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
-            source = _qa_benchmark(cfg, sft_teacher or {})
-        else:
-            known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
-            raise ConfigError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)}")
+    source = source_loader(cfg)(cfg, sft_teacher or {})
     if cfg.train_limit is not None:
         source.train = source.train[:cfg.train_limit]
     if cfg.test_limit is not None:

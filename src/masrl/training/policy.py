@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -69,10 +70,11 @@ class Policy(PolicyText):
 def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
                  kl: bool = False, agents: list[str] | None = None, device: str = "cpu",
                  rollout: RolloutConfig | dict | None = None, workdir: str | Path | None = None,
-                 autocast: str | None = None) -> Policy:
+                 autocast: str | None = None, agent_optim: Mapping[str, Mapping[str, Any]] | None = None) -> Policy:
     """A policy on ``device`` with its optimizer and rollout engine (``rollout.engine``: transformers or vllm;
     a model built in memory is written under ``workdir`` for vLLM to load; ``autocast``: the in-process
-    engine decodes in that mixed precision, as ``trainer.autocast`` trains)."""
+    engine decodes in that mixed precision, as ``trainer.autocast`` trains; ``agent_optim``: per-agent AdamW
+    overrides for agents with their own LoRA adapter, see :func:`param_groups`)."""
     model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
     if cfg.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
@@ -116,12 +118,30 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
                     adapter_of=adapter_of)
     if cfg.trainable:
         o = cfg.optim
-        policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
+        policy.optimizer = torch.optim.AdamW(param_groups(policy, agent_optim or {}), lr=o.lr, betas=tuple(o.betas),
                                              weight_decay=o.weight_decay, eps=o.eps,
                                              **({"fused": True} if o.fused else {}))
     if kl and cfg.lora is None:
         policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return policy
+
+
+def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> list[dict]:
+    """AdamW parameter groups: every trainable parameter under the policy's ``optim`` (first), except the
+    LoRA adapters of agents with ``agents.<A>.optim`` overrides, which get one group each."""
+    own: dict[str, list] = {}
+    if agent_optim:
+        from masrl.models.lora import adapter_parameters
+
+        own = {a: [p for p in adapter_parameters(policy.model, policy.adapter_of[a]) if p.requires_grad]
+               for a in agent_optim}
+    taken = {id(p) for ps in own.values() for p in ps}
+    rest = [p for p in policy.trainable_parameters() if id(p) not in taken]
+    groups = [{"params": rest, "name": "policy"}] if rest or not own else []
+    for agent, overrides in agent_optim.items():
+        groups.append({"params": own[agent], "name": f"agent/{agent}",
+                       **{k: (tuple(v) if k == "betas" else v) for k, v in overrides.items()}})
+    return groups
 
 
 def _vllm_engine(name: str, cfg: PolicyConfig, rollout: RolloutConfig, model, tokenizer, eos_ids: list[int],

@@ -26,7 +26,9 @@ from masrl.errors import ConfigError
 from masrl.evaluation.runner import agent_facts, repeat_tasks, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
+from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
+from masrl.registry_names import check_names
 from masrl.rollout.runner import make_call, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_task_source
@@ -36,6 +38,7 @@ from masrl.training.policy import Policy
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
+from masrl.versions import library_versions, versions_comment
 from masrl.workflows.base import get_workflow
 
 
@@ -45,6 +48,7 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
+        check_names(cfg)  # registry names (workflow, task, reward) before anything is built
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
         self.show_progress = cfg.logging.progress if progress is None else progress
@@ -73,6 +77,7 @@ class Trainer:
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
+        self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
         self.logger: MetricsLogger | None = None
 
@@ -88,14 +93,17 @@ class Trainer:
                             format_penalty=self.cfg.algorithm.format_penalty)
 
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
-        """Every turn gets the team reward, minus the format penalty if it is invalid."""
+        """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
+        function set one), minus the format penalty if it is invalid."""
         turns, keys, scores = [], [], []
         penalty = self.cfg.algorithm.format_penalty
+        per_turn = self.cfg.algorithm.reward == "per_turn"
         for e in episodes:
             for t in e.turns:
                 turns.append(t)
                 keys.append((e.group_id, e.episode_id))
-                scores.append(e.reward - (0.0 if t.valid else penalty))
+                base = t.reward if per_turn and t.reward is not None else e.reward
+                scores.append(base - (0.0 if t.valid else penalty))
         return turns, keys, torch.tensor(scores, dtype=torch.float32)
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
@@ -226,8 +234,12 @@ class Trainer:
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
-            _atomic_write(self.run_dir / "config.yaml", dump_config(cfg))
-        self.logger = MetricsLogger(self.run_dir, cfg.logging.tensorboard, resume_from_step=start_step if resume else None)
+            _atomic_write(self.run_dir / "config.yaml", versions_comment(self.versions) + dump_config(cfg))
+        record_versions(self.run_dir, self.versions, resumed_at=start_step if resume else None)
+        trackers = make_trackers(cfg.logging, name=cfg.name, run_dir=self.run_dir, resume=resume,
+                                 config=cfg.model_dump(mode="json"))
+        self.logger = MetricsLogger(self.run_dir, "tensorboard" in cfg.logging.sinks,
+                                    resume_from_step=start_step if resume else None, trackers=trackers)
         try:
             if not resume:
                 self.sft()
@@ -284,7 +296,8 @@ class Trainer:
                                     keep=self.cfg.trainer.keep_checkpoints)
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",
+               "trackers.json", "wandb", "versions.json")
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
@@ -392,6 +405,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def record_versions(run_dir: Path, versions: dict, resumed_at: int | None = None) -> None:
+    """``versions.json``: the versions a run started with, plus those of each resume (``resumed_at_step_N``)."""
+    path = run_dir / "versions.json"
+    record = json.loads(path.read_text()) if resumed_at is not None and path.is_file() else {}
+    record["run" if resumed_at is None else f"resumed_at_step_{resumed_at}"] = versions
+    _atomic_write(path, json.dumps(record, indent=1))
+
+
 def write_report(trainer: Trainer) -> dict:
     """report.json + report.md (before/after table) and PNG curves in the run folder."""
     from masrl.monitoring.plots import plot_training_curves
@@ -402,7 +423,8 @@ def write_report(trainer: Trainer) -> dict:
         if label in trainer.history:
             rows.append((label, trainer.history[label]))
     report = {"name": cfg.name, "seed": cfg.seed, "estimator": cfg.algorithm.estimator,
-              "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history}
+              "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history,
+              "versions": trainer.versions}
     lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
              f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
              f"{trainer.step} RL steps, eval n={cfg.eval.n} on {len(trainer.source.test)} held-out tasks", ""]

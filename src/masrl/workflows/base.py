@@ -157,11 +157,13 @@ class Team:
 
     def score(self, answer: str | None) -> dict:
         """The task's score of ``answer`` (``{"reward", "correct", ...}``), e.g. to judge a verdict."""
+        if getattr(self._score, "takes_episode", False):  # a user reward sees the turns so far
+            return self._score(self.task, Episode(task=self.task, turns=list(self.turns), reward=0.0, answer=answer))
         return self._score(self.task, answer)
 
     def finish(self, answer: str | None, **info: Any) -> Episode:
         """Score the final answer and return the episode (team reward = task outcome)."""
-        result = self._score(self.task, answer)
+        result = self.score(answer)
         reward = float(result["reward"])
         info = {**{k: v for k, v in result.items() if k != "reward"}, **info}
         return Episode(task=self.task, turns=list(self.turns), reward=reward, answer=answer, info=info)

@@ -33,7 +33,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run_serve_retriever(args: argparse.Namespace) -> int:
     from masrl.errors import UserInputError
     from masrl.tasks.retrieval import build_retriever
-    from masrl.tasks.retrieval.server import ServerLimits, serve
+    try:
+        from masrl.tasks.retrieval.server import ServerLimits, serve
+    except ImportError as e:
+        print(f"error: masrl serve-retriever needs fastapi and uvicorn ({e}): pip install masrl[server]",
+              file=sys.stderr)
+        return 2
 
     if not 1 <= args.port <= 65535:
         print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)

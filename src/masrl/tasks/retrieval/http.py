@@ -5,8 +5,6 @@ import logging
 import time
 from typing import Any
 
-import httpx
-
 from masrl.tasks.retrieval.base import Passage, RetrieverError, split_contents
 
 log = logging.getLogger(__name__)
@@ -29,6 +27,11 @@ class HttpRetriever:
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
         self.timeout, self.retries, self.backoff, self.max_batch = timeout, max(0, retries), backoff, max(1, max_batch)
+        try:
+            import httpx
+        except ImportError:
+            raise ImportError("the retrieval server client needs httpx: pip install masrl[server]") from None
+        self._httpx = httpx
         self._client = httpx.Client(timeout=timeout)
 
     def close(self) -> None:
@@ -58,10 +61,10 @@ class HttpRetriever:
                 time.sleep(self.backoff * attempt)
             try:
                 response = self._client.post(self.url, json=payload)
-            except httpx.TimeoutException:
+            except self._httpx.TimeoutException:
                 last_error = f"timed out after {self.timeout:g} s"
                 continue
-            except httpx.TransportError as e:
+            except self._httpx.TransportError as e:
                 last_error = f"{type(e).__name__}: {e}"
                 continue
             if response.status_code >= 500:

@@ -1,0 +1,137 @@
+"""Experiment trackers of ``logging.report_to``: W&B, MLflow and trackio, through their own libraries.
+
+Each tracker receives every number ``metrics.jsonl`` gets. RL steps are the x axis; SFT steps
+are logged under ``sft/<metric>`` against their own ``sft/step`` axis (W&B) or their step (MLflow,
+trackio), so that SFT and RL never fight over one monotonic step. A resumed run continues the
+tracker run it started (its id is kept in ``RUN_DIR/trackers.json``). TensorBoard stays in
+:mod:`masrl.monitoring.logger`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+
+
+def _require(module: str, tracker: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"logging.report_to lists {tracker}, which is not installed: pip install "
+                          f"masrl[{EXTRAS[tracker]}] (or remove {tracker} from logging.report_to)") from None
+
+
+def _scalars(metrics: Mapping[str, Any], phase: str) -> dict[str, float]:
+    prefix = "sft/" if phase == "sft" else ""
+    return {prefix + k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class WandbTracker:
+    def __init__(self, *, project: str, name: str, run_dir: Path, config: dict, run_id: str | None,
+                 init_kwargs: dict):
+        wandb = _require("wandb", "wandb")
+        kwargs = {"project": project, "name": name, "dir": str(run_dir), "config": config, **init_kwargs}
+        if run_id:
+            kwargs.update(id=run_id, resume="allow")
+        self.run = wandb.init(**kwargs)
+        self.run.define_metric("step")
+        self.run.define_metric("sft/step")
+        self.run.define_metric("sft/*", step_metric="sft/step")
+        self.run.define_metric("*", step_metric="step")
+        self.run_id = self.run.id
+
+    def log(self, step: int, metrics: Mapping[str, Any], phase: str) -> None:
+        values = _scalars(metrics, phase)
+        values["sft/step" if phase == "sft" else "step"] = step
+        self.run.log(values)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+_MLFLOW_BAD = re.compile(r"[^/\w.\- :]")
+
+
+class MlflowTracker:
+    """Through ``MlflowClient`` (no global active run). Metric names keep ``/``; other characters MLflow
+    refuses (``@`` of ``avg@4``) become ``_at_`` / ``_``."""
+
+    def __init__(self, *, project: str, name: str, run_dir: Path, config: dict, run_id: str | None,
+                 tracking_uri: str | None, init_kwargs: dict):
+        _require("mlflow", "mlflow")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            exp = self.client.get_experiment_by_name(project)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
+            run_id = self.client.create_run(exp_id, run_name=name, **init_kwargs).info.run_id
+            self.client.log_dict(run_id, config, "config.json")
+        self.run_id = run_id
+
+    @staticmethod
+    def key(name: str) -> str:
+        return _MLFLOW_BAD.sub("_", name.replace("@", "_at_"))
+
+    def log(self, step: int, metrics: Mapping[str, Any], phase: str) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(self.key(k), v, now, step) for k, v in _scalars(metrics, phase).items()]
+        for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class TrackioTracker:
+    def __init__(self, *, project: str, name: str, run_dir: Path, config: dict, run_id: str | None,
+                 init_kwargs: dict):
+        self.trackio = _require("trackio", "trackio")
+        self.run = self.trackio.init(project=project, name=run_id or name, config=config,
+                                     resume="allow" if run_id else "never", **init_kwargs)
+        self.run_id = run_id or name
+
+    def log(self, step: int, metrics: Mapping[str, Any], phase: str) -> None:
+        self.trackio.log(_scalars(metrics, phase), step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
+def make_trackers(logging_cfg, *, name: str, run_dir: Path, config: dict, resume: bool) -> list:
+    """The trackers of ``logging_cfg.sinks`` other than TensorBoard, started (or continued on resume)."""
+    wanted = [s for s in logging_cfg.sinks if s != "tensorboard"]
+    if not wanted:
+        return []
+    ids_path = Path(run_dir) / "trackers.json"
+    ids = json.loads(ids_path.read_text()) if resume and ids_path.is_file() else {}
+    project = logging_cfg.project or "masrl"
+    trackers = {}
+    try:
+        for kind in wanted:
+            common = dict(project=project, name=name, run_dir=Path(run_dir), config=config, run_id=ids.get(kind),
+                          init_kwargs=logging_cfg.init_kwargs.get(kind, {}))
+            if kind == "wandb":
+                trackers[kind] = WandbTracker(**common)
+            elif kind == "mlflow":
+                trackers[kind] = MlflowTracker(**common, tracking_uri=logging_cfg.mlflow_tracking_uri)
+            else:
+                trackers[kind] = TrackioTracker(**common)
+    except BaseException:
+        for tracker in trackers.values():  # the ones already started end cleanly
+            tracker.close()
+        raise
+    ids_path.write_text(json.dumps({k: t.run_id for k, t in trackers.items()}))
+    return list(trackers.values())

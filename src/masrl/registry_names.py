@@ -1,0 +1,32 @@
+"""Registry names in a config (workflow, task, reward), checked when a run starts.
+
+Pydantic checks the shape of the config; this resolves its names against the registries (and
+imports ``pkg.module:function`` paths) so that a typo fails before any model is built, with the
+known names listed, instead of after SFT. It sits above ``config`` (it imports workflows and tasks);
+the estimator and loss names are checked by the config models (``masrl.config``).
+"""
+from __future__ import annotations
+
+from masrl.config import ConfigError, RunConfig
+
+
+def check_names(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` naming the key and the known names when a registry name is unknown."""
+    from masrl.tasks.registry import source_loader
+    from masrl.tasks.rewards import resolve_reward
+    from masrl.workflows.base import get_workflow
+
+    problems = []  # estimator and loss names: validated by the config models themselves
+    for key, check in (("workflow.name", lambda: get_workflow(cfg.workflow.name)),
+                       ("task.name", lambda: source_loader(cfg.task))):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(f"{key}: {e}")
+    if cfg.task.name == "dataset" and "reward" in cfg.task.params:
+        try:
+            resolve_reward(str(cfg.task.params["reward"]), cfg.task.params)
+        except ValueError as e:
+            problems.append(f"task.params.reward: {e}")
+    if problems:
+        raise ConfigError("\n".join(problems))

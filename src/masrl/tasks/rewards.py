@@ -1,0 +1,124 @@
+"""Reward functions by name: ``math``, ``qa_em``, ``qa_f1``, ``code``, or a user's ``pkg.module:function``.
+
+A built-in reward is a ``ScoreFn`` ``(task, answer) -> {"reward", "correct", ...}``. A user's
+reward receives the whole episode::
+
+    def my_reward(task: Task, episode: Episode) -> float | dict:
+        # episode.turns: every turn so far (all of them when the workflow finishes), episode.answer
+        for turn in episode.turns:          # optional per-turn rewards, used when
+            if turn.agent == "Verifier":    # algorithm.reward: per_turn
+                turn.reward = 1.0 if ... else 0.0
+        return 1.0 if ... else 0.0          # the team reward (or {"reward": r, "correct": bool, ...})
+
+It is called by ``team.finish`` (the team reward) and by ``team.score`` (a workflow judging a
+verdict on the turns so far). ``path/to/file.py:function`` works too.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from masrl.config import ConfigError
+from masrl.types import Episode, Task
+
+BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "code")
+_FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
+
+
+def import_object(spec: str, what: str) -> Any:
+    """``pkg.module:attr`` or ``path/to/file.py:attr``; one clear ConfigError naming ``what`` otherwise."""
+    mod_name, sep, attr = spec.rpartition(":")
+    if not sep or not mod_name or not attr:
+        raise ConfigError(f"{what} {spec!r} is not of the form 'pkg.module:function' or 'file.py:function'")
+    if mod_name.endswith(".py"):
+        module = _import_file(Path(mod_name).expanduser().resolve(), spec, what)
+    else:
+        try:
+            module = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
+                              "PYTHONPATH?") from e
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise ConfigError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
+    return obj
+
+
+def _import_file(path: Path, spec: str, what: str):
+    """A user's ``.py`` file as a module, imported once per process (the config check, then the run)."""
+    if path in _FILE_MODULES:
+        return _FILE_MODULES[path]
+    if not path.is_file():
+        raise ConfigError(f"{what} {spec!r}: file {path} does not exist (relative paths start at the current "
+                          f"folder, {Path.cwd()})")
+    loader_spec = importlib.util.spec_from_file_location(f"masrl_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(loader_spec)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file fails to import: say which and why
+        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({type(e).__name__}: {e})") from e
+    _FILE_MODULES[path] = module
+    return module
+
+
+class EpisodeReward:
+    """A user's ``(task, episode) -> float | dict`` reward used as the task's score function.
+
+    Called with an answer string (as a ``ScoreFn``) it sees an episode with no turns.
+    """
+
+    def __init__(self, fn: Callable[[Task, Episode], Any], name: str):
+        self.fn, self.name = fn, name
+        self.__name__ = name
+        self.takes_episode = True  # an instance attribute: functools.wraps (Team's never_raises guard) copies it
+
+    def __call__(self, task: Task, answer_or_episode: Episode | str | None) -> dict:
+        episode = answer_or_episode
+        if not isinstance(episode, Episode):
+            episode = Episode(task=task, turns=[], reward=0.0, answer=answer_or_episode)
+        result = self.fn(task, episode)
+        if isinstance(result, Mapping):
+            if "reward" not in result:
+                raise ValueError(f"reward {self.name}: returned a dict without 'reward' (keys: {sorted(result)})")
+            out = dict(result)
+        elif isinstance(result, (int, float)) and not isinstance(result, bool):
+            out = {"reward": result}
+        else:
+            raise ValueError(f"reward {self.name}: must return a number or a dict with 'reward', "
+                             f"got {type(result).__name__}")
+        out["reward"] = float(out["reward"])
+        if not math.isfinite(out["reward"]):
+            raise ValueError(f"reward {self.name}: returned a non-finite reward {out['reward']} for task {task.id!r}")
+        return out
+
+
+def resolve_reward(name: str, params: Mapping[str, Any] | None = None):
+    """The score function for reward ``name`` (see the module docstring); ``params``: ``answer_fallback``
+    (math), ``reward_mode`` (code)."""
+    params = params or {}
+    if name == "math":
+        from masrl.tasks.math_reward import math_score
+
+        fallback = params.get("answer_fallback", "none")
+        if fallback not in ("none", "last_number"):
+            raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
+        return partial(math_score, fallback=fallback) if fallback != "none" else math_score
+    if name in ("qa_em", "qa_f1"):
+        from masrl.tasks.qa import qa_score
+
+        return partial(qa_score, metric=name[3:])
+    if name == "code":
+        from masrl.tasks.code.scoring import make_code_score
+
+        return make_code_score(params.get("reward_mode", "fraction"))
+    if ":" in name:
+        fn = import_object(name, "reward")
+        if not callable(fn):
+            raise ConfigError(f"reward {name!r} is not callable; expected a function (task, episode) -> float")
+        return EpisodeReward(fn, name)
+    raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(BUILTIN_REWARDS)} "
+                     "(or a user function 'pkg.module:function')")
