@@ -294,6 +294,12 @@ class TrainerConfig(_Strict):
     micro_batch_tokens: int = Field(4096, gt=0, description=(
         "padded tokens (rows x longest row) per forward/backward micro-batch; 4096 since issue #7 (was 16384): "
         "quickstart update 0.74-0.84x the time, peak RSS 1.5-1.6 -> 0.9 GB on CPU (docs/performance.md)"))
+    logprob_chunk_tokens: int = Field(0, ge=0, description=(
+        "> 0: the update, old/reference log-prob passes and SFT compute response-token log-probs and entropy "
+        "from the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "
+        "backward recomputes each chunk; 1024 is a good value), never materialising [tokens, vocabulary] "
+        "logits; equal to the plain path within float32 rounding (not bit-identical, so off by default until "
+        "the published figures are re-measured with it). 0: full logits (the plain path). docs/performance.md"))
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
@@ -483,6 +489,9 @@ class RunConfig(_Strict):
         if self.runtime.strategy == "fsdp" and self.rollout.engine != "transformers":
             raise ValueError("runtime.strategy = fsdp decodes with the in-process engine through the sharded "
                              "model: set rollout.engine: transformers (vLLM with fsdp is not supported yet)")
+        if self.runtime.strategy == "fsdp" and self.trainer.logprob_chunk_tokens:
+            raise ValueError("trainer.logprob_chunk_tokens calls the decoder and the LM head directly, around "
+                             "FSDP2's root module: set it to 0 with runtime.strategy = fsdp")
         return self
 
     @model_validator(mode="after")

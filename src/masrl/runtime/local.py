@@ -57,7 +57,8 @@ class LocalRuntime:
     def sft(self, policies: Mapping[str, Policy], rows: Sequence[Row],
             on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
         last = run_sft(policies, rows, self.cfg.sft, seed=self.cfg.seed,
-                       micro_batch_tokens=self.cfg.trainer.micro_batch_tokens, on_step=on_step)
+                       micro_batch_tokens=self.cfg.trainer.micro_batch_tokens, on_step=on_step,
+                       logprob_chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
         for policy in policies.values():
             after_update(policy)
         return last

@@ -262,7 +262,8 @@ class RayRuntime:
         launched = {}
         for name, prows in by_policy.items():
             ref = ray.put(prows)
-            launched[name] = [a.sft.remote(ref, sft, self.cfg.seed, self.cfg.trainer.micro_batch_tokens)
+            launched[name] = [a.sft.remote(ref, sft, self.cfg.seed, self.cfg.trainer.micro_batch_tokens,
+                                          self.cfg.trainer.logprob_chunk_tokens)
                               for a in self.groups[name].actors]
         per_policy = {name: self.groups[name].get(refs, "SFT")[0] for name, refs in launched.items()}
         last: dict[str, float] = {}

@@ -116,11 +116,13 @@ class PolicyWorker:
         after_update(self.policy)
         return raw, float(self.policy.optimizer.param_groups[0]["lr"])
 
-    def sft(self, rows: list[dict], sft: dict, seed: int, micro_batch_tokens: int) -> list[dict[str, float]]:
+    def sft(self, rows: list[dict], sft: dict, seed: int, micro_batch_tokens: int,
+            logprob_chunk_tokens: int = 0) -> list[dict[str, float]]:
         self.onload()
         steps: list[dict[str, float]] = []
         run_sft({self.name: self.policy}, [Row(**r) for r in rows], SFTConfig.model_validate(sft), seed=seed,
-                micro_batch_tokens=micro_batch_tokens, on_step=lambda step, m: steps.append(dict(m)), dp=self.dp)
+                micro_batch_tokens=micro_batch_tokens, on_step=lambda step, m: steps.append(dict(m)), dp=self.dp,
+                logprob_chunk_tokens=logprob_chunk_tokens)
         after_update(self.policy)
         return steps
 

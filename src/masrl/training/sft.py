@@ -14,7 +14,7 @@ from masrl.config import AgentConfig, SFTConfig
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
-from masrl.training.update import Row, micro_batches, pack_rows, response_logits, token_logprobs
+from masrl.training.update import Row, micro_batches, model_logprobs, pack_rows
 from masrl.types import Task, Turn
 from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
 
@@ -57,11 +57,12 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
 
 def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,
             micro_batch_tokens: int, on_step: Callable[[int, dict], None] | None = None,
-            dp: DataParallel | None = None) -> dict[str, float]:
+            dp: DataParallel | None = None, logprob_chunk_tokens: int = 0) -> dict[str, float]:
     """Token-mean cross-entropy on response tokens, per policy, AdamW + warmup/cosine.
 
     ``dp``: one rank of a data-parallel group: every rank draws the same batch, trains on its
     share and the gradients are all-reduced before clipping (masrl.training.distributed).
+    ``logprob_chunk_tokens``: as ``trainer.logprob_chunk_tokens`` (0: full logits).
     """
     by_policy: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
@@ -92,7 +93,7 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             loss_sum = 0.0
             for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
-                logp = token_logprobs(response_logits(policy.model, batch), batch.targets)
+                logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
                 nll = -(logp * batch.response_mask).sum() / total
                 nll.backward()
                 loss_sum += float(nll.detach())

@@ -25,6 +25,7 @@ from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
 from masrl.training.distributed import DataParallel
+from masrl.training.logprobs import response_logprobs
 from masrl.training.policy import Policy
 
 
@@ -331,9 +332,7 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     metrics = defaultdict(list) if padding else u.metrics  # padding (fsdp) chunks: no metrics
     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
     batch = pack_rows(chunk, u.pad, u.device)
-    with _routing(u.policy, chunk), autocast(trainer, u.device):
-        logits = response_logits(u.policy.model, batch)
-    logprobs, lse = token_logprobs_lse(logits, batch.targets)
+    logprobs, entropy = policy_logprobs(u.policy, chunk, batch, trainer, entropy_grad=bool(lc.entropy_coef))
     old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
     if u.recompute and u.single_pass:  # nothing has changed the policy yet: its own log-probs are old
         old, engine_logprobs = logprobs.detach(), batch.old_logprobs
@@ -350,15 +349,11 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
                               dual_clip=lc.dual_clip, agg=lc.agg, norm_length=norm_length,
                               is_weights=is_weights, row_weights=row_w)
     if lc.entropy_coef:
-        entropy = entropy_from_logits(logits)
         loss = loss - lc.entropy_coef * agg_loss(entropy, batch.response_mask, lc.agg, norm_length=norm_length,
                                                  row_weights=row_w)
-    else:  # a metric only: no graph, and the log-probs' logsumexp reused
-        with torch.no_grad():
-            entropy = entropy_from_logsumexp(logits.detach(), lse.detach())
     if lc.kl_coef or u.track_kl:
         with autocast(trainer, u.device):
-            ref = reference_logprobs(u.policy, batch)
+            ref = reference_logprobs(u.policy, batch, trainer.logprob_chunk_tokens)
         kl = kl_penalty(logprobs, ref, lc.kl_kind if lc.kl_coef else "k3")
         if lc.kl_coef:
             loss = loss + lc.kl_coef * agg_loss(kl, batch.response_mask, lc.agg, norm_length=norm_length,
@@ -434,7 +429,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
             chunk.sort(key=lambda r: r.agent)
             batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), device)
             with _routing(policy, chunk), autocast(trainer, device):
-                logp = token_logprobs(response_logits(model, batch), batch.targets).float().cpu()
+                logp = model_logprobs(model, batch, trainer.logprob_chunk_tokens).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
                 out[id(r)] = dataclasses.replace(r, old_logprobs=logp[i, width - len(r.response_ids):].tolist(),
@@ -462,14 +457,38 @@ def _per_agent_token_mean(values: torch.Tensor, mask: torch.Tensor, chunk: Seque
             metrics[f"agent/{agent}/{name}"].append(float(sums[idx].sum() / counts[idx].sum().clamp(min=1)))
 
 
+def policy_logprobs(policy: Policy, chunk: Sequence[Row], batch: PackedBatch, trainer: TrainerConfig,
+                    *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update's ``(logprobs, entropy)`` [n, R] of ``batch`` under the policy (rows routed, autocast):
+    in chunks from the hidden states (``trainer.logprob_chunk_tokens``, masrl.training.logprobs), else from
+    full logits. The entropy is differentiable only when ``entropy_grad`` (the plain path then skips its graph)."""
+    device = batch.input_ids.device
+    with _routing(policy, chunk), autocast(trainer, device):
+        fused = response_logprobs(policy.model, batch, trainer.logprob_chunk_tokens, with_entropy=True)
+        logits = response_logits(policy.model, batch) if fused is None else None
+    if fused is not None:
+        return fused
+    logprobs, lse = token_logprobs_lse(logits, batch.targets)
+    if entropy_grad:
+        return logprobs, entropy_from_logits(logits)
+    with torch.no_grad():  # a metric only: no graph, and the log-probs' logsumexp reused
+        return logprobs, entropy_from_logsumexp(logits.detach(), lse.detach())
+
+
+def model_logprobs(model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int = 0) -> torch.Tensor:
+    """Log-probs [n, R] of ``batch.targets`` under ``model``: chunked (``chunk_tokens`` > 0) or plain."""
+    fused = response_logprobs(model, batch, chunk_tokens)
+    return fused[0] if fused is not None else token_logprobs(response_logits(model, batch), batch.targets)
+
+
 @torch.no_grad()
-def reference_logprobs(policy: Policy, batch: PackedBatch) -> torch.Tensor:
+def reference_logprobs(policy: Policy, batch: PackedBatch, chunk_tokens: int = 0) -> torch.Tensor:
     """Log-probs under the reference: the frozen initial copy, or the base with adapters disabled."""
     if policy.ref_model is not None:
-        return token_logprobs(response_logits(policy.ref_model, batch), batch.targets)
+        return model_logprobs(policy.ref_model, batch, chunk_tokens)
     if policy.cfg.lora is not None:
         from masrl.models.lora import base_only
 
         with base_only(policy.model):
-            return token_logprobs(response_logits(policy.model, batch), batch.targets)
+            return model_logprobs(policy.model, batch, chunk_tokens)
     raise RuntimeError(f"policy {policy.name}: kl_coef > 0 needs a reference model")
