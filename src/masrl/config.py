@@ -408,7 +408,9 @@ class RuntimeConfig(_Strict):
     policies: dict[str, PlacementConfig] = Field(default_factory=dict, description="per-policy overrides")
     strategy: Literal["replica", "fsdp"] = Field("replica", description="replica: every rank holds the whole "
                                                  "policy; fsdp: its ranks shard it with FSDP2 (runtime.kind: ray)")
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description=(
+        "FSDP2 settings used when strategy = fsdp: parameter and reduce dtypes, CPU offload "
+        "(docs/scaling.md)"))
 
     def for_policy(self, name: str) -> PlacementConfig:
         """The effective placement of policy ``name`` (its overrides over the runtime defaults)."""
