@@ -270,7 +270,7 @@ def load_qa(path_or_name: str | Path, limit: int | None = None, strict: bool = F
     """Load QA tasks from a file, a name in ``QA_DATASETS`` or ``synthetic_kb[:train|test]``."""
     text = str(path_or_name)
     if text == "synthetic_kb" or text.startswith("synthetic_kb:"):
-        from masrl.tasks.synthetic_kb import synthetic_kb
+        from masrl.tasks.retrieval.synthetic_kb import synthetic_kb
 
         split = text.partition(":")[2] or "train"
         tasks, _ = synthetic_kb(split=split)

@@ -54,7 +54,7 @@ def _qa_score(cfg: TaskConfig):
 
 
 def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
-    from masrl.tasks.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
+    from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
 
     params = {k: v for k, v in cfg.params.items() if k != "reward_metric"}
     seed = int(params.pop("seed", 0))

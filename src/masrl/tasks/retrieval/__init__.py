@@ -69,7 +69,7 @@ def build_retriever(spec: Any) -> Retriever:
             raise ConfigError("retriever type 'http' needs 'url'")
         return HttpRetriever(opts.pop("url"), **opts)
     if kind == "synthetic_kb":
-        from masrl.tasks.synthetic_kb import synthetic_kb_retriever
+        from masrl.tasks.retrieval.synthetic_kb import synthetic_kb_retriever
 
         return synthetic_kb_retriever(**opts)
     if "corpus" not in opts:
