@@ -661,13 +661,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def format_validation_error(err: ValidationError, source: str, *, unknown_hint: str = (
+        "check the spelling; see the config reference in docs/config.md"), hidden_loc: tuple[str, ...] = ()) -> str:
+    """One line per pydantic error, naming ``source`` and the dotted key (``hidden_loc``: path parts left out)."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        loc = ".".join(str(p) for p in e["loc"] if p not in hidden_loc) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{loc}' (check the spelling; see the config reference "
-                         "in docs/config.md)")
+            lines.append(f"{source}: unknown key '{loc}' ({unknown_hint})")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{loc}'")
         else:
@@ -683,7 +684,7 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

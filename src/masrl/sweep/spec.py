@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from masrl.config import ConfigError, RunConfig, load_config
+from masrl.config import ConfigError, RunConfig, format_validation_error, load_config
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # axis names and labels become folder names
 Scalar = Union[bool, int, float, str]
@@ -199,19 +199,8 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _format_error(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p != "arms") or "(top level)"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{loc}' (a spec has name, base, out, seeds, overrides, axes; "
-                         "see docs/study.md)")
-        elif e["type"] == "missing":
-            lines.append(f"{source}: missing required key '{loc}'")
-        else:
-            got = e.get("input")
-            got = f" (got {got!r})" if not isinstance(got, dict) else ""
-            lines.append(f"{source}: key '{loc}': {e['msg'].removeprefix('Value error, ')}{got}")
-    return "\n".join(lines)
+    return format_validation_error(err, source, hidden_loc=("arms",), unknown_hint=(
+        "a spec has name, base, out, seeds, overrides, axes; see docs/study.md"))
 
 
 def expand_cells(spec: SweepSpec) -> list[Cell]:
