@@ -77,6 +77,22 @@ def test_spec_cli_errors_exit_2(tmp_path, capsys):
     assert "cell lr=fast (seed 0)" in err and "policies.shared.optim.lr" in err
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefg", "bcdefgh")), "alias"),
+    ("x: " + "[" * 20000 + "]" * 20000 + "\n", "nest"),
+    (b"name: \xff\xfe\n", "utf-8"),
+], ids=["alias-bomb", "deep-nesting", "not-utf8"])
+def test_spec_files_are_read_with_the_config_limits(tmp_path, capsys, text, needle):
+    """An alias bomb, 20,000-deep nesting or a non-UTF-8 spec: one line naming the file, exit 2, at once."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_bytes(text if isinstance(text, bytes) else text.encode())
+    start = time.perf_counter()
+    assert cli_main(["sweep", str(spec), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 10 and str(spec) in err and needle in err.lower() and len(err) < 2000
+
+
 def test_two_bases_in_one_cell_is_an_error():
     spec = SweepSpec.model_validate(spec_dict(axes={
         "a": {"x": {"base": "one.yaml", "overrides": []}}, "b": {"y": {"base": "two.yaml"}}}))

@@ -687,15 +687,22 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(format_validation_error(e, source)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """A YAML file the user named, read with the config limits (size, nesting, alias expansion, UTF-8):
+    every way it cannot be read or parsed is one ``ConfigError`` naming ``what`` and the path."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+        raise ConfigError(f"{what} {str(path)!r} does not exist")
     try:
-        text = read_user_text(path, "config file", max_bytes=CONFIG_MAX_BYTES)
+        text = read_user_text(path, what, max_bytes=CONFIG_MAX_BYTES)
     except UserInputError as e:
         raise ConfigError(str(e)) from None
-    data = load_yaml(text, str(path)) or {}
+    return load_yaml(text, str(path))
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    data = read_yaml_file(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     data = apply_overrides(data, overrides or [])

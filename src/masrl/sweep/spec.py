@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from masrl.config import ConfigError, RunConfig, format_validation_error, load_config
+from masrl.config import ConfigError, RunConfig, format_validation_error, load_config, read_yaml_file
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # axis names and labels become folder names
 Scalar = Union[bool, int, float, str]
@@ -182,14 +181,7 @@ class Run:
 
 def load_spec(path: str | Path) -> SweepSpec:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"sweep spec {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: malformed YAML ({getattr(e, 'problem', e)})") from None
+    data = read_yaml_file(path, "sweep spec") or {}  # the config limits: size, nesting, aliases, UTF-8
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping (name, base, seeds, axes, ...)")
     try:
