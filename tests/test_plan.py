@@ -77,6 +77,15 @@ def test_plan_verdicts_for_the_paper_settings(capsys):
     assert report["fits"] and set(report["policies"]) == {"verifier", "search", "answer"}
 
 
+@pytest.mark.parametrize("args", [["--gpu-gib", "nan"], ["--gpu-gib", "-5"], ["--gpu-gib", "1e400"],
+                                  ["--gpus", "0"], ["--prompt-tokens", "-1"], ["--gpus", "two"]])
+def test_plan_refuses_impossible_devices_and_lengths(args, capsys):
+    """No verdict from a NaN, negative or zero device size, a count below its minimum, or a non-number."""
+    with pytest.raises(SystemExit) as e:
+        main(["plan", str(EXAMPLES.parent / "quickstart.yaml"), *args])
+    assert e.value.code == 2 and args[0] in capsys.readouterr().err
+
+
 def test_fsdp_config_errors(tiny_cfg):
     with pytest.raises(ConfigError, match="runtime.strategy = fsdp .* set runtime.kind: ray"):
         config_from_dict(tiny_cfg(**{"runtime.strategy": "fsdp"}))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -107,6 +108,30 @@ def _cmd_sweep(args) -> int:
     return sweep_main(args.argv)
 
 
+def _int_at_least(low: int):
+    """An argparse type: an integer >= ``low`` (argparse prints the error and exits 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum {low}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from masrl import __version__
 
@@ -150,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--gpus", type=int, default=None, help="devices (default: the config's worker groups)")
-    pl.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one device in GiB")
-    pl.add_argument("--prompt-tokens", type=int, default=512, help="assumed longest prompt, in tokens")
+    pl.add_argument("--gpus", type=_int_at_least(1), default=None, help="devices (default: the config's worker groups)")
+    pl.add_argument("--gpu-gib", type=_positive_float, default=80.0, help="memory of one device in GiB")
+    pl.add_argument("--prompt-tokens", type=_int_at_least(0), default=512, help="assumed longest prompt, in tokens")
     pl.set_defaults(func=_cmd_plan)
 
     sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
