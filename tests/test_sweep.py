@@ -77,6 +77,21 @@ def test_spec_cli_errors_exit_2(tmp_path, capsys):
     assert "cell lr=fast (seed 0)" in err and "policies.shared.optim.lr" in err
 
 
+def test_spec_and_options_refuse_booleans_and_impossible_values(tmp_path, capsys):
+    """`seeds: [true]` is not seed 1; seeds past 2**32, --nice 100, --gpus-per-run nan and an --out
+    that is a file are one line and exit 2 before anything runs."""
+    assert cli_main(["sweep", str(write_spec(tmp_path, seeds=[True])), "--dry-run"]) == 2
+    assert "key 'seeds.0'" in capsys.readouterr().err
+    assert cli_main(["sweep", str(write_spec(tmp_path, seeds=[2 ** 40])), "--dry-run"]) == 2
+    assert "seeds must be in 0..4294967295" in capsys.readouterr().err
+    spec = str(write_spec(tmp_path))
+    for args, needle in ((["--nice", "100"], "--nice must be in -20..19"),
+                         (["--ray", "local", "--gpus-per-run", "nan"], "--gpus-per-run must be a finite number"),
+                         (["--out", spec], "is a file")):
+        assert cli_main(["sweep", spec, "--dry-run", *args]) == 2
+        assert needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text, needle", [
     ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + "".join(
         f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefg", "bcdefgh")), "alias"),

@@ -5,6 +5,7 @@ Sits just below the CLI: it may import anything in masrl; nothing but ``masrl.cl
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 USAGE = "masrl sweep SPEC.yaml [options]  |  masrl sweep report DIR [--baseline-arm AXIS=LABEL ...]"
@@ -54,6 +55,10 @@ def main(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     if args.jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
+    if not -20 <= args.nice <= 19:
+        raise ConfigError(f"--nice must be in -20..19 (what nice accepts), got {args.nice}")
+    if not math.isfinite(args.gpus_per_run) or args.gpus_per_run < 0:
+        raise ConfigError(f"--gpus-per-run must be a finite number >= 0, got {args.gpus_per_run}")
     if args.gpus_per_run and not args.ray:
         raise ConfigError("--gpus-per-run needs --ray (local runs use the devices their config names)")
     from masrl.sweep.run import sweep
@@ -63,5 +68,7 @@ def main(argv: list[str]) -> int:
     out = args.out or spec.out
     if not out:
         raise ConfigError(f"{args.spec}: no output folder: set 'out:' in the spec or pass --out")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"output folder {out} is a file; give a folder (--out DIR)")
     return sweep(spec, Path(out), jobs=args.jobs, nice=args.nice, ray_address=args.ray, gpus=args.gpus_per_run,
                  quick=args.quick, dry_run=args.dry_run)

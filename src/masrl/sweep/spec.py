@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, StrictInt
 
 from masrl.config import ConfigError, RunConfig, format_validation_error, load_config, read_yaml_file
 
@@ -81,7 +81,7 @@ class SweepSpec(_Strict):
     name: str
     base: str
     out: Optional[str] = None
-    seeds: list[int] = Field(min_length=1)
+    seeds: list[StrictInt] = Field(min_length=1)  # `true` is not seed 1 (YAML 1.1 booleans are refused)
     overrides: list[str] = Field(default_factory=list)
     axes: dict[str, Axis] = Field(min_length=1)
 
@@ -90,6 +90,8 @@ class SweepSpec(_Strict):
     def _unique_seeds(cls, seeds: list[int]) -> list[int]:
         if len(set(seeds)) != len(seeds):
             raise ValueError(f"seeds repeat: {seeds}")
+        if any(not 0 <= seed < 2 ** 32 for seed in seeds):
+            raise ValueError(f"seeds must be in 0..{2 ** 32 - 1} (what torch and numpy accept)")
         return seeds
 
     @model_validator(mode="after")
