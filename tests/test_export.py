@@ -200,6 +200,15 @@ def test_exported_lora_policy_loads_back_into_masrl(tmp_path, lora_run):
         assert torch.equal(ours, theirs), role
 
 
+@pytest.mark.parametrize("size", ["garbage", "0", "-5GB", "nanGB", "infMB"])
+def test_export_refuses_a_shard_size_that_is_not_one(tmp_path, size, capsys):
+    """Checked before anything is read or written: exit 2 naming the option (was a ValueError traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(tmp_path), "--out", str(tmp_path / "out"), f"--max-shard-size={size}"])
+    assert e.value.code == 2 and "--max-shard-size" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_refuses_bad_input_with_one_line(tmp_path, tiny_cfg, capsys):
     run = tmp_path / "empty"
     run.mkdir()

@@ -132,6 +132,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+
+
+def _byte_size(text: str) -> str | int:
+    """An argparse type: a size like ``5GB``, ``500MB`` (given on as text) or a byte count (an int), >= 1 byte."""
+    number, unit = text.strip().upper(), "B"
+    for name in _SIZE_UNITS:
+        if number.endswith(name):
+            number, unit = number[:-len(name)], name
+            break
+    try:
+        value = float(number) * _SIZE_UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, or bytes)") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
+    return text.strip().upper() if unit != "B" else int(value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from masrl import __version__
 
@@ -191,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last valid one)")
     exp.add_argument("--policy", action="append", default=None, help="policy to export (repeatable; default: all)")
     exp.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
-    exp.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    exp.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="safetensors shard size (default 5GB)")
     exp.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     exp.set_defaults(func=_cmd_export)
 
