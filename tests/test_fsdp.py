@@ -13,7 +13,7 @@ from masrl.config import config_from_dict
 from masrl.runtime import WorkerGroupError
 from masrl.training.fsdp import local_bytes
 from masrl.trainer import Trainer
-from masrl.training.update import Row
+from test_ray_runtime import _rows  # the same ten rows the replica tests update on
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.distributed  # Ray start-up and 2-rank runs: minutes on 2 shared cores (.ci/run runs them)
@@ -27,17 +27,6 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="masrl-fsdp-tests")
     yield
     ray.shutdown()
-
-
-def _rows() -> list[Row]:
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for i in range(10):
-        prompt = torch.randint(5, 60, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        resp = torch.randint(5, 60, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
-        rows.append(Row("Solver" if i % 3 else "Verifier", prompt, resp, [-4.0] * len(resp),
-                        float(torch.randn(1, generator=g)), policy="shared"))
-    return rows
 
 
 def _update(tiny_cfg, tmp_path, kind: str, **over):
