@@ -99,9 +99,39 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
     return {m["step"]: m for m in rows if m.get("phase") == "train"}
 
 
-@pytest.mark.parametrize("save_ranks,resume_ranks", [(2, 1), (1, 2)])
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's whole weights, from either format."""
+    from safetensors.torch import load_file
+
+    from masrl.training.checkpoint import dcp_weights
+
+    pdir = run_dir / "checkpoints" / f"step_{step}" / "policies" / "shared"
+    return dcp_weights(pdir) if (pdir / "dcp").is_dir() else load_file(str(pdir / "model.safetensors"))
+
+
+def _assert_sharded_save(ckpt_dir: Path, ranks: int) -> None:
+    """A DCP checkpoint: one safetensors file per rank, each with about 1/ranks of the optimizer state."""
+    from safetensors import safe_open
+
+    pdir = ckpt_dir / "policies" / "shared"
+    assert not (pdir / "model.safetensors").exists() and (pdir / "optimizer.json").is_file()
+    files = sorted((pdir / "dcp").glob("*.safetensors"))
+    assert len(files) == ranks, files
+    per_file = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            per_file.append(sum(st.get_slice(k).get_shape()[0] if st.get_slice(k).get_shape() else 0
+                                for k in st.keys() if k.startswith("optim.") and k.endswith(".exp_avg")))
+    assert min(per_file) > 0 and max(per_file) <= 0.55 * sum(per_file) * 2 / ranks, per_file  # exp_avg rows
+    manifest = json.loads((ckpt_dir / "manifest.json").read_text())["files"]
+    assert {f"policies/shared/dcp/{f.name}" for f in files} <= set(manifest)  # checksummed like the rest
+
+
+@pytest.mark.parametrize("save_ranks,resume_ranks", [(2, 1), (1, 2), (2, 0)])
 def test_fsdp_checkpoint_resumes_at_another_number_of_ranks(tiny_cfg, tmp_path, save_ranks, resume_ranks):
-    """Save at N ranks, resume at M: step 3's metrics equal an uninterrupted one-process run's."""
+    """Save at N ranks (DCP shards), resume at M (0: the local runtime, which reassembles them): step 3's
+    metrics equal an uninterrupted one-process run's; the export of the sharded step-2 checkpoint has the
+    uninterrupted run's step-2 weights."""
     over = {**QUIET, "eval.before_after": False, "trainer.save_every": 1, "trainer.batch_size": 2}
     full = config_from_dict(tiny_cfg(**over, **{"trainer.total_steps": 3, "output_dir": str(tmp_path / "full")}))
     with Trainer(full, progress=False) as trainer:
@@ -110,8 +140,12 @@ def test_fsdp_checkpoint_resumes_at_another_number_of_ranks(tiny_cfg, tmp_path, 
                                      "output_dir": str(tmp_path / "part")})
     with Trainer(config_from_dict(part_dict), progress=False) as trainer:
         trainer.fit()
+    _assert_sharded_save(tmp_path / "part" / "checkpoints" / "step_2", save_ranks)
     part_dict["trainer"]["total_steps"] = 3
-    part_dict["runtime"]["workers"] = resume_ranks
+    if resume_ranks:
+        part_dict["runtime"]["workers"] = resume_ranks
+    else:
+        part_dict["runtime"] = {"kind": "local"}
     with Trainer(config_from_dict(part_dict), progress=False) as trainer:
         trainer.fit(resume=True)
     a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "part")
@@ -127,3 +161,20 @@ def test_fsdp_checkpoint_resumes_at_another_number_of_ranks(tiny_cfg, tmp_path, 
             compared += 1
     assert not off
     assert compared > 10
+    # the step after the resume used the restored AdamW moments: step 3's weights are the uninterrupted run's
+    final, reference = _weights(tmp_path / "part", 3), _weights(tmp_path / "full", 3)
+    assert set(final) == set(reference)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(final[name], tensor, rtol=0, atol=1e-5)
+    if resume_ranks == 1:
+        from safetensors.torch import load_file
+
+        from masrl.export import export_run
+
+        out = export_run(tmp_path / "part", tmp_path / "export", step=2)
+        exported = load_file(str(out / "shared" / "model.safetensors"))
+        reference = load_file(str(tmp_path / "full" / "checkpoints" / "step_2" / "policies" / "shared" /
+                                  "model.safetensors"))
+        assert set(reference) <= set(exported)
+        for name, tensor in reference.items():
+            torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5)
