@@ -81,6 +81,26 @@ def test_lora_per_role_under_fsdp_trains_only_the_adapters(tiny_cfg, tmp_path):
         assert mf[key] == pytest.approx(ml[key], rel=1e-5), key
 
 
+def test_per_agent_optimizer_groups_survive_sharding(tiny_cfg, tmp_path):
+    """agents.<A>.optim under fsdp: each role's adapter moves by its own lr (AdamW's first step moves every
+    parameter with a nonzero gradient by lr), as in the one-process test (test_agent_optim.py)."""
+    over = {"policies.shared.lora": {"r": 4, "alpha": 8.0, "per_agent": True},
+            "policies.shared.optim": {"lr": 1e-3, "weight_decay": 0.0, "grad_clip": None},
+            "agents.Solver.optim": {"lr": 1e-2}, "agents.Verifier.optim": {"lr": 1e-4}}
+    d = tiny_cfg(**QUIET, **FSDP, **over)
+    d["output_dir"] = str(tmp_path / "groups")
+    with Trainer(config_from_dict(d), progress=False) as trainer:
+        group = trainer.runtime.groups["shared"]
+        before = group.all("parameters")[0]
+        trainer.runtime.update(trainer.policies, {"shared": _rows()}, step=0)
+        after = group.all("parameters")[0]
+    for agent, lr in (("Solver", 1e-2), ("Verifier", 1e-4)):
+        names = [n for n in after if "lora_" in n and f".{agent}." in n]
+        assert names
+        moved = max(float((after[n] - before[n]).abs().max()) for n in names)
+        assert moved == pytest.approx(lr, rel=1e-3), (agent, moved)
+
+
 @pytest.mark.timeout(180)
 def test_dead_rank_fails_the_sharded_update_with_the_usual_error(tiny_cfg, tmp_path):
     import time

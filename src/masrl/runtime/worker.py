@@ -41,6 +41,7 @@ class PolicyWorker:
         self.policy.base_trained = base_trained
         self.device = torch.device(device)
         self.fsdp = fsdp  # runtime.fsdp when runtime.strategy = fsdp (sharded at join_group)
+        self.agent_optim = build.get("agent_optim") or {}  # per-agent param groups, rebuilt on the shards
         self.offload_enabled = offload and self.device.type != "cpu" and fsdp is None  # fsdp: cpu_offload
         self.on_device = False
         self.onload()
@@ -61,7 +62,7 @@ class PolicyWorker:
         if self.fsdp is not None:
             from masrl.training.fsdp import FSDPOptions, ShardedDataParallel, shard_policy
 
-            shard_policy(self.policy, FSDPOptions(**self.fsdp), self.device, backend)
+            shard_policy(self.policy, FSDPOptions(**self.fsdp), self.device, backend, self.agent_optim)
             self.dp = ShardedDataParallel(self.rank, self.world)
 
     def info(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import datetime
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -141,9 +141,13 @@ def shard_module(model: torch.nn.Module, options: FSDPOptions, device: torch.dev
     return model
 
 
-def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: str = "gloo") -> None:
-    """Shard ``policy.model`` (and its KL reference) in place and rebuild the optimizer on the shards."""
+def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: str = "gloo",
+                 agent_optim: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Shard ``policy.model`` (and its KL reference) in place and rebuild the optimizer on the shards, with
+    the same parameter groups as the replica's (``agent_optim``: per-agent adapter groups)."""
     import torch.distributed as dist
+
+    from masrl.training.policy import make_optimizer
 
     ensure_process_group(1 if not dist.is_initialized() else dist.get_world_size(), backend)
     policy.model.to(device)
@@ -153,10 +157,7 @@ def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: st
         policy.ref_model.to(device)
         shard_module(policy.ref_model, options, device)
     if policy.optimizer is not None:  # fully_shard replaced the parameters by DTensor ones
-        o = policy.cfg.optim  # as masrl.training.policy.build_policy makes it
-        policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
-                                             weight_decay=o.weight_decay, eps=o.eps,
-                                             **({"fused": True} if o.fused else {}))
+        policy.optimizer = make_optimizer(policy, agent_optim or {})
 
 
 def local_bytes(policy) -> dict[str, int]:

@@ -116,13 +116,17 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:
-        o = cfg.optim
-        policy.optimizer = torch.optim.AdamW(param_groups(policy, agent_optim or {}), lr=o.lr, betas=tuple(o.betas),
-                                             weight_decay=o.weight_decay, eps=o.eps,
-                                             **({"fused": True} if o.fused else {}))
+        policy.optimizer = make_optimizer(policy, agent_optim or {})
     if kl and cfg.lora is None:
         policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return policy
+
+
+def make_optimizer(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> torch.optim.Optimizer:
+    """The policy's AdamW over :func:`param_groups` (also used again on FSDP2's sharded parameters)."""
+    o = policy.cfg.optim
+    return torch.optim.AdamW(param_groups(policy, agent_optim), lr=o.lr, betas=tuple(o.betas),
+                             weight_decay=o.weight_decay, eps=o.eps, **({"fused": True} if o.fused else {}))
 
 
 def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> list[dict]:
