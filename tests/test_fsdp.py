@@ -198,3 +198,52 @@ def test_fsdp_checkpoint_resumes_at_another_number_of_ranks(tiny_cfg, tmp_path, 
         assert set(reference) <= set(exported)
         for name, tensor in reference.items():
             torch.testing.assert_close(exported[name], tensor, rtol=0, atol=1e-5)
+
+
+def _gather_rank(rank: int, port: int, out: str) -> None:
+    """One of 2 gloo ranks: the replica's HF state dict, then the same model sharded and gathered back."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from masrl.config import config_from_dict
+    from masrl.models.loading import load_model_and_tokenizer
+    from masrl.rollout.vllm_engine import hf_named_tensors
+    from masrl.training.fsdp import FSDPOptions, gather_full, shard_module
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from conftest import tiny_config_dict
+
+    cfg = config_from_dict(tiny_config_dict(Path(out), **{"policies.shared.lora": {"r": 4, "alpha": 8}}))
+    model, _ = load_model_and_tokenizer(cfg.policies["shared"], seed=0)
+    from masrl.models.lora import attach_adapters
+
+    model = attach_adapters(model, ["shared"], r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"])
+    replica = [(n, t.clone()) for n, t in hf_named_tensors(model)]
+    shard_module(model, FSDPOptions(), torch.device("cpu"))
+    gathered, alive = [], []
+    for name, tensor in gather_full(hf_named_tensors(model)):
+        assert not any(r() is not None for r in alive), "the helper kept an earlier gathered tensor"
+        gathered.append((name, tensor.clone()))
+        alive.append(weakref.ref(tensor))
+        del tensor
+    assert [n for n, _ in gathered] == [n for n, _ in replica]
+    for (name, got), (_, want) in zip(gathered, replica):
+        assert got.shape == want.shape and torch.equal(got, want), name
+    dist.destroy_process_group()
+    Path(out, f"ok{rank}").write_text(str(len(gathered)))
+
+
+def test_gather_full_yields_the_replicas_weights_one_tensor_at_a_time(tmp_path):
+    """For vLLM's weight sync under fsdp: the sharded model's HF weights gathered lazily equal the replica's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gather_rank, args=(port, str(tmp_path)), nprocs=2)
+    counts = {(tmp_path / f"ok{r}").read_text() for r in range(2)}
+    assert len(counts) == 1 and int(counts.pop()) > 10

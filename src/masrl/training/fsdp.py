@@ -19,7 +19,7 @@ import datetime
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -158,6 +158,20 @@ def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: st
         shard_module(policy.ref_model, options, device)
     if policy.optimizer is not None:  # fully_shard replaced the parameters by DTensor ones
         policy.optimizer = make_optimizer(policy, agent_optim or {})
+
+
+def gather_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` for each ``(name, tensor)`` of a sharded model, gathered one at a time.
+
+    For an engine that needs full weights (vLLM's ``load_weights``):
+    ``engine.sync_weights(gather_full(hf_named_tensors(policy.model)))``. Each DTensor shard is all-gathered
+    (``full_tensor``) only when the consumer asks for it and the helper keeps no reference, so the extra
+    memory is one tensor (at most a layer's largest weight), never the whole model; tensors are yielded in
+    the model's order, so unit by unit. Every rank must iterate to the end in the same order (each gather
+    is a collective), even if only rank 0 uses the tensors. One all-gather per tensor rather than one per
+    FSDP unit (``unshard()``): more, smaller collectives for a lower peak."""
+    for name, tensor in named:
+        yield name, (tensor.full_tensor() if is_sharded(tensor) else tensor)
 
 
 def local_bytes(policy) -> dict[str, int]:
