@@ -12,6 +12,18 @@ backend renders it with :func:`render_chat`:
   ``Tools: name(arg,...) ...``, then system content + newline, user content as it is,
   assistant content + end-of-sequence, tool results as ``<tool_response>...</tool_response>``.
   Without tools it renders exactly like the tiny model's own template.
+
+Token ids of a conversation's next turn (:func:`extend_chat_ids`): the previous turn's prompt
+ids + the ids the model generated + the ids of the rendering's *delta* (what the template adds
+after the reply: end-of-turn markers, tool messages, the next generation prompt), as the
+verl / TRL agent loops do. Re-tokenizing the whole rendered text instead can differ from the
+ids the model saw and produced: a BPE tokenizer merges across the reply's boundary, and a
+model may spell a word in other tokens than the tokenizer would (``<`` ``t`` ``o`` ... for an
+added ``<tool_call>`` token). With the incremental ids the earlier prompt + reply is a token
+prefix of the next prompt, so the rollout engine's prefix store reuses its keys/values and
+``trainer.merge_conversations`` trains the turns as one sequence. When the template does not
+render the earlier turns as a prefix of the later ones (one that drops an earlier reply's
+reasoning, say) the ids are those of the whole rendered text.
 """
 from __future__ import annotations
 
@@ -29,12 +41,24 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 @dataclass
+class ChatPrefix:
+    """The previous model call of the same conversation: ``messages[:n_messages]`` was its prompt,
+    encoded as ``prompt_ids``; it generated ``response_ids`` (its reply is ``messages[n_messages]``)."""
+
+    n_messages: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass
 class ChatPrompt:
-    """An agent's conversation so far and the tools it may call (OpenAI-format schemas)."""
+    """An agent's conversation so far and the tools it may call (OpenAI-format schemas);
+    ``prefix``: the previous call of this conversation, to extend its token ids (:func:`extend_chat_ids`)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    prefix: ChatPrefix | None = None
 
     def transcript(self) -> str:
         """A plain ``role: content`` rendering (for logs and scripted runs, not for models)."""
@@ -49,10 +73,38 @@ def template_handles_tools(tokenizer: Any, chat_template: str | None = None) -> 
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-                **template_kwargs: Any) -> str:
-    """The prompt text for ``messages`` (+ ``tools``), ending where the assistant's reply starts."""
+                add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    """The prompt text for ``messages`` (+ ``tools``), ending where the assistant's reply starts
+    (``add_generation_prompt=False``: where the last message ends)."""
     uses_tools = bool(tools) or any(m.get("role") == "tool" for m in messages)
     if uses_tools and not template_handles_tools(tokenizer, template_kwargs.get("chat_template")):
         template_kwargs = {**template_kwargs, "chat_template": FALLBACK_CHAT_TEMPLATE}
     return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=True, **template_kwargs)
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+def extend_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None, prefix: ChatPrefix,
+                    **template_kwargs: Any) -> list[int] | None:
+    """The prompt ids of ``messages`` as ``prefix.prompt_ids + prefix.response_ids + delta ids``, or
+    None when the template's rendering of the conversation does not extend the previous prompt.
+
+    ``delta``: the text the template adds after the reply as the model generated it (the end-of-turn
+    marker when the reply was cut before it, the template's separator, the messages after the reply,
+    the generation prompt). The reply must render as the decoded ``response_ids`` (skipping no special
+    token), else None.
+    """
+    n = prefix.n_messages
+    if not 0 < n < len(messages) or messages[n].get("role") != "assistant":
+        return None
+    before = render_chat(tokenizer, messages[:n], tools, **template_kwargs)
+    with_reply = render_chat(tokenizer, messages[:n + 1], tools, add_generation_prompt=False, **template_kwargs)
+    full = render_chat(tokenizer, messages, tools, **template_kwargs)
+    if not (with_reply.startswith(before) and full.startswith(with_reply)):
+        return None
+    reply = with_reply[len(before):]
+    generated = tokenizer.decode(prefix.response_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if not reply.startswith(generated):
+        return None
+    delta = reply[len(generated):] + full[len(with_reply):]
+    return list(prefix.prompt_ids) + list(prefix.response_ids) + \
+        tokenizer(delta, add_special_tokens=False)["input_ids"]
