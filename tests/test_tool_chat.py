@@ -316,3 +316,27 @@ def test_a_template_that_rewrites_earlier_replies_gets_the_ids_of_its_text():
     first, second = episode.turns
     assert "assistant: ...</s>\ntool: 294" in second.prompt_text
     assert second.prompt_ids == tok(second.prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_without_tool_support_gets_the_tools_in_the_system_message_hermes_style():
+    """SmolLM2-Instruct's ChatML template knows no tools: the conversation renders as Qwen2.5's tool-aware
+    template renders it (tools in the system message, results as <tool_response> in a user turn)."""
+    from masrl.models.smollm import SMOLLM2_CHAT_TEMPLATE
+    from masrl.tools.chat_format import hermes_tool_messages
+
+    smol, qwen = build_char_tokenizer(CHAT_TOKENS), build_char_tokenizer(CHAT_TOKENS)
+    smol.chat_template, qwen.chat_template = SMOLLM2_CHAT_TEMPLATE, QWEN_STYLE_TEMPLATE
+    schemas = tool_schemas(as_tools([calculator]))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TASK.question},
+                {"role": "assistant", "content": CALL + CALL}, {"role": "tool", "name": "calculator", "content": "294"},
+                {"role": "tool", "name": "calculator", "content": "294"}]
+    for shown in (messages[:2], messages):
+        assert render_chat(smol, shown, schemas) == qwen.apply_chat_template(
+            shown, tools=schemas, add_generation_prompt=True, tokenize=False)
+    assert render_chat(smol, messages, schemas).endswith(
+        "<|im_start|>user\n<tool_response>\n294\n</tool_response>\n<tool_response>\n294\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    no_system = hermes_tool_messages(messages[1:2], schemas)  # the tool block is the system message
+    assert no_system[0]["role"] == "system" and no_system[0]["content"].startswith("# Tools\n\nYou may call")
+    assert render_chat(smol, messages[1:2]) == smol.apply_chat_template(messages[1:2], add_generation_prompt=True,
+                                                                       tokenize=False)  # no tools: as it was
