@@ -55,12 +55,12 @@ def test_workflow_params_are_checked():
     assert not no_box.turns[0].valid and not no_box.correct
 
 
-@pytest.mark.parametrize("name", ["tools_calculator", "tools_calculator_notools"])
+@pytest.mark.parametrize("name", ["tools_calculator", "tools_calculator_notools", "smollm2_tools"])
 def test_the_example_configs_load(name):
     from masrl.config import load_config
 
     cfg = load_config(ROOT / "examples" / f"{name}.yaml")
-    assert cfg.workflow.params["tools"] == ("calculator" if name == "tools_calculator" else "none")
+    assert cfg.workflow.params["tools"] == ("none" if name.endswith("notools") else "calculator")
     assert cfg.trainer.merge_conversations and cfg.task.params["min_terms"] == 4
 
 
