@@ -61,7 +61,19 @@ def test_the_example_configs_load(name):
 
     cfg = load_config(ROOT / "examples" / f"{name}.yaml")
     assert cfg.workflow.params["tools"] == ("none" if name.endswith("notools") else "calculator")
-    assert cfg.trainer.merge_conversations and cfg.task.params["min_terms"] == 4
+    assert cfg.trainer.merge_conversations
+
+
+def test_the_two_calculator_arms_differ_only_in_the_tools():
+    """E6 compares tools_calculator with tools_calculator_notools: the task (2-term expressions, products
+    included, so copying is easy and mental arithmetic hard), SFT, noise and RL must be identical."""
+    from masrl.config import read_yaml_file
+
+    arms = [read_yaml_file(ROOT / "examples" / f"{n}.yaml") for n in ("tools_calculator", "tools_calculator_notools")]
+    for arm in arms:
+        arm.pop("name"), arm["workflow"]["params"].pop("tools")
+    assert arms[0] == arms[1]
+    assert arms[0]["task"]["params"]["max_terms"] == 2 and "*" in arms[0]["task"]["params"]["ops"]
 
 
 def test_the_tool_team_trains_end_to_end_with_tool_tokens_masked(tmp_path):
