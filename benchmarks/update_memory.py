@@ -117,9 +117,8 @@ def main(argv=None) -> None:
     from masrl.training.update import Row
 
     lora = None if a.full else {"r": 16, "alpha": 32, "per_agent": True}
-    policy = build_policy("p", PolicyConfig(model=str(smollm2_path()), lora=lora,
-                                                              gradient_checkpointing=a.grad_ckpt), seed=0, max_rollout_batch=64,
-                          agents=["Solver", "Verifier"] if lora else None)
+    pcfg = PolicyConfig(model=str(smollm2_path()), lora=lora, gradient_checkpointing=a.grad_ckpt)
+    policy = build_policy("p", pcfg, seed=0, max_rollout_batch=64, agents=["Solver", "Verifier"] if lora else None)
     policy.model.config._attn_implementation = a.attn
     policy.model.train()
     rng = random.Random(0)
@@ -130,7 +129,8 @@ def main(argv=None) -> None:
     r = saved_bytes(policy, rows, trainer, AlgorithmConfig())
     mib = 2 ** 20
     n_layers = sum(1 for k in r["by_layer"] if k != "-")
-    print(f"{'full' if a.full else 'LoRA'}{', checkpointed' if a.grad_ckpt else ''}, chunk {a.chunk}, attn {a.attn}, autocast {a.autocast}: "
+    what = f"{'full' if a.full else 'LoRA'}{', checkpointed' if a.grad_ckpt else ''}"
+    print(f"{what}, chunk {a.chunk}, attn {a.attn}, autocast {a.autocast}: "
           f"{a.rows} rows x {a.prompt_len + a.response_len} = {r['tokens']} tokens, {r['scored']} scored")
     print(f"saved for backward: {r['total'] / mib:,.0f} MiB = {r['total'] / r['tokens'] / 1024:,.1f} KiB per token; "
           f"decoder layers {sum(v for k, v in r['by_layer'].items() if k != '-') / mib:,.0f} MiB "
