@@ -44,3 +44,27 @@ def test_untagged_verdict_approve_option_and_max_loops():
                       score=score, params={"max_loops": 3})
     assert [t.agent for t in ep.turns] == ["Solver", "Verifier", "Solver", "Verifier", "Solver"]
     assert [t.turn_index for t in ep.turns] == [0, 1, 2, 3, 4]
+
+
+def test_verifier_reward_verdict_scores_the_verdict_not_the_team():
+    right_reject = run_scripted("math_solver_verifier", TASK,
+                                {"Solver": ["\\boxed{6}", "\\boxed{6}"], "Verifier": ["<verify>reject</verify>"]},
+                                score=score, params={"verifier_reward": "verdict"})
+    assert right_reject.reward == 0.0 and right_reject.turns[1].reward == 1.0
+    wrong_approve = run_scripted("math_solver_verifier", TASK,
+                                 {"Solver": ["\\boxed{6}"], "Verifier": ["<verify>approve</verify>"]},
+                                 score=score, params={"verifier_reward": "verdict"})
+    assert wrong_approve.turns[1].reward == 0.0
+    untagged = run_scripted("math_solver_verifier", TASK, {"Solver": ["\\boxed{5}", "\\boxed{5}"],
+                                                           "Verifier": ["??"]},
+                            score=score, params={"verifier_reward": "verdict"})
+    assert untagged.turns[1].reward == 0.0           # counted as reject (default) of a right answer
+    default = run_scripted("math_solver_verifier", TASK, {"Solver": ["\\boxed{6}", "\\boxed{6}"],
+                                                          "Verifier": ["<verify>reject</verify>"]}, score=score)
+    assert default.turns[1].reward is None           # team reward unless asked
+    import pytest
+
+    from masrl.errors import ConfigError
+    with pytest.raises(ConfigError, match="verifier_reward"):
+        run_scripted("math_solver_verifier", TASK, {"Solver": ["\\boxed{5}"], "Verifier": ["x"]},
+                     score=score, params={"verifier_reward": "judge"})

@@ -86,6 +86,14 @@ def make_arithmetic_tasks(cfg: ArithmeticConfig) -> tuple[list[Task], list[Task]
     return out[cfg.test_size:], out[:cfg.test_size]
 
 
+def _terms(question: str) -> tuple[list[int], list[str]]:
+    """``23+45-17`` -> ([23, 45, 17], ['+', '-'])."""
+    steps = solve_steps(question)
+    if not steps:
+        return [int(question)], []
+    return [steps[0][0]] + [rhs for _, _, rhs, _ in steps], [op for _, op, _, _ in steps]
+
+
 def solve_steps(question: str) -> list[tuple[int, str, int, int]]:
     """Parse ``a op b op c`` into left-to-right steps (lhs, op, rhs, result)."""
     tokens, num = [], ""
@@ -128,7 +136,7 @@ class ArithmeticTeacher:
                 result += self.rng.choice([-10, -2, -1, 1, 2, 10])
             lines.append(f"{lhs}{op}{rhs}={result}")
             carry = result
-        boxed = carry
+        boxed = carry if carry is not None else int(question)  # a single number: nothing to compute
         if self.rng.random() < self.slip_rate:
             boxed += self.rng.choice([-10, -2, -1, 1, 2, 10])
         lines.append(f"\\boxed{{{boxed}}}")
@@ -150,8 +158,50 @@ class ArithmeticTeacher:
             return f"\\boxed{{{right[0]}}}"
         return f"\\boxed{{{self.rng.randint(1, max(len(boxes), 1))}}}"
 
+    def subtasks(self, question: str, max_subtasks: int = 2) -> str:
+        """Orchestrator: ``SUBTASK k: <expression>`` lines that split a sum into independent parts.
+
+        With only ``+``/``-`` the terms split into up to ``max_subtasks`` consecutive chunks; a chunk
+        that starts with ``-t`` is written ``0-t...`` so that every subtask is an expression of its
+        own and the chunk results add up to the answer. A product (left to right) or a two-term
+        expression is one subtask: the whole question.
+        """
+        terms, ops = _terms(question)
+        if "*" in ops or len(terms) < 3:
+            return f"SUBTASK 1: {question}"
+        n = min(max_subtasks, len(terms) - 1)
+        bounds = [round(i * len(terms) / n) for i in range(n + 1)]
+        lines = []
+        for k, (lo, hi) in enumerate(zip(bounds, bounds[1:]), 1):
+            head = str(terms[lo]) if lo == 0 or ops[lo - 1] == "+" else f"0-{terms[lo]}"
+            lines.append(f"SUBTASK {k}: {head}" + "".join(ops[i - 1] + str(terms[i]) for i in range(lo + 1, hi)))
+        return "\n".join(lines)
+
+    def combine(self, prompt: str) -> str:
+        """Synthesizer: adds the workers' boxed results (in prompt order), one line, then the box."""
+        import re
+
+        parts = [int(b) for b in re.findall(r"\\boxed\{(-?\d+)\}", prompt)]
+        total = sum(parts)
+        if self.rng.random() < self.slip_rate:
+            total += self.rng.choice([-10, -2, -1, 1, 2, 10])
+        if len(parts) < 2:
+            return f"\\boxed{{{total}}}"
+        expr = str(parts[0]) + "".join(f"+{v}" if v >= 0 else f"-{-v}" for v in parts[1:])
+        return f"{expr}={total}\n\\boxed{{{total}}}"
+
     def reply(self, agent: str, prompt: str, task: Task) -> str:
-        """Demonstration for a role: Verifier/Evaluator verdicts, Aggregator choices, else a solution."""
+        """Demonstration for a role: Verifier/Evaluator verdicts, Aggregator choices, Orchestrator splits,
+        Worker solutions of the last expression in the prompt (its subtask), Synthesizer sums, else a solution."""
+        if agent == "Orchestrator":
+            return self.subtasks(task.question)
+        if agent == "Worker":
+            import re
+
+            expressions = re.findall(r"\d+(?:[-+*]\d+)*", prompt)
+            return self.solution(expressions[-1] if expressions else task.question)
+        if agent == "Synthesizer":
+            return self.combine(prompt)
         if agent == "Verifier":
             return self.verdict(prompt, str(task.answer))
         if agent == "Evaluator":

@@ -20,13 +20,16 @@ MATH_PROMPTS = {
 
 
 @register_workflow("math_solver_verifier", agents=("Solver", "Verifier"), prompts=MATH_PROMPTS,
-                   params={"max_loops": 2, "untagged_verdict": "reject"})
+                   params={"max_loops": 2, "untagged_verdict": "reject", "verifier_reward": "team"})
 async def math_solver_verifier(task: Task, team: Team) -> Episode:
     """Solver answers; Verifier approves (stop) or rejects (Solver retries), up to max_loops Solver turns.
 
     A Solver turn without ``\\boxed{}`` is invalid. A Verifier turn without
     ``<verify>approve|reject</verify>`` is invalid and counts as ``untagged_verdict``
     (default reject; the Dr. MAS reference silently approves).
+    ``verifier_reward: verdict`` gives each Verifier turn its own reward, 1 when its verdict is right
+    (approve a correct solution, reject a wrong one) else 0; it takes effect with
+    ``algorithm.reward: per_turn`` (default ``team``: every turn scores the team reward, as in Dr. MAS).
     """
     max_loops = team.params["max_loops"]
     if type(max_loops) is not int or max_loops < 1:
@@ -34,6 +37,10 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     untagged = team.params["untagged_verdict"]
     if untagged not in ("approve", "reject"):
         raise ConfigError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
+    verifier_reward = team.params["verifier_reward"]
+    if verifier_reward not in ("team", "verdict"):
+        raise ConfigError(f"math_solver_verifier: workflow.params.verifier_reward must be team or verdict, "
+                          f"got {verifier_reward!r}")
     context, answer, verdicts = "", None, []
     for loop in range(max_loops):
         solver = await team.call("Solver", team.render("Solver", question=task.question, context=context))
@@ -48,6 +55,8 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
         verdict = verdict or untagged
         verifier.info["verdict"] = verdict
         verifier.info["judged_correct"] = team.score(solver.text)["correct"]
+        if verifier_reward == "verdict":
+            verifier.reward = float((verdict == "approve") == bool(verifier.info["judged_correct"]))
         verdicts.append(verdict)
         context += team.render("context", agent="Verifier", text=verifier.text)
         if verdict == "approve":
