@@ -323,3 +323,73 @@ def test_long_outputs_are_read_from_their_tail():
     text = "\\boxed{early}" + "x" * 250_000 + "\\boxed{late}"
     assert extract_boxed(text) == "late"
     assert extract_boxed("\\boxed{early}" + "x" * 250_000) is None  # beyond the 200k-character window
+
+
+# ----------------------------------------------------------------------------- tool calls (masrl.tools)
+
+from masrl.tools import as_tools, calculator, parse_tool_calls, render_tool_call  # noqa: E402
+from masrl.tools.parsing import FORMATS, MAX_ATTEMPTS  # noqa: E402
+
+CALL_FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_call", "tool_call>", "{", "}", "[", "]", '"name"', ":", ",",
+                  '"arguments"', '"parameters"', '"calculator"', '{"expression": "1+2"}', '"', "\\", "<|python_tag|>",
+                  "```json", "```", ";", " ", "\n", "null", "1e999", "\x00", "🙂"]
+call_garbage = st.one_of(garbage, st.lists(st.one_of(st.sampled_from(CALL_FRAGMENTS), st.text(max_size=4)),
+                                           max_size=40).map("".join))
+call_args = st.dictionaries(st.text(max_size=6), st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6),
+                                                           st.lists(st.integers(), max_size=3)), max_size=3)
+TOOLS = as_tools([calculator])
+
+
+def reference_hermes_attempts(text):
+    """The number of Hermes call attempts, the obvious way: closed blocks, plus an unclosed one after them."""
+    closed = list(re.finditer(r"<tool_call>(.*?)</tool_call>", text, flags=re.DOTALL))
+    tail = text[closed[-1].end():] if closed else text
+    return len(closed) + ("<tool_call>" in tail)
+
+
+@FUZZ
+@given(call_garbage, st.sampled_from([(f,) for f in FORMATS] + [FORMATS]), st.booleans())
+def test_tool_call_parsing_never_raises_and_counts_hermes_attempts(text, formats, with_tools):
+    parsed = parse_tool_calls(text, TOOLS if with_tools else None, formats)
+    assert len(parsed.calls) + len(parsed.errors) <= MAX_ATTEMPTS + 1
+    assert all(c.name in TOOLS for c in parsed.calls) or not with_tools
+    if parsed.format == "hermes" or formats == ("hermes",):
+        expected = reference_hermes_attempts(text)
+        got = len(parsed.calls) + len(parsed.errors)
+        assert got == expected or (expected > MAX_ATTEMPTS and got == MAX_ATTEMPTS + 1), (got, expected)
+
+
+@FUZZ
+@given(st.text(min_size=1, max_size=10), call_args, st.sampled_from(["hermes", "json", "llama"]),
+       st.sampled_from(["plain", "fence", "python_tag", "string_arguments"]))
+def test_every_call_format_round_trips(name, args, fmt, wrap):
+    text = render_tool_call(name, args, fmt)
+    if fmt != "hermes" and wrap == "fence":
+        text = "```json\n" + text + "\n```"
+    elif fmt != "hermes" and wrap == "python_tag":
+        text = "<|python_tag|>" + text
+    elif wrap == "string_arguments":  # templates that write the arguments as a JSON string
+        import json
+
+        body = json.dumps({"name": name, "arguments": json.dumps(args)})
+        text = f"<tool_call>{body}</tool_call>" if fmt == "hermes" else body
+    parsed = parse_tool_calls(text)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [(name, args)] and not parsed.errors
+    assert parsed.format == ("hermes" if fmt == "hermes" else "json")
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>{" * 100_000,                                      # unclosed calls, one after another
+    "<tool_call>" + "[" * 100_000 + "</tool_call>",                # deep JSON nesting in one call
+    "<tool_call>" + '{"a":' * 100_000 + "</tool_call>" * 2,
+    '{"name": "calculator", "arguments": ' + "[" * 200_000,        # a bare JSON call that never closes
+    ('{"name": "calculator", "arguments": {"expression": "1"}} ' * 20_000),
+    "</tool_call>" * 100_000 + "<tool_call>",
+], ids=["unclosed-calls", "deep-array", "deep-object", "bare-unclosed", "many-bare", "closers"])
+def test_degenerate_tool_call_outputs_are_parsed_in_linear_time(text):
+    start = time.perf_counter()
+    for formats in [(f,) for f in FORMATS] + [FORMATS]:
+        parsed = parse_tool_calls(text, TOOLS, formats)
+        assert len(parsed.calls) + len(parsed.errors) <= MAX_ATTEMPTS + 1
+    elapsed = time.perf_counter() - start
+    assert elapsed < 3.0, f"{elapsed:.1f}s for {len(FORMATS) + 1} parses: quadratic scan?"

@@ -35,11 +35,13 @@ def _saved_activation_bytes(policy, rows) -> int:
     return total[0]
 
 
-@pytest.mark.parametrize("tiny", [{}, WIDER], ids=["tiny", "wider"])
-def test_plan_matches_memory_measured_on_cpu(tiny_cfg, tiny):
-    """Activations (saved tensors of one micro-batch) within 25%; weights + grads + AdamW state exact."""
+@pytest.mark.parametrize("tiny,lora", [({}, None), (WIDER, None), (WIDER, {"r": 16, "alpha": 32})],
+                         ids=["tiny", "wider", "wider-lora"])
+def test_plan_matches_memory_measured_on_cpu(tiny_cfg, tiny, lora):
+    """Activations (saved tensors of one micro-batch) within 25%; weights + grads + AdamW state exact.
+    LoRA (a frozen base keeps fewer inputs): 135.4 MiB measured, 124.7 planned (172.7 before the LoRA terms)."""
     prompt, response, tokens = 96, 32, 2048
-    d = tiny_cfg(**{"trainer.micro_batch_tokens": tokens, "policies.shared.tiny": tiny,
+    d = tiny_cfg(**{"trainer.micro_batch_tokens": tokens, "policies.shared.tiny": tiny, "policies.shared.lora": lora,
                     "trainer.autocast": "float32",  # the measured path below is float32
                     "agents.Solver.max_new_tokens": response, "agents.Verifier.max_new_tokens": response})
     cfg = config_from_dict(d)

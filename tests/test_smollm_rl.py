@@ -43,3 +43,32 @@ def test_one_lora_rl_step_changes_only_adapter_weights(tmp_path):
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed, "no weight changed"
     assert all("lora_" in n for n in changed), sorted(changed)[:3]
+
+
+def test_smollm2_tools_config_renders_the_tools_and_trains(tmp_path):
+    """examples/smollm2_tools.yaml: SmolLM2's template has no tool support, so the calculator is described
+    in the system message (Hermes / Qwen2.5 format) and its results come back as <tool_response> in a user
+    turn; the teacher's call + answer are one token sequence (the later prompt extends the earlier ids)."""
+    from masrl.training.sft import collect_demonstrations
+
+    cfg = load_config("examples/smollm2_tools.yaml",
+                      ["sft.steps=2", "sft.batch_size=2", "trainer.total_steps=1", "trainer.batch_size=2",
+                       "trainer.group_size=2", "task.params.train_size=8", "task.params.test_size=2",
+                       "eval.before_after=false", "logging.progress=false", f"output_dir={tmp_path}/run"])
+    trainer = Trainer(cfg)
+    policy = trainer.policies["smol"]
+    rows = collect_demonstrations(trainer.spec, trainer.source.train[:4], trainer.source.teacher,
+                                  policies=trainer.policies, agents=cfg.agents, score=trainer.source.score,
+                                  prompts=cfg.workflow.prompts, params=trainer.params)
+    call, answer = rows[0], rows[1]
+    first = policy.tokenizer.decode(call.prompt_ids, skip_special_tokens=False)
+    assert first.startswith("<|im_start|>system\n# Tools\n\nYou may call one or more functions")
+    assert '<tools>\n{"type": "function", "function": {"name": "calculator"' in first
+    assert first.endswith("<|im_start|>user\nCompute " + trainer.source.train[0].question +
+                          ". Use the calculator, then give the result as \\boxed{N}.<|im_end|>\n<|im_start|>assistant\n")
+    assert answer.prompt_ids[:len(call.prompt_ids) + len(call.response_ids)] == call.prompt_ids + call.response_ids
+    second = policy.tokenizer.decode(answer.prompt_ids, skip_special_tokens=False)
+    assert second.endswith(f"<|im_start|>user\n<tool_response>\n{trainer.source.train[0].answer}\n</tool_response>"
+                           "<|im_end|>\n<|im_start|>assistant\n")
+    trainer.fit()
+    assert trainer.step == 1

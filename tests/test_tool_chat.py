@@ -107,15 +107,17 @@ class _Text(PolicyText):  # the real prompt rendering of a policy, without a mod
         self.tokenizer, self.cfg, self.adapter_of = tokenizer, PolicyConfig(**cfg), {}
 
 
-def _encoding_run(tokenizer, replies, system_prompt=None):
-    """Run the workflow with scripted replies, prompts encoded by PolicyText as in training."""
+def _encoding_run(tokenizer, replies, system_prompt=None, encode_reply=None):
+    """Run the workflow with scripted replies, prompts encoded by PolicyText as in training; ``encode_reply``:
+    the reply's ids as the model generated them (default: the tokenizer's ids + end-of-sequence)."""
     text = _Text(tokenizer)
     queue = list(replies)
 
     async def call(agent, prompt):
         ids = text.encode_prompt(prompt, system_prompt)
         reply = queue.pop(0)
-        return Turn(agent, "p", ids, text.encode_response(reply), [], reply, text.render_prompt(prompt, system_prompt))
+        response = encode_reply(reply) if encode_reply else text.encode_response(reply)
+        return Turn(agent, "p", ids, response, [], reply, text.render_prompt(prompt, system_prompt))
 
     import asyncio
 
@@ -238,3 +240,104 @@ def test_trainer_merges_an_agents_conversation_with_the_same_update(tmp_path):
         assert any(not torch.equal(a, b) for a, b in zip(before, params_after[-1]))
     for a, b in zip(*params_after):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# --- prefix-identical ids: a later turn's prompt ids extend the earlier prompt + the reply as generated
+
+BPE_TEMPLATE = (  # tool-aware (it lists the tools); the assistant's turn ends with the end-of-sequence token
+    "{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t['function']['name'] }}{% endfor %}{{ '\n' }}{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'assistant: ' + m['content'] + eos_token + '\n' }}"
+    "{% else %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def _bpe_tokenizer(template=BPE_TEMPLATE):
+    """A byte-level BPE tokenizer (GPT-2 / Qwen style pre-tokenization) trained here on chat-like text."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    corpus = []
+    for _ in range(200):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        corpus.append(f"user: what is {a}+{b}?\nassistant: the answer needs <tool_call>calculator {a}+{b}"
+                      f"</tool_call></s>\ntool: {a + b}\nassistant: the answer is {a + b}</s>\n")
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "</s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                         show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = template
+    return tok
+
+
+def test_a_later_turn_extends_the_earlier_ids_with_a_bpe_tokenizer():
+    tok = _bpe_tokenizer()
+    episode = _encoding_run(tok, [f"the answer needs {CALL}", "the answer is \\boxed{294}"])
+    first, second = episode.turns
+    earlier = first.prompt_ids + first.response_ids
+    assert second.prompt_ids[:len(earlier)] == earlier
+    schemas = tool_schemas(as_tools([calculator]))
+    rendered = tok.apply_chat_template(episode.info["messages"][:3], tools=schemas, add_generation_prompt=True,
+                                       tokenize=False)
+    assert second.prompt_text == rendered  # the template's text, spelled by the extended ids
+    assert tok.decode(second.prompt_ids, skip_special_tokens=False) == rendered
+    # re-tokenizing the rendered text merges "assistant: " with the reply's first word ("Ġthe"): not a prefix
+    naive = tok(rendered, add_special_tokens=False)["input_ids"]
+    assert naive[:len(earlier)] != earlier and tok.decode(naive) == tok.decode(second.prompt_ids)
+    from masrl.training.conversation import merge_extending_rows
+    from masrl.training.update import Row
+
+    rows = [Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 1.0) for t in episode.turns]
+    assert len(merge_extending_rows(rows)) == 1
+
+
+def test_a_reply_spelled_in_other_tokens_is_kept_as_generated():
+    """A char model may write an added token's text character by character; the next prompt keeps those ids."""
+    tok = build_char_tokenizer(CHAT_TOKENS)
+    per_char = lambda reply: [tok.convert_tokens_to_ids(c) for c in reply] + [tok.eos_token_id]  # noqa: E731
+    episode = _encoding_run(tok, [CALL, "\\boxed{294}"], encode_reply=per_char)
+    first, second = episode.turns
+    earlier = first.prompt_ids + first.response_ids
+    assert second.prompt_ids[:len(earlier)] == earlier
+    assert tok(second.prompt_text, add_special_tokens=False)["input_ids"][:len(earlier)] != earlier
+    assert tok.decode(second.prompt_ids, skip_special_tokens=False) == second.prompt_text
+
+
+def test_a_template_that_rewrites_earlier_replies_gets_the_ids_of_its_text():
+    """No prefix to extend (the template drops earlier replies' text): the ids of the whole rendered text."""
+    rewriting = BPE_TEMPLATE.replace("'assistant: ' + m['content']", "'assistant: ' + (m['content'] if loop.last else '...')")
+    tok = _bpe_tokenizer(rewriting)
+    episode = _encoding_run(tok, [f"the answer needs {CALL}", "\\boxed{294}"])
+    first, second = episode.turns
+    assert "assistant: ...</s>\ntool: 294" in second.prompt_text
+    assert second.prompt_ids == tok(second.prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_without_tool_support_gets_the_tools_in_the_system_message_hermes_style():
+    """SmolLM2-Instruct's ChatML template knows no tools: the conversation renders as Qwen2.5's tool-aware
+    template renders it (tools in the system message, results as <tool_response> in a user turn)."""
+    from masrl.models.smollm import SMOLLM2_CHAT_TEMPLATE
+    from masrl.tools.chat_format import hermes_tool_messages
+
+    smol, qwen = build_char_tokenizer(CHAT_TOKENS), build_char_tokenizer(CHAT_TOKENS)
+    smol.chat_template, qwen.chat_template = SMOLLM2_CHAT_TEMPLATE, QWEN_STYLE_TEMPLATE
+    schemas = tool_schemas(as_tools([calculator]))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TASK.question},
+                {"role": "assistant", "content": CALL + CALL}, {"role": "tool", "name": "calculator", "content": "294"},
+                {"role": "tool", "name": "calculator", "content": "294"}]
+    for shown in (messages[:2], messages):
+        assert render_chat(smol, shown, schemas) == qwen.apply_chat_template(
+            shown, tools=schemas, add_generation_prompt=True, tokenize=False)
+    assert render_chat(smol, messages, schemas).endswith(
+        "<|im_start|>user\n<tool_response>\n294\n</tool_response>\n<tool_response>\n294\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+    no_system = hermes_tool_messages(messages[1:2], schemas)  # the tool block is the system message
+    assert no_system[0]["role"] == "system" and no_system[0]["content"].startswith("# Tools\n\nYou may call")
+    assert render_chat(smol, messages[1:2]) == smol.apply_chat_template(messages[1:2], add_generation_prompt=True,
+                                                                       tokenize=False)  # no tools: as it was

@@ -156,10 +156,17 @@ def rebuild_policy(cfg: RunConfig, name: str, checkpoint: Path):
         adapters = policy_agents(cfg, name) if lora.per_agent else [name]
         model = attach_adapters(model, adapters, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                 target_modules=lora.target_modules)
-    weights_file = checkpoint / "policies" / name / "model.safetensors"
-    if not weights_file.is_file():
+    pdir = checkpoint / "policies" / name
+    if (pdir / ckpt.DCP_DIR).is_dir():  # runtime.strategy fsdp: the ranks' shards, reassembled here
+        try:
+            weights = ckpt.dcp_weights(pdir)
+        except ckpt.CheckpointError as e:
+            raise ExportError(str(e)) from None
+    elif (pdir / "model.safetensors").is_file():
+        weights = load_file(str(pdir / "model.safetensors"))
+    else:
         raise ExportError(f"{checkpoint}: no weights for policy {name!r}")
-    load_weights(model, load_file(str(weights_file)), where=f"{checkpoint}: policy {name!r}")
+    load_weights(model, weights, where=f"{checkpoint}: policy {name!r}")
     return model.eval(), tokenizer
 
 

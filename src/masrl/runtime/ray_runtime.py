@@ -121,10 +121,19 @@ class RayPolicy(PolicyText):
     def optimizer(self):  # the optimizer lives in the workers; checkpoints go through checkpoint_state
         return True if self.cfg.trainable else None
 
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """fsdp: checkpoints are saved and loaded by every rank, shard by shard (masrl.training.checkpoint)."""
+        return self.group.runtime.cfg.runtime.strategy == "fsdp"
+
     def checkpoint_state(self):
-        if self.group.runtime.cfg.runtime.strategy == "fsdp":  # gathered: every rank takes part
-            return self.group.all("checkpoint_state", what="checkpoint save")[0]
         return self.group.get([self.group.actors[0].checkpoint_state.remote()], "checkpoint save")[0]
+
+    def save_sharded(self, folder: str) -> dict:
+        return self.group.all("save_sharded", folder, what="checkpoint save")[0]
+
+    def load_sharded(self, folder: str, optimizer_meta: dict | None, where: str) -> None:
+        self.group.all("load_sharded", folder, optimizer_meta, where, what="checkpoint load")
 
     def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
         ray = _import_ray()

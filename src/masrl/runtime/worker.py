@@ -41,6 +41,7 @@ class PolicyWorker:
         self.policy.base_trained = base_trained
         self.device = torch.device(device)
         self.fsdp = fsdp  # runtime.fsdp when runtime.strategy = fsdp (sharded at join_group)
+        self.agent_optim = build.get("agent_optim") or {}  # per-agent param groups, rebuilt on the shards
         self.offload_enabled = offload and self.device.type != "cpu" and fsdp is None  # fsdp: cpu_offload
         self.on_device = False
         self.onload()
@@ -61,7 +62,7 @@ class PolicyWorker:
         if self.fsdp is not None:
             from masrl.training.fsdp import FSDPOptions, ShardedDataParallel, shard_policy
 
-            shard_policy(self.policy, FSDPOptions(**self.fsdp), self.device, backend)
+            shard_policy(self.policy, FSDPOptions(**self.fsdp), self.device, backend, self.agent_optim)
             self.dp = ShardedDataParallel(self.rank, self.world)
 
     def info(self) -> dict[str, Any]:
@@ -128,17 +129,25 @@ class PolicyWorker:
 
     # -------------------------------------------------------------- state
     def checkpoint_state(self):
-        """Full weights and optimizer state (fsdp: gathered tensor by tensor; every rank must call)."""
+        """Full weights and optimizer state (replica strategy; fsdp saves shards: :meth:`save_sharded`)."""
         from masrl.training.checkpoint import optimizer_to_tensors, trainable_state
-
-        if self.fsdp is not None:
-            from masrl.training.fsdp import full_checkpoint_state
-
-            return full_checkpoint_state(self.policy)
 
         weights = {k: v.cpu() for k, v in trainable_state(self.policy).items()}
         tensors, meta = optimizer_to_tensors(self.policy.optimizer)
         return weights, {k: v.cpu() for k, v in tensors.items()}, meta
+
+    def save_sharded(self, folder: str) -> dict:
+        """fsdp: this rank's shards into ``folder`` (DCP; every rank must call); the optimizer metadata."""
+        from masrl.training.fsdp import save_sharded
+
+        return save_sharded(self.policy, folder)
+
+    def load_sharded(self, folder: str, optimizer_meta: dict | None, where: str) -> None:
+        """fsdp: this rank's part of a sharded checkpoint saved at any number of ranks (every rank must call)."""
+        from masrl.training.fsdp import load_sharded
+
+        load_sharded(self.policy, folder, optimizer_meta, where)
+        after_update(self.policy)
 
     def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
         from masrl.training.checkpoint import restore_policy

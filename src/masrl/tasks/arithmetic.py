@@ -12,11 +12,19 @@ deliberately imperfect, like real teacher traces: an arithmetic mistake per step
 (``error_rate``), a transcription slip that boxes a wrong number after correct steps
 (``slip_rate``), a wrong verdict (``verifier_noise``). SFT teaches the formats and the
 skill; RL has to learn from outcomes to stop imitating the mistakes.
+
+In a conversation with tools (the ``calculator_math`` workflow, ``team.chat``) the teacher's
+trace calls the calculator with the question's expression, then boxes the tool's result; a
+trace skips the tool and boxes the answer directly with probability ``skip_rate``, and boxes a
+wrong number with probability ``slip_rate`` (a copying slip). Without tools it boxes the answer
+directly, with the same ``slip_rate``: the no-tools baseline sees equally noisy answers.
 """
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from masrl.errors import ConfigError
 from masrl.types import Task
@@ -118,13 +126,15 @@ class ArithmeticTeacher:
     """Writes imperfect demonstrations for the Solver and Verifier roles (cold-start SFT)."""
 
     def __init__(self, error_rate: float = 0.0, slip_rate: float = 0.0, verifier_noise: float = 0.0,
-                 seed: int = 0):
-        for name, value in (("error_rate", error_rate), ("slip_rate", slip_rate), ("verifier_noise", verifier_noise)):
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"sft.teacher.{name} must be in [0, 1], got {value!r}")
+                 seed: int = 0, skip_rate: float = 0.0):
+        for name, value in (("error_rate", error_rate), ("slip_rate", slip_rate), ("verifier_noise", verifier_noise),
+                            ("skip_rate", skip_rate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"sft.teacher.{name} must be a number in [0, 1], got {value!r}")
         self.error_rate = error_rate
         self.slip_rate = slip_rate
         self.verifier_noise = verifier_noise
+        self.skip_rate = skip_rate
         self.rng = random.Random(seed)
 
     def solution(self, question: str) -> str:
@@ -158,6 +168,23 @@ class ArithmeticTeacher:
             return f"\\boxed{{{right[0]}}}"
         return f"\\boxed{{{self.rng.randint(1, max(len(boxes), 1))}}}"
 
+    def _slipped(self, value: int) -> int:
+        return value + self.rng.choice([-10, -2, -1, 1, 2, 10]) if self.rng.random() < self.slip_rate else value
+
+    def chat_reply(self, messages: list[dict], tools: list[dict] | None, task: Task) -> str:
+        """The next message of a conversation: a calculator call, or ``\\boxed{}`` with the tool's result
+        (or, skipping the tool or without it, the answer), noisy as described in the module docstring."""
+        last = messages[-1] if messages else {}
+        if last.get("role") == "tool":
+            try:
+                return f"\\boxed{{{self._slipped(int(last.get('content', '')))}}}"
+            except ValueError:  # the tool failed: answer directly
+                pass
+        elif any(t.get("function", {}).get("name") == "calculator" for t in tools or ()) and \
+                self.rng.random() >= self.skip_rate:
+            return calculator_call(task.question)
+        return f"\\boxed{{{self._slipped(int(task.answer))}}}"
+
     def subtasks(self, question: str, max_subtasks: int = 2) -> str:
         """Orchestrator: ``SUBTASK k: <expression>`` lines that split a sum into independent parts.
 
@@ -190,9 +217,12 @@ class ArithmeticTeacher:
         expr = str(parts[0]) + "".join(f"+{v}" if v >= 0 else f"-{-v}" for v in parts[1:])
         return f"{expr}={total}\n\\boxed{{{total}}}"
 
-    def reply(self, agent: str, prompt: str, task: Task) -> str:
-        """Demonstration for a role: Verifier/Evaluator verdicts, Aggregator choices, Orchestrator splits,
+    def reply(self, agent: str, prompt: Any, task: Task) -> str:
+        """Demonstration for a role: the next message of a conversation (``team.chat``: ``prompt`` has
+        ``messages`` and ``tools``), Verifier/Evaluator verdicts, Aggregator choices, Orchestrator splits,
         Worker solutions of the last expression in the prompt (its subtask), Synthesizer sums, else a solution."""
+        if hasattr(prompt, "messages"):
+            return self.chat_reply(prompt.messages, getattr(prompt, "tools", None), task)
         if agent == "Orchestrator":
             return self.subtasks(task.question)
         if agent == "Worker":
@@ -210,3 +240,9 @@ class ArithmeticTeacher:
         if agent == "Aggregator":
             return self.choose(prompt, str(task.answer))
         return self.solution(task.question)
+
+
+def calculator_call(expression: str) -> str:
+    """A Hermes-format call of the calculator tool (what ``masrl.tools.render_tool_call`` writes)."""
+    return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + \
+        "\n</tool_call>"

@@ -4,6 +4,17 @@ A checkpoint is written to a temporary folder and renamed into place, so a crash
 either the old set of checkpoints or the new one. Loading verifies every file against the
 manifest's sha256; a corrupt or partial checkpoint is skipped (with a warning) in favour of
 the previous one. No pickles: everything is safetensors or JSON.
+
+A policy's folder holds one of two formats:
+- consolidated (the local runtime, the replica strategy): ``model.safetensors`` (whole tensors),
+  ``optimizer.safetensors`` + ``optimizer.json`` (``optimizer_to_tensors``: state keyed by index);
+- sharded (``runtime.strategy: fsdp``): ``dcp/``, written by ``torch.distributed.checkpoint`` with
+  every rank saving its own shards (safetensors files through DCP's Hugging Face storage writer,
+  whose headers carry the shard offsets: no pickled metadata), keys ``model.<param>`` and
+  ``optim.<param>.<state key>``; ``optimizer.json`` holds the param groups (parameters by name) and
+  which state entries are tensors. DCP reshards on load, so it resumes at any number of ranks;
+  :func:`read_dcp` reassembles whole tensors in one process (no process group) for the local
+  runtime, the replica strategy, ``masrl eval --checkpoint`` and ``masrl export``.
 """
 from __future__ import annotations
 
@@ -13,6 +24,7 @@ import os
 import random
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,6 +36,7 @@ from masrl.errors import UserInputError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DCP_DIR = "dcp"  # policies/<name>/dcp: the sharded format (module docstring)
 
 
 class CheckpointError(UserInputError, RuntimeError):
@@ -116,6 +129,10 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
             continue
         pdir = tmp / "policies" / name
         pdir.mkdir(parents=True)
+        if getattr(policy, "sharded_checkpoint", False):  # fsdp: every rank writes its shards into pdir/dcp
+            (pdir / "optimizer.json").write_text(json.dumps(policy.save_sharded(str(pdir / DCP_DIR))))
+            files += sorted(f for f in (pdir / DCP_DIR).rglob("*") if f.is_file()) + [pdir / "optimizer.json"]
+            continue
         weights, tensors, meta = policy_state(policy)
         save_file(weights, str(pdir / "model.safetensors"))
         save_file(tensors, str(pdir / "optimizer.safetensors"))
@@ -187,8 +204,12 @@ def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: 
     state without its fields, weights or optimizer state that do not fit) is a ``CheckpointError``.
     """
     state, loaded = _read_checkpoint(Path(path), policies, load_optimizer)
-    for name, (weights, opt_tensors, meta) in loaded.items():
-        restore_policy(policies[name], weights, opt_tensors, meta, where=f"{path}: policy {name!r}")
+    for name, entry in loaded.items():
+        where = f"{path}: policy {name!r}"
+        if isinstance(entry, ShardedState):  # fsdp ranks read their own shards (DCP reshards)
+            policies[name].load_sharded(str(entry.folder), entry.optimizer_meta, where)
+        else:
+            restore_policy(policies[name], *entry, where=where)
     return state
 
 
@@ -233,15 +254,100 @@ def _read_checkpoint(path: Path, policies: Mapping[str, Any], load_optimizer: bo
             continue
         if not pdir.is_dir():
             raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
+        with_optimizer = load_optimizer and policy.optimizer is not None
+        if (pdir / DCP_DIR).is_dir():
+            meta = _read_optimizer_meta(pdir)
+            if getattr(policy, "sharded_checkpoint", False):
+                loaded[name] = ShardedState(pdir / DCP_DIR, meta if with_optimizer else None)
+            else:
+                loaded[name] = consolidate_dcp(pdir, meta, with_optimizer)
+            continue
         weights, opt_tensors, meta = _read_tensors(pdir / "model.safetensors"), None, None
-        if load_optimizer and policy.optimizer is not None:
-            meta = _read_json(pdir / "optimizer.json")
-            if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
-                    or not isinstance(meta.get("param_groups"), list):
-                raise CheckpointError(f"{pdir}/optimizer.json: malformed optimizer state")
+        if with_optimizer:
+            meta = _read_optimizer_meta(pdir)
             opt_tensors = _read_tensors(pdir / "optimizer.safetensors")
         loaded[name] = (weights, opt_tensors, meta)
     return state, loaded
+
+
+def _read_optimizer_meta(pdir: Path) -> dict:
+    meta = _read_json(pdir / "optimizer.json")
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
+            or not isinstance(meta.get("param_groups"), list):
+        raise CheckpointError(f"{pdir}/optimizer.json: malformed optimizer state")
+    return meta
+
+
+@dataclass
+class ShardedState:
+    """A policy's sharded (DCP) checkpoint, for its fsdp ranks to read: the folder and the optimizer
+    metadata (None: weights only)."""
+
+    folder: Path
+    optimizer_meta: dict | None
+
+
+def dcp_model_key(name: str) -> str:
+    return f"model.{name}"
+
+
+def dcp_optim_key(param: str, key: str) -> str:
+    return f"optim.{param}.{key}"
+
+
+def dcp_keys(folder: Path) -> set[str]:
+    """The tensor names a DCP folder holds (read from its safetensors headers)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        return set(HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata)
+    except Exception as e:  # noqa: BLE001 - a header that does not parse, a missing file: it does not load
+        raise CheckpointError(f"{folder}: unreadable sharded checkpoint ({type(e).__name__}: {e})") from None
+
+
+def read_dcp(folder: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Whole tensors (``keys``, default all) from a DCP folder, in this process and without a process
+    group: DCP reassembles each tensor from the ranks' shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    try:
+        metadata = HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+                 if keys is None or k in keys}
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - as dcp_keys
+        raise CheckpointError(f"{folder}: unreadable sharded checkpoint ({type(e).__name__}: {e})") from None
+    return state
+
+
+def dcp_weights(pdir: Path) -> dict[str, torch.Tensor]:
+    """A sharded policy folder's whole weights, by parameter name."""
+    prefix = dcp_model_key("")
+    full = read_dcp(pdir / DCP_DIR, {k for k in dcp_keys(pdir / DCP_DIR) if k.startswith(prefix)})
+    return {k[len(prefix):]: v for k, v in full.items()}
+
+
+def consolidate_dcp(pdir: Path, meta: dict, with_optimizer: bool):
+    """A sharded policy folder as the consolidated format's (weights, optimizer tensors, optimizer metadata)
+    (optimizer parts None: weights only, or no optimizer state saved yet)."""
+    weights = dcp_weights(pdir)
+    if not with_optimizer or not meta["state"]:
+        return weights, None, None
+    try:
+        order = [name for group in meta["param_groups"] for name in group["params"]]
+        index = {name: i for i, name in enumerate(order)}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in meta["param_groups"]]
+        wanted = {dcp_optim_key(n, k): (index[n], k) for n, entries in meta["state"].items()
+                  for k, v in entries.items() if v == "tensor"}
+        state = {str(index[n]): dict(entries) for n, entries in meta["state"].items()}
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{pdir}/optimizer.json: malformed optimizer state ({type(e).__name__}: {e})") from None
+    full = read_dcp(pdir / DCP_DIR, set(wanted))
+    if set(full) != set(wanted):
+        raise CheckpointError(f"{pdir / DCP_DIR}: optimizer tensors missing ({sorted(set(wanted) - set(full))[:3]})")
+    tensors = {f"{i}.{k}": full[key] for key, (i, k) in wanted.items()}
+    return weights, tensors, {"param_groups": groups, "state": state}
 
 
 def policy_state(policy: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:

@@ -19,7 +19,7 @@ import datetime
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -141,9 +141,13 @@ def shard_module(model: torch.nn.Module, options: FSDPOptions, device: torch.dev
     return model
 
 
-def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: str = "gloo") -> None:
-    """Shard ``policy.model`` (and its KL reference) in place and rebuild the optimizer on the shards."""
+def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: str = "gloo",
+                 agent_optim: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Shard ``policy.model`` (and its KL reference) in place and rebuild the optimizer on the shards, with
+    the same parameter groups as the replica's (``agent_optim``: per-agent adapter groups)."""
     import torch.distributed as dist
+
+    from masrl.training.policy import make_optimizer
 
     ensure_process_group(1 if not dist.is_initialized() else dist.get_world_size(), backend)
     policy.model.to(device)
@@ -153,10 +157,21 @@ def shard_policy(policy, options: FSDPOptions, device: torch.device, backend: st
         policy.ref_model.to(device)
         shard_module(policy.ref_model, options, device)
     if policy.optimizer is not None:  # fully_shard replaced the parameters by DTensor ones
-        o = policy.cfg.optim  # as masrl.training.policy.build_policy makes it
-        policy.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=o.lr, betas=tuple(o.betas),
-                                             weight_decay=o.weight_decay, eps=o.eps,
-                                             **({"fused": True} if o.fused else {}))
+        policy.optimizer = make_optimizer(policy, agent_optim or {})
+
+
+def gather_full(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` for each ``(name, tensor)`` of a sharded model, gathered one at a time.
+
+    For an engine that needs full weights (vLLM's ``load_weights``):
+    ``engine.sync_weights(gather_full(hf_named_tensors(policy.model)))``. Each DTensor shard is all-gathered
+    (``full_tensor``) only when the consumer asks for it and the helper keeps no reference, so the extra
+    memory is one tensor (at most a layer's largest weight), never the whole model; tensors are yielded in
+    the model's order, so unit by unit. Every rank must iterate to the end in the same order (each gather
+    is a collective), even if only rank 0 uses the tensors. One all-gather per tensor rather than one per
+    FSDP unit (``unshard()``): more, smaller collectives for a lower peak."""
+    for name, tensor in named:
+        yield name, (tensor.full_tensor() if is_sharded(tensor) else tensor)
 
 
 def local_bytes(policy) -> dict[str, int]:
@@ -179,18 +194,75 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if is_sharded(t) else t).detach().cpu().contiguous().clone()
 
 
-def full_checkpoint_state(policy) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """The replica strategy's checkpoint (masrl.training.checkpoint format), gathered one tensor at a time.
+def save_sharded(policy, folder: str) -> dict:
+    """Save the policy's weights and optimizer state with ``torch.distributed.checkpoint`` into ``folder``:
+    every rank writes its own shards (no rank gathers a whole tensor); every rank must call. Returns the
+    optimizer metadata for ``optimizer.json`` (param groups with parameters by name; which state entries
+    are tensors). Format: masrl.training.checkpoint's module docstring."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    Every rank must call it (each gather is a collective). Being the consolidated format, it loads
-    at any number of ranks and under either strategy.
-    """
-    from masrl.training.checkpoint import optimizer_to_tensors, saved_parameter_names
+    from masrl.training.checkpoint import dcp_model_key, dcp_optim_key, saved_parameter_names
 
     names = saved_parameter_names(policy)
-    weights = {n: _full(p) for n, p in policy.model.named_parameters() if n in names}
-    tensors, meta = optimizer_to_tensors(policy.optimizer)
-    return weights, {k: _full(v) for k, v in tensors.items()}, meta
+    flat = {dcp_model_key(n): t for n, t in get_model_state_dict(policy.model).items() if n in names}
+    meta: dict[str, Any] = {"param_groups": [], "state": {}}
+    # an optimizer that has not stepped yet saves no state: get_optimizer_state_dict would initialise it
+    # (a zero-lr step), and the next real step would then differ from an uninterrupted run's
+    if policy.optimizer is not None and policy.optimizer.state:
+        osd = get_optimizer_state_dict(policy.model, policy.optimizer)
+        meta["param_groups"] = osd["param_groups"]
+        for param, entries in osd["state"].items():
+            meta["state"][param] = {k: ("tensor" if torch.is_tensor(v) else v) for k, v in entries.items()}
+            flat.update({dcp_optim_key(param, k): v for k, v in entries.items() if torch.is_tensor(v)})
+    dcp.save(flat, storage_writer=HuggingFaceStorageWriter(folder, save_distributed=True))
+    return meta
+
+
+def load_sharded(policy, folder: str, optimizer_meta: dict | None, where: str) -> None:
+    """Load a :func:`save_sharded` checkpoint saved at any number of ranks: each rank reads the parts of the
+    shards that fall into its own (DCP reshards); ``optimizer_meta`` None: weights only. Every rank must call."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from masrl.training.checkpoint import CheckpointError, dcp_keys, dcp_model_key, dcp_optim_key, \
+        saved_parameter_names
+
+    expected, saved = saved_parameter_names(policy), dcp_keys(folder)
+    prefix = dcp_model_key("")
+    saved_weights = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+    if saved_weights != expected:
+        missing, extra = sorted(expected - saved_weights)[:3], sorted(saved_weights - expected)[:3]
+        raise CheckpointError(f"{where} weights do not fit the model (missing {missing}, unexpected {extra})")
+    model_sd = {n: t for n, t in get_model_state_dict(policy.model).items() if n in expected}
+    flat = {dcp_model_key(n): t for n, t in model_sd.items()}
+    optim_sd = None
+    if optimizer_meta and optimizer_meta["state"] and policy.optimizer is not None:
+        template = get_optimizer_state_dict(policy.model, policy.optimizer)["state"]  # initialises fresh state
+        try:
+            state = {p: {k: (template[p][k] if v == "tensor" else v) for k, v in entries.items()}
+                     for p, entries in optimizer_meta["state"].items()}
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{where}: optimizer state does not fit ({type(e).__name__}: {e})") from None
+        groups = [{**g, **({"betas": tuple(g["betas"])} if "betas" in g else {})}
+                  for g in optimizer_meta["param_groups"]]
+        optim_sd = {"state": state, "param_groups": groups}
+        flat.update({dcp_optim_key(p, k): t for p, entries in state.items() for k, t in entries.items()
+                     if torch.is_tensor(t)})
+    missing = sorted(set(flat) - saved)
+    if missing:
+        raise CheckpointError(f"{where}: the sharded checkpoint lacks {missing[:3]}")
+    dcp.load(flat, storage_reader=HuggingFaceStorageReader(folder))
+    set_model_state_dict(policy.model, model_sd, options=StateDictOptions(strict=False))
+    if optim_sd is not None:
+        try:
+            set_optimizer_state_dict(policy.model, policy.optimizer, optim_sd)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CheckpointError(f"{where}: optimizer state does not fit ({type(e).__name__}: {e})") from None
 
 
 def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -203,7 +275,7 @@ def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def restore_sharded(policy, weights, opt_tensors, opt_meta, where: str) -> None:
-    """Load a consolidated checkpoint into a sharded policy (each rank keeps its shards)."""
+    """Load a consolidated checkpoint (a replica run's) into a sharded policy (each rank keeps its shards)."""
     from masrl.training.checkpoint import CheckpointError, optimizer_from_tensors, saved_parameter_names
 
     expected = saved_parameter_names(policy)

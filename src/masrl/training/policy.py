@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -12,7 +13,7 @@ from masrl.config import PolicyConfig, RolloutConfig
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import Engine
 from masrl.rollout.factory import make_engine
-from masrl.tools.chat_format import ChatPrompt, render_chat
+from masrl.tools.chat_format import ChatPrompt, extend_chat_ids, render_chat
 
 
 class PolicyText:
@@ -32,16 +33,30 @@ class PolicyText:
         """The prompt text: a string is one user message; a ``ChatPrompt`` (from ``team.chat``) is the
         agent's conversation with its tools. Both go through the tokenizer's chat template."""
         if isinstance(prompt, ChatPrompt):
-            messages = list(prompt.messages)
-            if system_prompt and not (messages and messages[0].get("role") == "system"):
-                messages = [{"role": "system", "content": system_prompt}] + messages
-            return render_chat(self.tokenizer, messages, prompt.tools, **self.cfg.chat_template_kwargs)
+            return render_chat(self.tokenizer, self._chat_messages(prompt, system_prompt), prompt.tools,
+                               **self.cfg.chat_template_kwargs)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
                    [{"role": "user", "content": prompt}]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                                   **self.cfg.chat_template_kwargs)
 
+    @staticmethod
+    def _chat_messages(prompt: ChatPrompt, system_prompt: str | None) -> list[dict]:
+        messages = list(prompt.messages)
+        if system_prompt and not (messages and messages[0].get("role") == "system"):
+            return [{"role": "system", "content": system_prompt}] + messages
+        return messages
+
     def encode_prompt(self, prompt, system_prompt: str | None = None) -> list[int]:
+        """The prompt's token ids. A conversation's later turn extends the ids of its previous turn
+        (prompt + the reply's ids as generated + the template's delta; see ``extend_chat_ids``)."""
+        if isinstance(prompt, ChatPrompt) and prompt.prefix is not None:
+            messages = self._chat_messages(prompt, system_prompt)
+            shift = len(messages) - len(prompt.messages)  # the system message added here
+            prefix = dataclasses.replace(prompt.prefix, n_messages=prompt.prefix.n_messages + shift)
+            ids = extend_chat_ids(self.tokenizer, messages, prompt.tools, prefix, **self.cfg.chat_template_kwargs)
+            if ids is not None:
+                return ids
         return self.tokenizer(self.render_prompt(prompt, system_prompt), add_special_tokens=False)["input_ids"]
 
     def encode_response(self, text: str) -> list[int]:
@@ -116,13 +131,17 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     policy = Policy(name=name, cfg=cfg, model=model, tokenizer=tokenizer, engine=engine, agents=agents,
                     adapter_of=adapter_of)
     if cfg.trainable:
-        o = cfg.optim
-        policy.optimizer = torch.optim.AdamW(param_groups(policy, agent_optim or {}), lr=o.lr, betas=tuple(o.betas),
-                                             weight_decay=o.weight_decay, eps=o.eps,
-                                             **({"fused": True} if o.fused else {}))
+        policy.optimizer = make_optimizer(policy, agent_optim or {})
     if kl and cfg.lora is None:
         policy.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return policy
+
+
+def make_optimizer(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> torch.optim.Optimizer:
+    """The policy's AdamW over :func:`param_groups` (also used again on FSDP2's sharded parameters)."""
+    o = policy.cfg.optim
+    return torch.optim.AdamW(param_groups(policy, agent_optim), lr=o.lr, betas=tuple(o.betas),
+                             weight_decay=o.weight_decay, eps=o.eps, **({"fused": True} if o.fused else {}))
 
 
 def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> list[dict]:

@@ -8,7 +8,8 @@ Each model call is one :class:`~masrl.types.Turn` (recorded by ``team.call``) wh
 the whole conversation so far, rendered with the policy's chat template (see
 :mod:`masrl.tools.chat_format`); the reply is appended to ``messages`` (in place, so the
 workflow keeps the agent's history across ``chat`` calls) as an assistant message with the
-text the model wrote. When the reply has tool calls they are run in order and each result is
+text the model wrote; the next call's prompt ids extend this call's prompt and reply ids token
+for token (:class:`~masrl.tools.chat_format.ChatPrefix`). When the reply has tool calls they are run in order and each result is
 appended as a ``tool`` message, then the model is called again; a reply without a call ends
 the loop. Tool output is only ever in later prompts, never in a response, so it is not trained.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from masrl.tools import FORMATS, ToolBox, ToolResult, parse_tool_calls, tool_schemas
-from masrl.tools.chat_format import ChatPrompt
+from masrl.tools.chat_format import ChatPrefix, ChatPrompt
 from masrl.types import Turn
 
 if TYPE_CHECKING:
@@ -62,10 +63,12 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
     cap = max_calls if max_calls is not None else team.params.get("max_tool_calls", DEFAULT_MAX_TOOL_CALLS)
     schemas = tool_schemas(box.tools) or None
     out = ChatResult(text="")
+    prefix = None
     while True:
-        turn = await team.call(agent, ChatPrompt(list(messages), schemas))
+        turn = await team.call(agent, ChatPrompt(list(messages), schemas, prefix=prefix))
         out.turns.append(turn)
         out.text = turn.text
+        prefix = _prefix_of(turn, len(messages))
         messages.append({"role": "assistant", "content": turn.text})
         parsed = parse_tool_calls(turn.text, box.tools, formats)
         if not parsed.attempted:
@@ -86,3 +89,10 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
             turn.info["tool_call_limit"] = True
             out.stop = "call_limit"
             return out
+
+
+def _prefix_of(turn: Turn, n_messages: int) -> ChatPrefix | None:
+    """What the next call extends: this turn's full prompt ids and its reply (not a refused or cut prompt)."""
+    if not turn.prompt_ids or "prompt_truncated_from" in turn.info or "refused" in turn.info:
+        return None
+    return ChatPrefix(n_messages, list(turn.prompt_ids), list(turn.response_ids))
