@@ -71,13 +71,14 @@ def worker(a) -> dict:
 
     lora = None if a.full else {"r": 16, "alpha": 32, "per_agent": True}
     policy = build_policy("p", PolicyConfig(model=str(smollm2_path()), lora=lora,
-                                            optim={"lr": 1e-6, "fused": True}),
+                                            optim={"lr": 1e-6, "fused": True}, gradient_checkpointing=a.grad_ckpt),
                           seed=0, max_rollout_batch=64, agents=["Solver", "Verifier"] if lora else None)
     rng = random.Random(0)
     rows = [Row(["Solver", "Verifier"][i % 2], [rng.randrange(10, 40000) for _ in range(a.prompt_len)],
                 [rng.randrange(10, 40000) for _ in range(a.response_len)], [-1.0] * a.response_len,
                 rng.choice([-1.0, 1.0]), 1.0, policy="p") for i in range(a.rows)]
-    trainer = TrainerConfig(logprob_chunk_tokens=a.chunk, micro_batch_tokens=a.micro_batch_tokens)
+    trainer = TrainerConfig(logprob_chunk_tokens=a.chunk, micro_batch_tokens=a.micro_batch_tokens,
+                            autocast=None if a.autocast == "float32" else a.autocast)
     algo = AlgorithmConfig(estimator="grpo")
     rss_built = peak_rss_mib()
     update_policy(policy, rows, algo, trainer, step=0, seed=0)
@@ -100,6 +101,8 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--grad-ckpt", action="store_true", help="policies.<p>.gradient_checkpointing: true")
+    ap.add_argument("--autocast", default="float32", help="trainer.autocast (float32: off)")
     ap.add_argument("--head-only", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
@@ -111,8 +114,10 @@ def main(argv=None) -> None:
     print(f"machine: {machine_line(machine_info(a.threads))}", flush=True)
     common = ["--rows", str(a.rows), "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len),
               "--micro-batch-tokens", str(a.micro_batch_tokens), "--repeats", str(a.repeats),
-              "--threads", str(a.threads)] + (["--full"] if a.full else []) + (["--head-only"] if a.head_only else [])
+              "--threads", str(a.threads), "--autocast", a.autocast] + (["--full"] if a.full else []) + \
+        (["--head-only"] if a.head_only else []) + (["--grad-ckpt"] if a.grad_ckpt else [])
     what = "LM head only" if a.head_only else "full" if a.full else "per-agent LoRA"
+    what += f", autocast {a.autocast}" + (", gradient checkpointing" if a.grad_ckpt else "")
     print(f"{a.rows} rows x ({a.prompt_len} + {a.response_len}) tokens, {what}")
     for chunk in a.chunks:
         r = run_worker(Path(__file__), ["--chunk", str(chunk), *common])

@@ -8,7 +8,8 @@ build the Trainer, ``--warmup`` untimed ``train_step()`` calls, then ``--steps``
 Reported per run (median over its timed steps) and over ``--repeats`` runs (each its own
 subprocess, peak RSS = ``ru_maxrss`` of that process):
 
-* seconds per RL step (wall time of ``train_step``), split into rollout and update
+* seconds per RL step (wall time of ``train_step``; and its process CPU time, which other jobs on a
+  shared machine inflate less), split into rollout and update
   (``perf/rollout_seconds``, ``perf/update_seconds``);
 * rollout tokens/s: generated tokens / rollout seconds (``perf/rollout_tokens_per_s``: the whole
   rollout phase, workflows and scoring included) and generated tokens / engine seconds;
@@ -43,12 +44,12 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
     out = []
     for i in range(warmup + steps):
         before = (stats.generated_tokens, stats.generate_seconds, stats.engine_calls, len(stats.batch_sizes))
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         m = trainer.train_step()
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
         trainer.step += 1
         out.append({
-            "warmup": i < warmup, "step_s": wall, "rollout_s": m["perf/rollout_seconds"],
+            "warmup": i < warmup, "step_s": wall, "cpu_s": cpu, "rollout_s": m["perf/rollout_seconds"],
             "update_s": m["perf/update_seconds"], "generate_s": stats.generate_seconds - before[1],
             "generated_tokens": stats.generated_tokens - before[0],
             "trained_tokens": m["perf/train_tokens_per_s"] * m["perf/update_seconds"],
@@ -62,7 +63,7 @@ def summarize(steps: list[dict]) -> dict:
     timed = [s for s in steps if not s["warmup"]]
     med = lambda k: statistics.median(s[k] for s in timed)  # noqa: E731
     tot = lambda k: sum(s[k] for s in timed)  # noqa: E731
-    return {"step_s": med("step_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
+    return {"step_s": med("step_s"), "cpu_s": med("cpu_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
             "generate_s": med("generate_s"),
             "rollout_tok_s": tot("generated_tokens") / tot("rollout_s"),
             "engine_tok_s": tot("generated_tokens") / tot("generate_s"),
@@ -88,7 +89,8 @@ def worker_main(a) -> None:
                                                "episodes_per_step": cfg.trainer.batch_size * cfg.trainer.group_size}))
 
 
-ROWS = [("step_s", "seconds per RL step"), ("rollout_s", "  rollout seconds"), ("update_s", "  update seconds"),
+ROWS = [("step_s", "seconds per RL step"), ("cpu_s", "  process CPU seconds per RL step (robust to load)"),
+        ("rollout_s", "  rollout seconds"), ("update_s", "  update seconds"),
         ("generate_s", "  engine (generation) seconds"), ("rollout_tok_s", "rollout tokens/s (whole rollout phase)"),
         ("engine_tok_s", "rollout tokens/s (engine only)"), ("train_tok_s", "training tokens/s (prompt+response)"),
         ("peak_rss_mib", "peak RSS MiB"), ("generated_tokens_per_step", "generated tokens per step"),
@@ -120,7 +122,7 @@ def main(argv=None) -> None:
         run["summary"] = {**summarize(run["steps"]), "peak_rss_mib": run["peak_rss_mib"]}
         runs.append(run)
         s = run["summary"]
-        print(f"  run {r + 1}/{a.repeats}: {s['step_s']:.2f} s/step (rollout {s['rollout_s']:.2f}, update "
+        print(f"  run {r + 1}/{a.repeats}: {s['step_s']:.2f} s/step (cpu {s['cpu_s']:.2f}, rollout {s['rollout_s']:.2f}, update "
               f"{s['update_s']:.2f}), {s['rollout_tok_s']:.0f} rollout tok/s, {s['train_tok_s']:.0f} train tok/s, "
               f"peak RSS {s['peak_rss_mib']:.0f} MiB", flush=True)
     table = {k: spread([r["summary"][k] for r in runs]) for k, _ in ROWS}

@@ -11,7 +11,9 @@
    runs the LM head only on the response (+1) positions (``logits_to_keep``) and the embedding
    lookup costs no FLOPs, the report also gives a refined count: ``6 * N_body * T +
    6 * V * d * (response + 1 per row)`` + attention ``12 * layers * d * sum(L^2)/2`` (causal).
-   utilization = achieved / peak of the dtype the model trains in (float32 by default).
+   utilization = achieved / peak of the dtype the update's matmuls run in: bfloat16 under
+   ``trainer.autocast`` (``--autocast``, default ``auto``: the shipped default, bfloat16 on a CPU
+   with native bf16) or with ``--dtype bfloat16``, else float32.
 
 Each measurement runs in its own subprocess (peak RSS reported).
 
@@ -87,7 +89,7 @@ def worker_update(a) -> dict:
         "agents": {"Solver": {"policy": "policy", "max_new_tokens": a.max_new_tokens}},
         "policies": {"policy": {"model": a.model, "dtype": a.dtype, "optim": {"lr": 1e-6, "weight_decay": 0.0}}},
         "algorithm": {"estimator": "grpo", "format_penalty": 0.0},
-        "trainer": {"batch_size": a.B, "group_size": a.G, "threads": a.threads},
+        "trainer": {"batch_size": a.B, "group_size": a.G, "threads": a.threads, "autocast": a.autocast},
         "eval": {"before_after": False},
         "logging": {"tensorboard": False, "progress": False, "plots": False},
     })
@@ -108,7 +110,11 @@ def worker_update(a) -> dict:
         fl = count_flops(model, captured[-1])
         steps.append({"warmup": i < a.warmup, "update_s": m["perf/update_seconds"],
                       "rollout_s": m["perf/rollout_seconds"], **fl})
-    return {"steps": steps, "dtype": a.dtype, "threads": torch.get_num_threads(), "peak_rss_mib": peak_rss_mib()}
+    from masrl.models.precision import resolve_autocast
+
+    compute = resolve_autocast(a.autocast, "cpu") or a.dtype
+    return {"steps": steps, "dtype": a.dtype, "compute_dtype": compute, "threads": torch.get_num_threads(),
+            "peak_rss_mib": peak_rss_mib()}
 
 
 def worker_main(a) -> None:
@@ -124,6 +130,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="masrl model name (alias, folder, 'tiny')")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="policy dtype for the update")
+    ap.add_argument("--autocast", default="auto", choices=["auto", "bfloat16", "float32"], help="trainer.autocast")
     ap.add_argument("--B", type=int, default=2)
     ap.add_argument("--G", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -139,7 +146,7 @@ def main(argv=None) -> None:
 
     info = print_header(a.threads)
     common = ["--threads", str(a.threads), "--reps", str(a.reps), "--model", a.model, "--dtype", a.dtype,
-              "--B", str(a.B), "--G", str(a.G), "--max-new-tokens", str(a.max_new_tokens),
+              "--autocast", a.autocast, "--B", str(a.B), "--G", str(a.G), "--max-new-tokens", str(a.max_new_tokens),
               "--steps", str(a.steps), "--warmup", str(a.warmup)]
     # alternate: matmul, update, matmul (the peak is the max of the two matmul runs)
     mm1 = run_worker(Path(__file__), ["--worker", "matmul", *common])
@@ -153,7 +160,8 @@ def main(argv=None) -> None:
     upd_s = sum(s["update_s"] for s in timed)
     achieved_6nt = sum(s["flops_6NT"] for s in timed) / upd_s / 1e9
     achieved_ref = sum(s["flops_refined"] for s in timed) / upd_s / 1e9
-    peak = peaks[a.dtype]["peak_gflops"]
+    compute = upd.get("compute_dtype", a.dtype)
+    peak = peaks[compute]["peak_gflops"]
     res = {"command": command_line(), "machine": info, "matmul": peaks, "update": upd,
            "achieved_gflops_6NT": achieved_6nt, "achieved_gflops_refined": achieved_ref,
            "utilization_6NT": achieved_6nt / peak, "utilization_refined": achieved_ref / peak}
@@ -163,14 +171,14 @@ def main(argv=None) -> None:
                     [[d] + [fmt(peaks[d]["gflops_by_size"][n]) for n in SIZES] + [fmt(peaks[d]["peak_gflops"])]
                      for d in ("float32", "bfloat16")]))
     s0 = timed[0]
-    print(f"\n### masrl update on {a.model} ({a.dtype}), B={a.B} x G={a.G}, max_new_tokens={a.max_new_tokens}\n")
+    print(f"\n### masrl update on {a.model} ({a.dtype} weights, {compute} matmuls), B={a.B} x G={a.G}, max_new_tokens={a.max_new_tokens}\n")
     rows = [["parameters N (all / body)", f"{s0['params'] / 1e6:.1f}M / {s0['params_body'] / 1e6:.1f}M"],
             ["trained tokens per step (prompt + response)", fmt(statistics.fmean(s['tokens'] for s in timed))],
             ["update seconds per step (perf/update_seconds)", fmt(upd_s / len(timed))],
             ["achieved GFLOP/s, 6·N·T", fmt(achieved_6nt)],
             ["achieved GFLOP/s, refined (LM head on scored positions + attention)", fmt(achieved_ref)],
-            [f"utilization vs {a.dtype} matmul peak ({fmt(peak)} GFLOP/s), 6·N·T", f"{100 * achieved_6nt / peak:.1f}%"],
-            [f"utilization vs {a.dtype} matmul peak, refined", f"{100 * achieved_ref / peak:.1f}%"],
+            [f"utilization vs {compute} matmul peak ({fmt(peak)} GFLOP/s), 6·N·T", f"{100 * achieved_6nt / peak:.1f}%"],
+            [f"utilization vs {compute} matmul peak, refined", f"{100 * achieved_ref / peak:.1f}%"],
             ["peak RSS of the update run (MiB)", fmt(upd["peak_rss_mib"])]]
     print(fmt_table(["quantity", "value"], rows))
     path = RESULTS / f"roofline_{Path(a.model).name}_{a.dtype}.json"

@@ -33,8 +33,10 @@ runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hit
     python benchmarks/vs_trl.py --model smollm2 --max-new-tokens 32 --steps 1 --repeats 1 \
         --autocast bfloat16 --rollout-autocast --fused-adamw       # masrl's fast settings (TRL: float32)
 
-Defaults compare float32 with float32. ``--autocast bfloat16`` (masrl ``trainer.autocast``),
-``--rollout-autocast`` (the engine decodes under it too), ``--fused-adamw`` and
+Defaults: masrl's shipped defaults (round 4: ``trainer.autocast: auto`` = bfloat16 update and decoding
+on a CPU with native bf16, float32 elsewhere; ``trainer.logprob_chunk_tokens: 1024``) against TRL's float32.
+``--autocast float32`` is round 3's float32-with-float32 comparison; ``--autocast bfloat16`` forces bf16,
+``--rollout-autocast`` (the engine decodes under it too; already so with the trainer), ``--fused-adamw`` and
 ``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. Besides wall time,
 every step records its process CPU time (``cpu_s``), which other jobs on a shared machine inflate less.
 
@@ -289,7 +291,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
     worker_args = ["--model", model, "--model-path", str(folder), "--B", str(p["B"]), "--G", str(p["G"]),
                    "--max-new-tokens", str(p["max_new_tokens"]), "--lr", str(p["lr"]), "--steps", str(p["steps"]),
                    "--warmup", str(p["warmup"]), "--threads", str(a.threads)]
-    worker_args += (["--autocast", a.autocast] if a.autocast else []) + \
+    worker_args += ["--autocast", a.autocast] + \
         (["--rollout-autocast"] if a.rollout_autocast else []) + (["--fused-adamw"] if a.fused_adamw else []) + \
         (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
         (["--trl-bf16"] if a.trl_bf16 else [])
@@ -350,9 +352,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in every run (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-first", action="store_true", help="alternate T M T M instead of M T M T")
-    # masrl speed settings (defaults: masrl's defaults, float32 like TRL)
-    ap.add_argument("--autocast", choices=["bfloat16"], default=None,
-                    help="masrl trainer.autocast (update forward/backward in bf16 autocast, fp32 master weights)")
+    # masrl speed settings (defaults: masrl's shipped defaults)
+    ap.add_argument("--autocast", choices=["auto", "bfloat16", "float32"], default="auto",
+                    help="masrl trainer.autocast (auto: the shipped default; float32: off, as TRL)")
     ap.add_argument("--rollout-autocast", action="store_true", help="masrl engine decodes under --autocast too")
     ap.add_argument("--fused-adamw", action="store_true", help="masrl policies.*.optim.fused: true")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="masrl trainer.micro_batch_tokens")

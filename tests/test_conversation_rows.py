@@ -27,12 +27,12 @@ def _separate_rows(policy):
     prompt, resp_a, tool_out, resp_b = _ids(6, 1), _ids(4, 2), _ids(5, 3), _ids(3, 4)
     rows = [Row("A", prompt, resp_a, [0.0] * 4, 1.0), Row("B", _ids(7, 5), _ids(4, 6), [0.0] * 4, -0.5),
             Row("A", prompt + resp_a + tool_out, resp_b, [0.0] * 3, 1.0)]
-    return with_trainer_logprobs(policy, rows, TrainerConfig())
+    return with_trainer_logprobs(policy, rows, TrainerConfig(autocast="float32"))
 
 
 def _grads(rows):
     policy = _policy()
-    update_policy_raw(policy, rows, AlgorithmConfig(), TrainerConfig(), step=0, seed=0)
+    update_policy_raw(policy, rows, AlgorithmConfig(), TrainerConfig(autocast="float32"), step=0, seed=0)
     return torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
 
 

@@ -18,7 +18,9 @@ from test_ray_runtime import _rows  # the same ten rows the replica tests update
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.distributed  # Ray start-up and 2-rank runs: minutes on 2 shared cores (.ci/run runs them)
 
-QUIET = {"trainer.threads": 1, "logging.tensorboard": False, "logging.plots": False, "sft.steps": 0}
+QUIET = {"trainer.threads": 1, "logging.tensorboard": False, "logging.plots": False, "sft.steps": 0,
+         # sharded vs one process to float32 rounding: the same precision and log-prob path on both sides
+         "trainer.autocast": "float32", "trainer.logprob_chunk_tokens": 0}
 FSDP = {"runtime.kind": "ray", "runtime.strategy": "fsdp", "runtime.workers": 2}
 
 

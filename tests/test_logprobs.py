@@ -163,7 +163,7 @@ def test_update_step_equal_with_the_lever_on_and_off(entropy_coef, monkeypatch):
         policy = copy.deepcopy(base)
         if chunk_tokens:  # the lever on never builds full logits
             monkeypatch.setattr("masrl.training.update.response_logits", _no_full_logits)
-        trainer = TrainerConfig(micro_batch_tokens=40, logprob_chunk_tokens=chunk_tokens)
+        trainer = TrainerConfig(micro_batch_tokens=40, logprob_chunk_tokens=chunk_tokens, autocast="float32")
         raw = update_policy_raw(policy, rows, algo, trainer, step=0, seed=0)
         params.append([p.detach().clone() for p in policy.model.parameters()])
         metrics.append(raw)
@@ -214,3 +214,13 @@ def test_bfloat16_weights_without_autocast():
         out.append((logp.detach(), hidden.grad.float(), weight.grad.float()))
     for a, b in zip(*out):
         torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)
+
+
+def test_chunks_are_on_by_default_and_off_by_default_under_fsdp(tiny_cfg):
+    from masrl.config import config_from_dict
+
+    assert TrainerConfig().logprob_chunk_tokens == 1024
+    fsdp = {"runtime.kind": "ray", "runtime.workers": 2, "runtime.strategy": "fsdp"}
+    assert config_from_dict(tiny_cfg(**fsdp)).trainer.logprob_chunk_tokens == 0
+    with pytest.raises(Exception, match="logprob_chunk_tokens"):  # asked for explicitly: one clear error
+        config_from_dict(tiny_cfg(**fsdp, **{"trainer.logprob_chunk_tokens": 512}))

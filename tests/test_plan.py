@@ -42,6 +42,7 @@ def test_plan_matches_memory_measured_on_cpu(tiny_cfg, tiny, lora):
     LoRA (a frozen base keeps fewer inputs): 135.4 MiB measured, 124.7 planned (172.7 before the LoRA terms)."""
     prompt, response, tokens = 96, 32, 2048
     d = tiny_cfg(**{"trainer.micro_batch_tokens": tokens, "policies.shared.tiny": tiny, "policies.shared.lora": lora,
+                    "trainer.autocast": "float32",  # the measured path below is float32
                     "agents.Solver.max_new_tokens": response, "agents.Verifier.max_new_tokens": response})
     cfg = config_from_dict(d)
     policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)

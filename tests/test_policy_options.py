@@ -1,9 +1,10 @@
-"""Policy options: gradient checkpointing (same gradients, recomputed activations), chat-template kwargs."""
+"""Policy options: gradient checkpointing (same gradients, recomputed activations; with per-agent LoRA
+adapters too), chat-template kwargs."""
 import torch
 
-from masrl.config import PolicyConfig
+from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig
 from masrl.training.policy import build_policy
-from masrl.training.update import Row, pack_rows, response_logits, token_logprobs
+from masrl.training.update import Row, pack_rows, response_logits, token_logprobs, update_policy
 
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
         "intermediate_size": 64, "max_position_embeddings": 128}
@@ -24,6 +25,30 @@ def _grads(checkpointing: bool) -> dict[str, torch.Tensor]:
 def test_gradient_checkpointing_gives_the_same_gradients():
     plain, checkpointed = _grads(False), _grads(True)
     assert set(plain) == set(checkpointed) and len(plain) > 5
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
+
+
+def _per_agent_lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+    policy = build_policy("p", PolicyConfig(tiny=TINY, gradient_checkpointing=checkpointing,
+                                            lora={"r": 4, "alpha": 8, "per_agent": True}),
+                          seed=0, max_rollout_batch=8, agents=["A", "B"])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero (no gradient for lora_A): give every adapter weights
+        for name, p in sorted(policy.model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    rows = [Row("A", [5, 6, 7, 8], [9, 10, 11], [-2.0] * 3, 1.0), Row("B", [5, 6], [12, 13], [-2.0] * 2, -1.0),
+            Row("A", [7, 8], [14, 15, 16], [-2.0] * 3, -0.5), Row("B", [9, 6, 5], [11], [-2.0], 0.5)]
+    update_policy(policy, rows, AlgorithmConfig(), TrainerConfig(autocast="float32"), step=0, seed=0)
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_with_per_agent_adapters_gives_the_same_gradients():
+    """Rows are routed to their agent's adapter during the recomputation in backward, too."""
+    plain, checkpointed = _per_agent_lora_grads(False), _per_agent_lora_grads(True)
+    assert set(plain) == set(checkpointed) and any(".B." in n for n in plain) and any(".A." in n for n in plain)
+    assert all(float(g.abs().max()) > 0 for g in plain.values())
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-7)
 

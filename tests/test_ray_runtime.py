@@ -90,7 +90,7 @@ def test_ddp_two_workers_identical_replicas_equal_to_one_process(tiny_cfg, tmp_p
     params = {}
     for kind in ("local", "ray"):
         d = tiny_cfg(**QUIET, **{"runtime.kind": kind, "runtime.workers": 2, "sft.steps": 0,
-                                 "trainer.micro_batch_tokens": 40})
+                                 "trainer.micro_batch_tokens": 40, "trainer.autocast": "float32"})
         d["output_dir"] = str(tmp_path / kind)
         with Trainer(config_from_dict(d), progress=False) as trainer:
             metrics = trainer.runtime.update(trainer.policies, {"shared": rows}, step=0)

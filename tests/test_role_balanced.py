@@ -57,7 +57,7 @@ def _rows(policy):
         prompt = torch.randint(5, 60, (4 + i % 3,), generator=g).tolist()
         resp = torch.randint(5, 60, (5 + i if agent == "Solver" else 2,), generator=g).tolist()
         rows.append(Row(agent, prompt, resp, [0.0] * len(resp), (-1.0) ** i * (1 + i / 10)))
-    exact = with_trainer_logprobs(policy, rows, TrainerConfig())  # ratio 1: no clipping
+    exact = with_trainer_logprobs(policy, rows, TrainerConfig(autocast="float32"))  # ratio 1: no clipping
     return [Row(r.agent, r.prompt_ids, r.response_ids, r.old_logprobs, r.advantage) for r in exact]
 
 
@@ -65,7 +65,7 @@ def _grad(rows, agg: str, micro_batch_tokens: int = 4096) -> torch.Tensor:
     policy = build_policy("p", PolicyConfig(tiny=TINY, optim={"lr": 1e-30, "grad_clip": None}), seed=0,
                           max_rollout_batch=8)
     update_policy_raw(policy, rows, AlgorithmConfig(loss={"agg": agg}), TrainerConfig(
-        micro_batch_tokens=micro_batch_tokens), step=0, seed=0)
+        micro_batch_tokens=micro_batch_tokens, autocast="float32"), step=0, seed=0)
     return torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
 
 

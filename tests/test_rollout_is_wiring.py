@@ -36,7 +36,7 @@ def _rows(policy):
         prompt = torch.randint(5, 60, (4 + i % 3,), generator=g).tolist()
         resp = torch.randint(5, 60, (2 + i % 4,), generator=g).tolist()
         rows.append(Row("A", prompt, resp, [0.0] * len(resp), (-1.0) ** i * (1 + i / 10)))
-    exact = with_trainer_logprobs(policy, rows, TrainerConfig())
+    exact = with_trainer_logprobs(policy, rows, TrainerConfig(autocast="float32"))
     return [Row(r.agent, r.prompt_ids, r.response_ids, r.old_logprobs, r.advantage) for r in exact]
 
 
@@ -45,7 +45,7 @@ def _grads(separate: bool, shift: float, **ris):
     rows = [Row(r.agent, r.prompt_ids, r.response_ids, [x - shift for x in r.old_logprobs], r.advantage)
             for r in _rows(policy)]
     algo = AlgorithmConfig(rollout_is=ris) if ris else AlgorithmConfig()
-    raw = update_policy_raw(policy, rows, algo, TrainerConfig(), step=0, seed=0)
+    raw = update_policy_raw(policy, rows, algo, TrainerConfig(autocast="float32"), step=0, seed=0)
     grads = torch.cat([p.grad.flatten() for p in policy.trainable_parameters()])
     return grads, summarize_update(raw, policy, rows)
 
@@ -55,7 +55,7 @@ def test_trainer_logprobs_replace_the_engines_and_keep_them():
     rows = _rows(policy)
     shifted = [Row(r.agent, r.prompt_ids, r.response_ids, [x - GAP for x in r.old_logprobs], r.advantage)
                for r in rows]
-    out = with_trainer_logprobs(policy, shifted, TrainerConfig(micro_batch_tokens=20))
+    out = with_trainer_logprobs(policy, shifted, TrainerConfig(micro_batch_tokens=20, autocast="float32"))
     for r, s, o in zip(rows, shifted, out):
         assert o.old_logprobs == pytest.approx(r.old_logprobs, abs=1e-5)
         assert o.rollout_logprobs == s.old_logprobs

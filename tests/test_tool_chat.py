@@ -224,7 +224,8 @@ def test_trainer_merges_an_agents_conversation_with_the_same_update(tmp_path):
     params_after = []
     for merge in (False, True):
         data = tiny_config_dict(tmp_path / str(merge), **{"sft.steps": 0, "trainer.merge_conversations": merge,
-                                                          "policies.shared.optim.weight_decay": 0.0})
+                                                          "policies.shared.optim.weight_decay": 0.0,
+                                                          "trainer.autocast": "float32"})
         trainer = Trainer(config_from_dict(data))
         policy = trainer.policies["shared"]
         turns = _encoding_run(policy.tokenizer, [f"Compute.\n{CALL}", "\\boxed{294}"]).turns

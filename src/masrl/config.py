@@ -294,12 +294,12 @@ class TrainerConfig(_Strict):
     micro_batch_tokens: int = Field(4096, gt=0, description=(
         "padded tokens (rows x longest row) per forward/backward micro-batch; 4096 since issue #7 (was 16384): "
         "quickstart update 0.74-0.84x the time, peak RSS 1.5-1.6 -> 0.9 GB on CPU (docs/performance.md)"))
-    logprob_chunk_tokens: int = Field(0, ge=0, description=(
+    logprob_chunk_tokens: int = Field(1024, ge=0, description=(
         "> 0: the update, old/reference log-prob passes and SFT compute response-token log-probs and entropy "
         "from the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "
-        "backward recomputes each chunk; 1024 is a good value), never materialising [tokens, vocabulary] "
-        "logits; equal to the plain path within float32 rounding (not bit-identical, so off by default until "
-        "the published figures are re-measured with it). 0: full logits (the plain path). docs/performance.md"))
+        "backward recomputes each chunk), never materialising [tokens, vocabulary] logits; equal to the plain "
+        "path within float32 rounding, not bit-identical. 0: full logits (the plain path; the default under "
+        "runtime.strategy fsdp, which does not support chunks). docs/performance.md"))
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
@@ -309,11 +309,12 @@ class TrainerConfig(_Strict):
                                                          "bookkeeping per agent)")
     skip_nonfinite: bool = Field(True, description="skip an optimizer step whose gradient is NaN/inf")
     max_rollout_batch: int = Field(512, gt=0, description="most sequences decoded together per policy")
-    autocast: Optional[Literal["bfloat16", "float16"]] = Field(None, description=(
+    autocast: Optional[Literal["auto", "bfloat16", "float16", "float32"]] = Field("auto", description=(
         "mixed precision for the update's forward/backward (torch.autocast; float32 master weights, "
-        "gradients and optimizer state, loss math in float32). The PPO old log-probs are then the "
-        "trainer's own (free with 1 epoch x 1 minibatch), not the engine's. The in-process engine decodes "
-        "under the same autocast. docs/performance.md"))
+        "gradients and optimizer state, loss math in float32). auto: bfloat16 on a CUDA device with native "
+        "bf16 and on a CPU with avx512_bf16 or amx_bf16 in its flags, else float32; float32 or null: off. "
+        "With autocast on, the PPO old log-probs are the trainer's own (free with 1 epoch x 1 minibatch), not "
+        "the engine's. The in-process engine decodes under the same autocast. docs/performance.md#precision"))
     export: bool = Field(False, description=(
         "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
         "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))
@@ -492,8 +493,11 @@ class RunConfig(_Strict):
             raise ValueError("runtime.strategy = fsdp decodes with the in-process engine through the sharded "
                              "model: set rollout.engine: transformers (vLLM with fsdp is not supported yet)")
         if self.runtime.strategy == "fsdp" and self.trainer.logprob_chunk_tokens:
-            raise ValueError("trainer.logprob_chunk_tokens calls the decoder and the LM head directly, around "
-                             "FSDP2's root module: set it to 0 with runtime.strategy = fsdp")
+            if "logprob_chunk_tokens" not in self.trainer.model_fields_set:  # the default: full logits under fsdp
+                self.trainer.logprob_chunk_tokens = 0
+            else:
+                raise ValueError("trainer.logprob_chunk_tokens calls the decoder and the LM head directly, around "
+                                 "FSDP2's root module: set it to 0 with runtime.strategy = fsdp")
         return self
 
     @model_validator(mode="after")

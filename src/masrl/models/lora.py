@@ -212,7 +212,7 @@ def _routed_forward(layer: nn.Module, routing: _Routing, x: torch.Tensor, *args,
     return result
 
 
-def _check_routable(model: nn.Module, layers: list[nn.Module], names: set[str]) -> None:
+def _check_routable(model: nn.Module, layers: list[nn.Module], names: set[str], backward_inside: bool) -> None:
     known = set()
     for layer in layers:
         known |= set(layer.lora_A.keys())
@@ -226,10 +226,11 @@ def _check_routable(model: nn.Module, layers: list[nn.Module], names: set[str]) 
         if variants:
             raise NotImplementedError(f"adapter(s) {variants} use a LoRA variant (DoRA, aLoRA, ...), which the "
                                       "per-row router does not support")
-    if model.training and torch.is_grad_enabled() and any(
+    if not backward_inside and model.training and torch.is_grad_enabled() and any(
             getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
         raise NotImplementedError("mixed_adapters with gradient checkpointing: the recomputation in backward "
-                                  "would run outside the routing context (wrong gradients); disable it")
+                                  "would run outside the routing context (wrong gradients); call backward inside "
+                                  "it and pass backward_inside=True, or disable checkpointing")
 
 
 @contextlib.contextmanager
@@ -249,13 +250,16 @@ def _install(layers: list[nn.Module], make_forward) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def mixed_adapters(model: nn.Module, row_adapter_names: Sequence[Optional[str]]) -> Iterator[None]:
+def mixed_adapters(model: nn.Module, row_adapter_names: Sequence[Optional[str]], *,
+                   backward_inside: bool = False) -> Iterator[None]:
     """Inside the context, row ``i`` of every forward of ``model`` uses adapter ``row_adapter_names[i]``.
 
     ``None`` or ``BASE`` for a row means the base model alone. Every forward call inside must have
     ``len(row_adapter_names)`` rows (prefill and each KV-cache decode step alike). Works in train
     and eval mode, with autograd or under ``torch.inference_mode``. Contexts nest (the innermost
-    wins); not thread-safe: one routing per model at a time.
+    wins); not thread-safe: one routing per model at a time. With gradient checkpointing the
+    checkpointed layers run again in backward, so backward must run inside the context too: the
+    caller says so with ``backward_inside=True`` (else checkpointing is refused in training).
     """
     names = list(row_adapter_names)
     if not names:
@@ -264,7 +268,7 @@ def mixed_adapters(model: nn.Module, row_adapter_names: Sequence[Optional[str]])
     if not layers:
         raise ValueError("model has no LoRA layers")
     used = {n for n in names if n is not None and n != BASE}
-    _check_routable(model, layers, used)
+    _check_routable(model, layers, used, backward_inside)
     devices = {w.device for layer in layers for w in layer.lora_A.parameters()}
     routing = _Routing(names, devices)
     with _install(layers, lambda layer: partial(_routed_forward, layer, routing)):

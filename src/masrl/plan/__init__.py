@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from masrl.models.precision import resolve_autocast
 from masrl.plan.shapes import ModelShape, model_shape
 
 GiB = 2 ** 30
@@ -93,7 +94,9 @@ def plan_policy(cfg, name: str, prompt_tokens: int = 512, cuda: bool = True) -> 
     if fsdp:
         compute = 2 if (cfg.runtime.fsdp.param_dtype == "auto" and cuda) else _BYTES.get(cfg.runtime.fsdp.param_dtype, b)
         terms["fsdp_unsharded"] = (shape.root_params + 2 * shape.layer_params) * compute
-    act_b = _BYTES[cfg.trainer.autocast] if cfg.trainer.autocast else b
+    # auto: bfloat16 on the (recent) GPUs planned for; on CPU as this machine's CPU resolves it
+    precision = "bfloat16" if cfg.trainer.autocast == "auto" and cuda else resolve_autocast(cfg.trainer.autocast)
+    act_b = _BYTES[precision] if precision else b
     tokens = cfg.trainer.micro_batch_tokens
     response_tokens = tokens * max_new // seq
     ckpt = bool(pcfg.gradient_checkpointing)

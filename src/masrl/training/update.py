@@ -24,6 +24,7 @@ from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_
                               truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.models.precision import resolve_autocast
 from masrl.training.distributed import DataParallel
 from masrl.training.logprobs import response_logprobs
 from masrl.training.policy import Policy
@@ -117,11 +118,12 @@ def response_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 def autocast(trainer: TrainerConfig, device: str | torch.device | None = None):
     """``trainer.autocast``: a ``torch.autocast`` context for the model forward (float32 master weights,
     gradients and optimizer; the loss math stays float32), else a no-op context. ``device``: where the
-    model is (default ``trainer.device``)."""
-    if not getattr(trainer, "autocast", None):
+    model is (default ``trainer.device``); ``auto`` is resolved for it (masrl.models.precision)."""
+    device = torch.device(device if device is not None else trainer.device)
+    dtype = resolve_autocast(getattr(trainer, "autocast", None), device)
+    if dtype is None:
         return contextlib.nullcontext()
-    device_type = torch.device(device if device is not None else trainer.device).type
-    return torch.autocast(device_type, dtype=getattr(torch, trainer.autocast))
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -261,7 +263,8 @@ class _UpdateRun:
         # engine's: other kernels, other rounding; ~0.02 mean |diff| on SmolLM2), so they are recomputed
         # too: free with one epoch and one minibatch (the ratio is then exactly 1 at the first step).
         recompute = (algo.rollout_is.enabled or not policy.engine.shares_training_model
-                     or bool(getattr(trainer, "autocast", None)))
+                     or resolve_autocast(getattr(trainer, "autocast", None), next(model.parameters()).device)
+                     is not None)
         return cls(policy=policy, algo=algo, trainer=trainer, step=step, guard=guard, track_kl=track_kl, dp=dp,
                    params=params, pad=int(policy.tokenizer.pad_token_id),
                    # where the runtime put the model (a Ray worker's GPU, or trainer.device)
@@ -327,12 +330,19 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     """Loss of one micro-batch (policy loss, entropy bonus, KL), backward with its share of the minibatch;
     returns whether the minibatch is still finite (nothing backwarded once it is not). Under FSDP2 every rank
     runs as many backwards as the others: a padding chunk, or any chunk once the loss was not finite, is
-    backwarded with weight 0 and logs nothing."""
+    backwarded with weight 0 and logs nothing. Rows stay routed to their adapters until backward is done
+    (gradient checkpointing recomputes the layers there)."""
+    chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
+    with _routing(u.policy, chunk, backward_inside=True):
+        return _routed_backward_chunk(u, chunk, total_tokens, total_rows, role_w, padding=padding, finite=finite)
+
+
+def _routed_backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_rows: int,
+                           role_w: dict[str, float] | None, *, padding: bool, finite: bool) -> bool:
     lc, trainer, norm_length = u.algo.loss, u.trainer, u.norm_length
     metrics = defaultdict(list) if padding else u.metrics  # padding (fsdp) chunks: no metrics
-    chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
     batch = pack_rows(chunk, u.pad, u.device)
-    logprobs, entropy = policy_logprobs(u.policy, chunk, batch, trainer, entropy_grad=bool(lc.entropy_coef))
+    logprobs, entropy = policy_logprobs(u.policy, batch, trainer, entropy_grad=bool(lc.entropy_coef))
     old, engine_logprobs = batch.old_logprobs, batch.rollout_logprobs
     if u.recompute and u.single_pass:  # nothing has changed the policy yet: its own log-probs are old
         old, engine_logprobs = logprobs.detach(), batch.old_logprobs
@@ -439,13 +449,14 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
     return [out[id(r)] for r in rows]
 
 
-def _routing(policy: Policy, chunk: Sequence[Row]):
-    """Route each row to its agent's adapter (per-agent LoRA), else do nothing."""
+def _routing(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):
+    """Route each row to its agent's adapter (per-agent LoRA), else do nothing. ``backward_inside``: the
+    caller also runs backward inside the context (allowed with gradient checkpointing)."""
     if not policy.adapter_of:
         return contextlib.nullcontext()
     from masrl.models.lora import mixed_adapters
 
-    return mixed_adapters(policy.model, [policy.adapter_of[r.agent] for r in chunk])
+    return mixed_adapters(policy.model, [policy.adapter_of[r.agent] for r in chunk], backward_inside=backward_inside)
 
 
 def _per_agent_token_mean(values: torch.Tensor, mask: torch.Tensor, chunk: Sequence[Row], name: str,
@@ -457,13 +468,14 @@ def _per_agent_token_mean(values: torch.Tensor, mask: torch.Tensor, chunk: Seque
             metrics[f"agent/{agent}/{name}"].append(float(sums[idx].sum() / counts[idx].sum().clamp(min=1)))
 
 
-def policy_logprobs(policy: Policy, chunk: Sequence[Row], batch: PackedBatch, trainer: TrainerConfig,
+def policy_logprobs(policy: Policy, batch: PackedBatch, trainer: TrainerConfig,
                     *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The update's ``(logprobs, entropy)`` [n, R] of ``batch`` under the policy (rows routed, autocast):
-    in chunks from the hidden states (``trainer.logprob_chunk_tokens``, masrl.training.logprobs), else from
-    full logits. The entropy is differentiable only when ``entropy_grad`` (the plain path then skips its graph)."""
+    """The update's ``(logprobs, entropy)`` [n, R] of ``batch`` under the policy (autocast; the caller routes
+    rows to per-agent adapters): in chunks from the hidden states (``trainer.logprob_chunk_tokens``,
+    masrl.training.logprobs), else from full logits. The entropy is differentiable only when ``entropy_grad``
+    (the plain path then skips its graph)."""
     device = batch.input_ids.device
-    with _routing(policy, chunk), autocast(trainer, device):
+    with autocast(trainer, device):
         fused = response_logprobs(policy.model, batch, trainer.logprob_chunk_tokens, with_entropy=True)
         logits = response_logits(policy.model, batch) if fused is None else None
     if fused is not None:
