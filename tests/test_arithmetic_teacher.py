@@ -55,3 +55,18 @@ def test_noisy_teacher_is_right_about_one_minus_slip_rate_per_stage():
         right += extract_boxed(t.reply("Synthesizer", workers + "A ", task)) == task.answer
     # every stage slips with probability 0.4 (2 workers + synthesizer: 0.6^3 = 0.216 when no slips cancel)
     assert 0.15 < right / len(tasks) < 0.30
+
+
+@settings(max_examples=300, deadline=None)
+@given(terms=st.lists(st.integers(0, 99), min_size=1, max_size=6), data=st.data())
+def test_the_calculator_call_gives_the_tasks_left_to_right_value(terms, data):
+    from masrl.tasks.arithmetic import left_to_right
+    from masrl.tools.builtin import evaluate_arithmetic
+
+    ops = [data.draw(st.sampled_from("+-*")) for _ in terms[1:]]
+    question = str(terms[0]) + "".join(o + str(t) for o, t in zip(ops, terms[1:]))
+    expr = left_to_right(question)
+    assert evaluate_arithmetic(expr) == value(question), (question, expr)
+    if "*" not in ops or len(terms) <= 2:
+        assert expr == question                      # parentheses only where precedence would differ
+    assert left_to_right("3+4*5") == "(3+4)*5" and left_to_right("2*3+4") == "2*3+4"

@@ -182,7 +182,7 @@ class ArithmeticTeacher:
                 pass
         elif any(t.get("function", {}).get("name") == "calculator" for t in tools or ()) and \
                 self.rng.random() >= self.skip_rate:
-            return calculator_call(task.question)
+            return calculator_call(left_to_right(task.question))
         return f"\\boxed{{{self._slipped(int(task.answer))}}}"
 
     def subtasks(self, question: str, max_subtasks: int = 2) -> str:
@@ -240,6 +240,18 @@ class ArithmeticTeacher:
         if agent == "Aggregator":
             return self.choose(prompt, str(task.answer))
         return self.solution(task.question)
+
+
+def left_to_right(question: str) -> str:
+    """The question as the calculator (usual precedence) must read it to give the task's left-to-right
+    value: unchanged unless a ``*`` follows a ``+``/``-``, which is then parenthesised
+    (``3+4*5`` -> ``(3+4)*5``; ``2*3+4`` and every 2-term question stay as they are)."""
+    terms, ops = _terms(question)
+    expr, additive = str(terms[0]), False
+    for op, t in zip(ops, terms[1:]):
+        expr = f"({expr})*{t}" if op == "*" and additive else f"{expr}{op}{t}"
+        additive |= op != "*"
+    return expr
 
 
 def calculator_call(expression: str) -> str:
