@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from masrl.config import config_from_dict
-from masrl.runtime import WorkerGroupError
 from masrl.training.fsdp import local_bytes
 from masrl.trainer import Trainer
-from test_ray_runtime import _rows  # the same ten rows the replica tests update on
+from test_ray_runtime import _rows, assert_dead_rank_fails_fast  # the replica tests' rows and dead-rank check
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.distributed  # Ray start-up and 2-rank runs: minutes on 2 shared cores (.ci/run runs them)
@@ -105,15 +104,7 @@ def test_per_agent_optimizer_groups_survive_sharding(tiny_cfg, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_dead_rank_fails_the_sharded_update_with_the_usual_error(tiny_cfg, tmp_path):
-    import time
-
-    d = tiny_cfg(**QUIET, **FSDP)
-    with Trainer(config_from_dict(d), progress=False) as trainer:
-        ray.kill(trainer.runtime.groups["shared"].actors[1])
-        start = time.monotonic()
-        with pytest.raises(WorkerGroupError, match=r"policy 'shared': worker \d (died|failed) during update"):
-            trainer.runtime.update(trainer.policies, {"shared": _rows()}, step=0)
-        assert time.monotonic() - start < 60
+    assert_dead_rank_fails_fast(tiny_cfg(**QUIET, **FSDP))
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:

@@ -158,10 +158,15 @@ def test_ray_run_resumes_from_its_checkpoint_like_an_uninterrupted_local_run(tin
 @pytest.mark.timeout(180)
 def test_dead_data_parallel_rank_fails_fast_not_at_the_collective_timeout(tiny_cfg, tmp_path):
     """Rank 1 of 2 dies: the update raises at once (its peer would otherwise wait in an all-reduce)."""
+    assert_dead_rank_fails_fast(tiny_cfg(**QUIET, **{"runtime.kind": "ray", "runtime.workers": 2, "sft.steps": 0}))
+
+
+def assert_dead_rank_fails_fast(config: dict) -> None:
+    """Kill rank 1 of policy 'shared', then update: the usual WorkerGroupError within 60 s (also used by
+    test_fsdp for the sharded strategy)."""
     import time
 
-    d = tiny_cfg(**QUIET, **{"runtime.kind": "ray", "runtime.workers": 2, "sft.steps": 0})
-    with Trainer(config_from_dict(d), progress=False) as trainer:
+    with Trainer(config_from_dict(config), progress=False) as trainer:
         ray.kill(trainer.runtime.groups["shared"].actors[1])
         start = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"policy 'shared': worker \d (died|failed) during update"):
