@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from masrl.config import AgentConfig
+from masrl.errors import ConfigError
 from masrl.rollout.engine import GenRequest
 from masrl.rollout.scheduler import RolloutScheduler
+from masrl.tools.chat_format import same_vocabulary
 from masrl.types import Episode, Task, Turn
-from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
+from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
 
 def repeat_tasks(tasks: Sequence[Task], n: int) -> tuple[list[Task], list[int]]:
@@ -19,9 +21,14 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
               temperature: float | None = None):
     """The ``team.call`` backend: chat-encode the prompt, generate with the agent's policy."""
 
-    async def call(agent: str, prompt) -> Turn:  # a string or a ChatPrompt (team.chat)
+    async def call(agent: str, prompt) -> Turn:  # a string, a Continuation (team.extend) or a ChatPrompt (team.chat)
         acfg = agents[agent]
         policy = policies[acfg.policy]
+        if isinstance(prompt, Continuation):
+            check_continuation(policies, agent, acfg.policy, prompt)
+            if "refused" in prompt.turn.info:
+                return refused_turn(agent, acfg.policy, prompt.transcript(), "continues a refused turn: "
+                                    + prompt.turn.info["refused"])
         room = policy.max_positions - acfg.max_new_tokens
         limit = max(room, 0) * max_token_chars(policy.tokenizer)
         text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt)
@@ -30,7 +37,10 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
             return refused_turn(agent, acfg.policy, text, f"prompt of {size:,} characters cannot fit the "
                                 f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
                                 f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
-        prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
+        try:
+            prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
+        except ConfigError as e:  # a continuation in a chat format: say which agent
+            raise ConfigError(f"agent {agent!r}: {e}") from None
         info = {}
         if len(prompt_ids) > room:  # keep the end of an over-long prompt, and say so
             info["prompt_truncated_from"] = len(prompt_ids)
@@ -66,6 +76,17 @@ def refused_turn(agent: str, policy: str, prompt: str, reason: str) -> Turn:
     shown = prompt if len(prompt) <= 2000 else prompt[:2000] + f"... [{len(prompt):,} characters]"
     return Turn(agent=agent, policy=policy, prompt_ids=[], response_ids=[], logprobs=[], text="", prompt_text=shown,
                 valid=False, info={"refused": reason})
+
+
+def check_continuation(policies: Mapping, agent: str, policy: str, prompt: Continuation) -> None:
+    """A turn of another policy can be continued only with the same token ids (the same vocabulary)."""
+    earlier = prompt.turn.policy
+    if earlier != policy and earlier in policies and \
+            not same_vocabulary(policies[earlier].tokenizer, policies[policy].tokenizer):
+        raise ConfigError(f"agent {agent!r} (policy {policy!r}) continues a turn of policy {earlier!r} "
+                          "(team.extend; workflow.params.transcript: true), but the two policies' tokenizers "
+                          "differ, so its token ids mean other tokens; map both agents to policies with one "
+                          "tokenizer, or use transcript: false")
 
 
 def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,

@@ -159,5 +159,23 @@ def extend_chat_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | No
     if not reply.startswith(generated):
         return None
     delta = reply[len(generated):] + full[len(with_reply):]
-    return list(prefix.prompt_ids) + list(prefix.response_ids) + \
-        tokenizer(delta, add_special_tokens=False)["input_ids"]
+    return extend_ids(tokenizer, prefix.prompt_ids, prefix.response_ids, delta)
+
+
+def extend_ids(tokenizer: Any, prompt_ids: list[int], response_ids: list[int], delta: str) -> list[int]:
+    """``prompt_ids + response_ids + ids(delta)``, the delta encoded on its own without inserting special
+    tokens (no BOS): an earlier prompt and the reply as generated stay a token prefix of the next prompt."""
+    return list(prompt_ids) + list(response_ids) + tokenizer(delta, add_special_tokens=False)["input_ids"]
+
+
+_SAME_VOCAB: dict[tuple[int, int], tuple[Any, Any, bool]] = {}  # holds the pair: their ids stay theirs
+
+
+def same_vocabulary(a: Any, b: Any) -> bool:
+    """Whether tokenizers ``a`` and ``b`` map every token to the same id (ids of one mean the same in the other)."""
+    if a is b:
+        return True
+    key = (id(a), id(b))
+    if key not in _SAME_VOCAB:
+        _SAME_VOCAB[key] = (a, b, a.get_vocab() == b.get_vocab())
+    return _SAME_VOCAB[key][2]

@@ -10,10 +10,12 @@ from typing import Any, Mapping
 import torch
 
 from masrl.config import PolicyConfig, RolloutConfig
+from masrl.errors import ConfigError
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import Engine
 from masrl.rollout.factory import make_engine
-from masrl.tools.chat_format import ChatPrompt, extend_chat_ids, render_chat
+from masrl.tools.chat_format import ChatPrompt, extend_chat_ids, extend_ids, render_chat
+from masrl.workflows.base import Continuation
 
 
 class PolicyText:
@@ -31,7 +33,13 @@ class PolicyText:
 
     def render_prompt(self, prompt, system_prompt: str | None = None) -> str:
         """The prompt text: a string is one user message; a ``ChatPrompt`` (from ``team.chat``) is the
-        agent's conversation with its tools. Both go through the tokenizer's chat template."""
+        agent's conversation with its tools. Both go through the tokenizer's chat template. A
+        ``Continuation`` (``team.extend``) is the earlier turn's prompt text, its reply as generated (special
+        tokens spelled out, the end-of-turn token included) and the new text."""
+        if isinstance(prompt, Continuation):
+            reply = self.tokenizer.decode(self._reply_ids(prompt.turn), skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)
+            return prompt.turn.prompt_text + reply + prompt.text
         if isinstance(prompt, ChatPrompt):
             return render_chat(self.tokenizer, self._chat_messages(prompt, system_prompt), prompt.tools,
                                **self.cfg.chat_template_kwargs)
@@ -50,6 +58,9 @@ class PolicyText:
     def encode_prompt(self, prompt, system_prompt: str | None = None) -> list[int]:
         """The prompt's token ids. A conversation's later turn extends the ids of its previous turn
         (prompt + the reply's ids as generated + the template's delta; see ``extend_chat_ids``)."""
+        if isinstance(prompt, Continuation):
+            self._check_plain_format(prompt.text, system_prompt)
+            return extend_ids(self.tokenizer, prompt.turn.prompt_ids, self._reply_ids(prompt.turn), prompt.text)
         if isinstance(prompt, ChatPrompt) and prompt.prefix is not None:
             messages = self._chat_messages(prompt, system_prompt)
             shift = len(messages) - len(prompt.messages)  # the system message added here
@@ -58,6 +69,20 @@ class PolicyText:
             if ids is not None:
                 return ids
         return self.tokenizer(self.render_prompt(prompt, system_prompt), add_special_tokens=False)["input_ids"]
+
+    def _reply_ids(self, turn) -> list[int]:
+        """An earlier reply as continued: its ids as generated, closed by end-of-sequence when it was cut."""
+        return list(turn.response_ids) + ([self.eos_token_id] if turn.truncated else [])
+
+    def _check_plain_format(self, text: str, system_prompt: str | None) -> None:
+        """A continuation appends plain text to earlier ids: the agent's string prompts must render as themselves."""
+        if not system_prompt and self.render_prompt(text) == text:
+            return
+        why = "the agent has a system_prompt" if system_prompt else \
+            f"the chat template of policy {getattr(self, 'name', '?')!r} wraps a string prompt in chat markers"
+        raise ConfigError(f"a prompt that continues an earlier turn (team.extend; workflow.params.transcript: true) "
+                          f"needs a plain-text prompt format, but {why}; use transcript: false (re-rendered "
+                          "prompts) for instruct models, or drop the agent's system_prompt")
 
     def encode_response(self, text: str) -> list[int]:
         """Token ids of an assistant reply followed by the end-of-turn token (for SFT targets)."""

@@ -11,12 +11,14 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from masrl.config import AgentConfig, SFTConfig
+from masrl.errors import ConfigError
+from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy
 from masrl.training.update import Row, micro_batches, model_logprobs, pack_rows
 from masrl.types import Task, Turn
-from masrl.workflows.base import ScoreFn, Team, WorkflowSpec
+from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
 
 def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: Teacher, *,
@@ -30,12 +32,20 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     """
 
     async def one(task: Task) -> list[Turn]:
-        async def call(agent: str, prompt: str) -> Turn:
+        async def call(agent: str, prompt) -> Turn:  # a string, a Continuation or a ChatPrompt
             policy = policies[agents[agent].policy]
-            text = teacher(agent, prompt, task)
-            return Turn(agent=agent, policy=policy.name,
-                        prompt_ids=policy.encode_prompt(prompt, agents[agent].system_prompt),
-                        response_ids=policy.encode_response(text), logprobs=[], text=text, prompt_text=prompt)
+            system_prompt = agents[agent].system_prompt
+            shown = prompt
+            if isinstance(prompt, Continuation):  # the teacher reads the transcript as the model will see it
+                check_continuation(policies, agent, agents[agent].policy, prompt)
+                shown = policy.render_prompt(prompt, system_prompt)
+            text = teacher(agent, shown, task)
+            try:
+                prompt_ids = policy.encode_prompt(prompt, system_prompt)
+            except ConfigError as e:  # a continuation in a chat format: say which agent
+                raise ConfigError(f"agent {agent!r}: {e}") from None
+            return Turn(agent=agent, policy=policy.name, prompt_ids=prompt_ids, response_ids=policy.encode_response(text),
+                        logprobs=[], text=text, prompt_text=shown if isinstance(shown, str) else prompt)
 
         team = Team(task, spec, call, score, prompts=prompts, params=params)
         return (await spec.fn(task, team)).turns

@@ -8,6 +8,8 @@
 ``team.call`` sends the request to the rollout scheduler, which batches the pending
 requests of every running episode per policy; it returns the recorded :class:`Turn`.
 Workflows mark malformed turns with ``turn.valid = False`` (a format penalty applies).
+``team.extend(turn, text)`` is a prompt that continues an earlier turn token for token (a running
+transcript: :class:`Continuation`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
 # (agent, prompt) -> Turn ; the scheduler fills in ids and logprobs. The prompt is a string (one
-# user message) or, from ``team.chat``, a ``masrl.tools.chat_format.ChatPrompt`` (messages + tools)
+# user message), a ``Continuation`` (``team.extend``) or, from ``team.chat``, a
+# ``masrl.tools.chat_format.ChatPrompt`` (messages + tools)
 CallFn = Callable[[str, Any], Awaitable[Turn]]
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,35 @@ def never_raises(score: ScoreFn) -> ScoreFn:
     return guarded
 
 
+@dataclass
+class Continuation:
+    """A prompt that continues ``turn`` (an earlier turn of the episode) with ``text``: its token ids are
+    ``turn.prompt_ids + turn.response_ids + ids(text)``, ``ids(text)`` encoded without inserting any
+    special token, so the earlier prompt and reply are a token prefix of this prompt (the rollout
+    engine reuses their keys/values; see ``masrl.training.policy.PolicyText.encode_prompt``).
+
+    * The earlier reply always ends with its end-of-turn token: the stop token the model emitted, or,
+      when the reply was cut at ``max_new_tokens`` (``turn.truncated``), the policy's end-of-sequence
+      token appended, as a chat template closes every assistant message (``team.chat`` does the same)
+      and as SFT targets end (reply + end-of-sequence).
+    * The continuing agent's prompt format must be plain text: its policy's chat template renders a
+      lone user message as the message itself (the tiny models' template, a base model's) and the agent
+      has no ``system_prompt``. An instruct model's template wraps every string prompt in chat markers,
+      so a continuation there raises ``ConfigError`` (use ``team.chat`` with messages instead).
+    * The earlier turn's ids are continued as that turn's prompt was given to the model: a prompt that was
+      cut to fit the context stays cut; a prompt longer than the context is cut again (its end kept,
+      ``info["prompt_truncated_from"]``); continuing a refused turn gives a refused turn.
+    * Turns of another policy can be continued only when both policies have the same vocabulary.
+    """
+
+    turn: Turn
+    text: str
+
+    def transcript(self) -> str:
+        """The readable text: the earlier prompt, its reply (special tokens skipped), ``text``."""
+        return self.turn.prompt_text + self.turn.text + self.text
+
+
 class Team:
     """What a workflow sees for one episode: call agents, render prompts, score the answer."""
 
@@ -154,6 +186,13 @@ class Team:
         turn.turn_index = len(self.turns)
         self.turns.append(turn)
         return turn
+
+    def extend(self, turn: Turn, text: str) -> Continuation:
+        """A prompt that continues ``turn``'s prompt and reply token for token with ``text`` (see :class:`Continuation`)."""
+        if not isinstance(turn, Turn) or not isinstance(text, str):
+            raise TypeError(f"team.extend(turn, text) takes a Turn and a str, got {type(turn).__name__} and "
+                            f"{type(text).__name__}")
+        return Continuation(turn, text)
 
     async def chat(self, agent: str, messages: list[dict], tools=(), **options: Any):
         """Converse with ``agent`` and run its tool calls until it answers; ``messages`` grows in place.

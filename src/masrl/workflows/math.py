@@ -16,11 +16,18 @@ MATH_PROMPTS = {
                 "solution. If it is correct, reply <verify>approve</verify>; otherwise reply "
                 "<verify>reject</verify> and say briefly why.",
     "context": "\nThe output of \"{agent}\": {text}\n",
+    # transcript mode (params.transcript: true): the text that hands the running transcript to the next agent
+    "Verifier_cue": "\n\nYou are the \"Verifier Agent\". Critically review the most recent solution above. If it "
+                    "is correct, reply <verify>approve</verify>; otherwise reply <verify>reject</verify> and say "
+                    "briefly why.\n",
+    "Solver_cue": "\n\nYou are the \"Solver Agent\". Taking the team's previous outputs into account, solve the "
+                  "problem again step by step, and give the final answer within \\boxed{}.\n",
 }
 
 
 @register_workflow("math_solver_verifier", agents=("Solver", "Verifier"), prompts=MATH_PROMPTS,
-                   params={"max_loops": 2, "untagged_verdict": "reject", "verifier_reward": "team"})
+                   params={"max_loops": 2, "untagged_verdict": "reject", "verifier_reward": "team",
+                           "transcript": False})
 async def math_solver_verifier(task: Task, team: Team) -> Episode:
     """Solver answers; Verifier approves (stop) or rejects (Solver retries), up to max_loops Solver turns.
 
@@ -30,6 +37,11 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     ``verifier_reward: verdict`` gives each Verifier turn its own reward, 1 when its verdict is right
     (approve a correct solution, reject a wrong one) else 0; it takes effect with
     ``algorithm.reward: per_turn`` (default ``team``: every turn scores the team reward, as in Dr. MAS).
+    ``transcript: true``: the episode is one running transcript. The first Solver prompt is rendered as
+    usual (empty ``context``); every later turn continues the previous turn's token ids
+    (``team.extend``) with the next agent's cue, ``Verifier_cue`` / ``Solver_cue`` (fields: ``question``),
+    so the rollout engine reuses the keys/values of everything before. Needs a plain-text prompt format
+    (see :class:`masrl.workflows.base.Continuation`).
     """
     max_loops = team.params["max_loops"]
     if type(max_loops) is not int or max_loops < 1:
@@ -41,15 +53,24 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     if verifier_reward not in ("team", "verdict"):
         raise ConfigError(f"math_solver_verifier: workflow.params.verifier_reward must be team or verdict, "
                           f"got {verifier_reward!r}")
-    context, answer, verdicts = "", None, []
+    transcript = team.params["transcript"]
+    if type(transcript) is not bool:
+        raise ConfigError(f"math_solver_verifier: workflow.params.transcript must be true or false, got {transcript!r}")
+
+    def prompt(agent: str, last):
+        if transcript and last is not None:  # continue the previous turn's ids with this agent's cue
+            return team.extend(last, team.render(f"{agent}_cue", question=task.question))
+        return team.render(agent, question=task.question, context=context)
+
+    context, answer, verdicts, verifier = "", None, [], None
     for loop in range(max_loops):
-        solver = await team.call("Solver", team.render("Solver", question=task.question, context=context))
+        solver = await team.call("Solver", prompt("Solver", verifier))
         solver.valid = extract_boxed(solver.text) is not None
         answer = solver.text
         context += team.render("context", agent="Solver", text=solver.text)
         if loop == max_loops - 1:
             break
-        verifier = await team.call("Verifier", team.render("Verifier", question=task.question, context=context))
+        verifier = await team.call("Verifier", prompt("Verifier", solver))
         verdict = parse_choice(verifier.text, "verify", ("approve", "reject"))
         verifier.valid = verdict is not None
         verdict = verdict or untagged
