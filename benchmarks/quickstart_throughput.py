@@ -44,6 +44,7 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
     out = []
     for i in range(warmup + steps):
         before = (stats.generated_tokens, stats.generate_seconds, stats.engine_calls, len(stats.batch_sizes))
+        prefilled = _prefill_tokens(trainer)
         t, c = time.perf_counter(), time.process_time()
         m = trainer.train_step()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
@@ -55,8 +56,14 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
             "trained_tokens": m["perf/train_tokens_per_s"] * m["perf/update_seconds"],
             "engine_calls": stats.engine_calls - before[2], "batch_sizes": stats.batch_sizes[before[3]:],
             "turns_per_episode": m.get("team/turns_per_episode", float("nan")),
-            "reward": m.get("team/reward", float("nan"))})
+            "reward": m.get("team/reward", float("nan")),
+            "prefill_tokens": _prefill_tokens(trainer) - prefilled})
     return out
+
+
+def _prefill_tokens(trainer) -> int:
+    """Prompt tokens the in-process engines ran through the model (after prefix reuse); 0 for other engines."""
+    return sum(getattr(p.engine, "prefill_tokens", 0) for p in trainer.policies.values())
 
 
 def summarize(steps: list[dict]) -> dict:
@@ -71,6 +78,7 @@ def summarize(steps: list[dict]) -> dict:
             "generated_tokens_per_step": tot("generated_tokens") / len(timed),
             "trained_tokens_per_step": tot("trained_tokens") / len(timed),
             "engine_calls_per_step": tot("engine_calls") / len(timed),
+            "prefill_tokens_per_step": sum(s.get("prefill_tokens", 0) for s in timed) / len(timed),
             "mean_batch": statistics.fmean(b for s in timed for b in s["batch_sizes"]),
             "turns_per_episode": statistics.fmean(s["turns_per_episode"] for s in timed)}
 

@@ -166,26 +166,32 @@ def test_a_continuation_of_an_over_long_or_refused_turn_or_another_vocabulary(ti
         asyncio.run(call("Verifier", Continuation(other, "\nV ")))
 
 
-def test_quickstart_transcript_sft_then_rl(tiny_cfg, tmp_path):
-    """SFT demonstrations are collected on the transcript (the teacher's traces continue the ids as RL does),
-    then two RL steps run on it."""
+def test_quickstart_transcript_sft_then_rl(tmp_path):
+    """examples/quickstart_transcript.yaml at tiny sizes: SFT demonstrations are collected on the transcript (the
+    teacher's traces continue the ids as RL does), then two RL steps run on it."""
+    from masrl.config import load_config
     from masrl.trainer import Trainer
-
-    cfg = config_from_dict(tiny_cfg(**{"workflow.params": TRANSCRIPT, "workflow.prompts": CUES,
-                                       "sft.steps": 3, "eval.before_after": False, "eval.every": 0,
-                                       "logging.tensorboard": False, "logging.plots": False}))
     from masrl.training.sft import collect_demonstrations
 
+    cfg = load_config("examples/quickstart_transcript.yaml", [
+        "sft.steps=3", "sft.batch_size=8", "trainer.total_steps=2", "trainer.batch_size=2", "trainer.group_size=2",
+        "task.params.train_size=16", "task.params.test_size=2", "eval.before_after=false", "eval.every=0",
+        "trainer.save_every=0", "logging.tensorboard=false", "logging.plots=false", "logging.progress=false",
+        "policies.shared.tiny.hidden_size=32", "policies.shared.tiny.num_hidden_layers=1"])
+    assert cfg.workflow.params["transcript"] is True
     with Trainer(cfg, run_dir=tmp_path / "run") as trainer:
         rows = collect_demonstrations(trainer.spec, trainer.source.train[:4], trainer.source.teacher,
-                                      policies=trainer.policies, agents=cfg.agents, score=exact_match_score,
-                                      prompts=CUES, params=TRANSCRIPT)
+                                      policies=trainer.policies, agents=cfg.agents, score=trainer.source.score,
+                                      prompts=cfg.workflow.prompts, params=trainer.params)
         eos = trainer.policies["shared"].eos_token_id
         solver, verifier = rows[0], rows[1]
         assert (solver.agent, verifier.agent) == ("Solver", "Verifier") and solver.response_ids[-1] == eos
-        assert verifier.prompt_ids[:len(solver.prompt_ids) + len(solver.response_ids)] == \
-            solver.prompt_ids + solver.response_ids
+        cue = trainer.policies["shared"].tokenizer("\nV ", add_special_tokens=False)["input_ids"]
+        assert verifier.prompt_ids == solver.prompt_ids + solver.response_ids + cue
         assert trainer.fit()
+        last = trainer.rollout(trainer.source.train[:2], [0, 1])
+    for ep in last:  # RL turns continue the earlier turn's prompt and reply ids
+        for a, b in zip(ep.turns, ep.turns[1:]):
+            assert b.prompt_ids[:len(a.prompt_ids) + len(a.response_ids)] == a.prompt_ids + a.response_ids
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rl = [m for m in steps if "team/reward" in m]
-    assert [m["step"] for m in rl] == [1, 2] and any("sft/shared/loss" in m for m in steps)
+    assert [m["step"] for m in steps if "team/reward" in m] == [1, 2] and any("sft/shared/loss" in m for m in steps)
