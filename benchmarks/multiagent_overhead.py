@@ -143,6 +143,7 @@ def worker_main(a) -> None:
 ROWS = [("step_s", "seconds per RL step"), ("rollout_s", "  rollout seconds"), ("update_s", "  update seconds"),
         ("generated_tokens_per_step", "generated tokens per step"), ("trained_tokens_per_step", "trained tokens per step"),
         ("rollout_tok_s", "rollout tokens/s (whole rollout phase)"), ("engine_tok_s", "rollout tokens/s (engine only)"),
+        ("rollout_tok_cpu_s", "rollout tokens per process-CPU second"), ("rollout_cpu_s", "  rollout process-CPU seconds"),
         ("train_tok_s", "training tokens/s"), ("gen_per_s_overall", "generated tokens per second of RL step"),
         ("prefill_tokens_per_step", "prompt tokens prefilled per step (after prefix reuse)"),
         ("engine_calls_per_step", "engine calls per step (sequential)"), ("mean_batch", "mean engine batch (rows)"),

@@ -41,6 +41,7 @@ BASE_OVERRIDES = ["sft.steps=0", "eval.before_after=false", "eval.every=0", "tra
 def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
     """Run warm-up + timed ``train_step`` calls; per step: perf metrics, engine stats, workload."""
     stats = trainer.scheduler.stats
+    rollout_cpu = _time_rollout_cpu(trainer)
     out = []
     for i in range(warmup + steps):
         before = (stats.generated_tokens, stats.generate_seconds, stats.engine_calls, len(stats.batch_sizes))
@@ -57,8 +58,25 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
             "engine_calls": stats.engine_calls - before[2], "batch_sizes": stats.batch_sizes[before[3]:],
             "turns_per_episode": m.get("team/turns_per_episode", float("nan")),
             "reward": m.get("team/reward", float("nan")),
-            "prefill_tokens": _prefill_tokens(trainer) - prefilled})
+            "prefill_tokens": _prefill_tokens(trainer) - prefilled, "rollout_cpu_s": rollout_cpu.pop()})
     return out
+
+
+def _time_rollout_cpu(trainer) -> list[float]:
+    """Record the process CPU seconds of each ``trainer.rollout`` call (wall time is not comparable on a
+    shared, loaded machine; with one thread, CPU time is the work done)."""
+    seconds: list[float] = []
+    rollout = trainer.rollout
+
+    def timed(*args, **kwargs):
+        c = time.process_time()
+        try:
+            return rollout(*args, **kwargs)
+        finally:
+            seconds.append(time.process_time() - c)
+
+    trainer.rollout = timed
+    return seconds
 
 
 def _prefill_tokens(trainer) -> int:
@@ -73,6 +91,9 @@ def summarize(steps: list[dict]) -> dict:
     return {"step_s": med("step_s"), "cpu_s": med("cpu_s"), "rollout_s": med("rollout_s"), "update_s": med("update_s"),
             "generate_s": med("generate_s"),
             "rollout_tok_s": tot("generated_tokens") / tot("rollout_s"),
+            "rollout_tok_cpu_s": tot("generated_tokens") / tot("rollout_cpu_s") if all(
+                "rollout_cpu_s" in s for s in timed) else float("nan"),
+            "rollout_cpu_s": med("rollout_cpu_s") if all("rollout_cpu_s" in s for s in timed) else float("nan"),
             "engine_tok_s": tot("generated_tokens") / tot("generate_s"),
             "train_tok_s": tot("trained_tokens") / tot("update_s"),
             "generated_tokens_per_step": tot("generated_tokens") / len(timed),
