@@ -62,3 +62,19 @@ def test_chat_template_kwargs_reach_the_template():
         policy.tokenizer.chat_template = template
         ids[bool(kwargs)] = policy.decode(policy.encode_prompt("hi"))
     assert ids[False] == "hi" and ids[True] == "/no_think hi"
+
+
+def test_fused_adamw_auto_picks_the_kernel_by_trained_size_and_explicit_values_win():
+    """``optim.fused: auto`` (the default): the fused kernel from 10M trained parameters (SmolLM2 full fine-tuning),
+    the reference kernel below (tiny models keep their exact numbers); true / false are taken as given."""
+    from masrl.training.policy import FUSED_ADAMW_MIN_PARAMS, use_fused_adamw
+
+    assert PolicyConfig().optim.fused == "auto"
+    small = [torch.zeros(FUSED_ADAMW_MIN_PARAMS // 2), torch.zeros(FUSED_ADAMW_MIN_PARAMS // 2 - 1)]
+    assert not use_fused_adamw("auto", small)
+    assert use_fused_adamw("auto", small + [torch.zeros(1)])
+    assert not use_fused_adamw("auto", small + [torch.zeros(1, dtype=torch.int64)])  # not a float tensor
+    assert use_fused_adamw(True, small) and not use_fused_adamw(False, small + [torch.zeros(1)])
+    for fused, expect in (("auto", None), (True, True)):
+        policy = build_policy("p", PolicyConfig(tiny=TINY, optim={"fused": fused}), seed=0, max_rollout_batch=8)
+        assert policy.optimizer.defaults["fused"] is expect
