@@ -317,7 +317,8 @@ class TrainerConfig(_Strict):
         "gradients and optimizer state, loss math in float32). auto: bfloat16 on a CUDA device with native "
         "bf16 and on a CPU with avx512_bf16 or amx_bf16 in its flags, else float32; float32 or null: off. "
         "With autocast on, the PPO old log-probs are the trainer's own (free with 1 epoch x 1 minibatch), not "
-        "the engine's. The in-process engine decodes under the same autocast. docs/performance.md#precision"))
+        "the engine's. The in-process engine decodes, and SFT trains, under the same autocast. "
+        "docs/performance.md#precision"))
     export: bool = Field(False, description=(
         "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
         "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))
