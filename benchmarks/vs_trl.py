@@ -31,13 +31,16 @@ runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hit
     python benchmarks/vs_trl.py --model tiny --steps 5 --repeats 3
     python benchmarks/vs_trl.py --model smollm2 --B 2 --G 4 --max-new-tokens 64
     python benchmarks/vs_trl.py --model smollm2 --max-new-tokens 32 --steps 1 --repeats 1 \
-        --autocast bfloat16 --rollout-autocast --fused-adamw       # masrl's fast settings (TRL: float32)
+        --autocast bfloat16 --rollout-autocast                     # masrl bf16 decoding too (TRL: float32)
 
 Defaults: masrl's shipped defaults (round 4: ``trainer.autocast: auto`` = bfloat16 update and decoding
 on a CPU with native bf16, float32 elsewhere; ``trainer.logprob_chunk_tokens: 1024``) against TRL's float32.
 ``--autocast float32`` is round 3's float32-with-float32 comparison; ``--autocast bfloat16`` forces bf16,
-``--rollout-autocast`` (the engine decodes under it too; already so with the trainer), ``--fused-adamw`` and
-``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. Besides wall time,
+``--rollout-autocast`` (the engine decodes under it too; already so with the trainer) and
+``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. The optimizer kernel is the
+same on both sides: masrl's ``optim.fused`` (``--fused-adamw auto|true|false``, default ``auto`` = fused from 10M
+trained parameters: SmolLM2 yes, tiny no) and TRL's ``adamw_torch_fused`` (transformers' default) or
+``adamw_torch`` to match. Besides wall time,
 every step records its process CPU time (``cpu_s``), which other jobs on a shared machine inflate less.
 
 Writes ``benchmarks/results/vs_trl_<model>.json`` and prints a markdown table.
@@ -117,7 +120,7 @@ def worker_masrl(a) -> dict:
                               "max_new_tokens": a.max_new_tokens}},
         "policies": {"policy": {"model": a.model_path, "dtype": "float32",
                                 "optim": {"lr": a.lr, "weight_decay": 0.0, "grad_clip": 1.0,
-                                          "fused": a.fused_adamw}}},
+                                          "fused": {"auto": "auto", "true": True, "false": False}[a.fused_adamw]}}},
         "algorithm": {"estimator": "grpo", "format_penalty": 0.0,
                       "loss": {"loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean"}},
         "sft": {"steps": 0},
@@ -149,6 +152,20 @@ def worker_masrl(a) -> dict:
                       "generated_tokens": stats.generated_tokens - tokens_before, "trained_tokens": round(trained),
                       "reward": m["team/reward"], "warmup": i < a.warmup})
     return {"framework": "masrl", "load_s": load_s, "steps": steps}
+
+
+def trl_fused(a) -> bool:
+    """TRL's optimizer kernel: the one masrl's ``optim.fused`` setting resolves to for this model (both train
+    every parameter), so the optimizer step is compared like for like."""
+    if a.fused_adamw != "auto":
+        return a.fused_adamw == "true"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from masrl.training.policy import use_fused_adamw
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model_path))
+    return use_fused_adamw("auto", [torch.empty(p.shape) for p in model.parameters()])
 
 
 def worker_trl(a) -> dict:
@@ -187,7 +204,7 @@ def worker_trl(a) -> dict:
         steps_per_generation=1, num_iterations=1, max_completion_length=a.max_new_tokens,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch", max_steps=a.warmup + a.steps, use_vllm=False,
+        optim="adamw_torch_fused" if trl_fused(a) else "adamw_torch", max_steps=a.warmup + a.steps, use_vllm=False,
         report_to="none", logging_strategy="no", save_strategy="no", eval_strategy="no",
         disable_tqdm=True, log_completions=False, dataloader_num_workers=0,
     )
@@ -292,7 +309,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
                    "--max-new-tokens", str(p["max_new_tokens"]), "--lr", str(p["lr"]), "--steps", str(p["steps"]),
                    "--warmup", str(p["warmup"]), "--threads", str(a.threads)]
     worker_args += ["--autocast", a.autocast] + \
-        (["--rollout-autocast"] if a.rollout_autocast else []) + (["--fused-adamw"] if a.fused_adamw else []) + \
+        (["--rollout-autocast"] if a.rollout_autocast else []) + ["--fused-adamw", a.fused_adamw] + \
         (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
         (["--trl-bf16"] if a.trl_bf16 else [])
     runs = {"masrl": [], "trl": []}
@@ -356,7 +373,9 @@ def main(argv=None) -> None:
     ap.add_argument("--autocast", choices=["auto", "bfloat16", "float32"], default="auto",
                     help="masrl trainer.autocast (auto: the shipped default; float32: off, as TRL)")
     ap.add_argument("--rollout-autocast", action="store_true", help="masrl engine decodes under --autocast too")
-    ap.add_argument("--fused-adamw", action="store_true", help="masrl policies.*.optim.fused: true")
+    ap.add_argument("--fused-adamw", choices=["auto", "true", "false"], default="auto",
+                    help="masrl policies.*.optim.fused (auto: the shipped default); TRL gets the same kernel "
+                         "(adamw_torch_fused, its own default, or adamw_torch)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="masrl trainer.micro_batch_tokens")
     ap.add_argument("--trl-bf16", action="store_true", help="TRL GRPOConfig(bf16=True) (CPU autocast)")
     # internal: one measured run

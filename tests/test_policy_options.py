@@ -62,3 +62,47 @@ def test_chat_template_kwargs_reach_the_template():
         policy.tokenizer.chat_template = template
         ids[bool(kwargs)] = policy.decode(policy.encode_prompt("hi"))
     assert ids[False] == "hi" and ids[True] == "/no_think hi"
+
+
+def test_fused_adamw_auto_picks_the_kernel_by_trained_size_and_explicit_values_win():
+    """``optim.fused: auto`` (the default): the fused kernel from 10M trained parameters (SmolLM2 full fine-tuning),
+    the reference kernel below (tiny models keep their exact numbers); true / false are taken as given."""
+    from masrl.training.policy import FUSED_ADAMW_MIN_PARAMS, use_fused_adamw
+
+    assert PolicyConfig().optim.fused == "auto"
+    small = [torch.zeros(FUSED_ADAMW_MIN_PARAMS // 2), torch.zeros(FUSED_ADAMW_MIN_PARAMS // 2 - 1)]
+    assert not use_fused_adamw("auto", small)
+    assert use_fused_adamw("auto", small + [torch.zeros(1)])
+    assert not use_fused_adamw("auto", small + [torch.zeros(1, dtype=torch.int64)])  # not a float tensor
+    assert use_fused_adamw(True, small) and not use_fused_adamw(False, small + [torch.zeros(1)])
+    for fused, expect in (("auto", None), (True, True)):
+        policy = build_policy("p", PolicyConfig(tiny=TINY, optim={"fused": fused}), seed=0, max_rollout_batch=8)
+        assert policy.optimizer.defaults["fused"] is expect
+
+
+def _sft_run(autocast):
+    """Two SFT steps on one tiny policy; returns (per-step losses, the dtypes the q_proj matmuls ran in)."""
+    from masrl.config import SFTConfig
+    from masrl.training.sft import run_sft
+
+    policy = build_policy("p", PolicyConfig(tiny=TINY), seed=0, max_rollout_batch=8)
+    rows = [Row("A", [5, 6, 7, 8], [9, 10, 11], [0.0] * 3, 0.0, policy="p"),
+            Row("A", [5, 6], [12, 13, 14, 15], [0.0] * 4, 0.0, policy="p")]
+    seen = set()
+    hook = policy.model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+    losses = []
+    run_sft({"p": policy}, rows, SFTConfig(steps=2, batch_size=2, warmup_steps=0), seed=0, micro_batch_tokens=4096,
+            on_step=lambda step, m: losses.append(m["sft/p/loss"]), autocast=autocast)
+    hook.remove()
+    return losses, seen
+
+
+def test_sft_runs_under_trainer_autocast():
+    """SFT follows ``trainer.autocast`` like the RL update: the forward's matmuls in bfloat16 (the loss in float32),
+    float32 when off; the two losses agree to bf16 precision."""
+    plain, dtypes_plain = _sft_run(None)
+    bf16, dtypes_bf16 = _sft_run("bfloat16")
+    assert dtypes_plain == {torch.float32} and dtypes_bf16 == {torch.bfloat16}
+    assert plain != bf16
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(plain), rtol=2e-2, atol=2e-2)
+    assert _sft_run("float32")[0] == plain

@@ -109,7 +109,10 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.01, ge=0.0, description="AdamW decoupled weight decay")
     grad_clip: Optional[float] = Field(1.0, gt=0.0, description="clip the gradient norm to this (None: no clipping)")
     eps: float = Field(1e-8, ge=0.0, description="AdamW epsilon")
-    fused: bool = Field(False, description="torch's fused AdamW kernel (much faster steps for large models)")
+    fused: Union[bool, Literal["auto"]] = Field("auto", description=(
+        "torch's fused AdamW kernel: 6.6x faster steps on SmolLM2-135M (0.51 -> 0.077 s on CPU), equal up to float "
+        "rounding; auto: fused when the policy trains at least 10M parameters on CPU or CUDA (below that a step "
+        "saves under 10 ms, and small models keep the reference kernel's exact numbers)"))
 
 
 class LoraConfig(_Strict):
@@ -314,7 +317,8 @@ class TrainerConfig(_Strict):
         "gradients and optimizer state, loss math in float32). auto: bfloat16 on a CUDA device with native "
         "bf16 and on a CPU with avx512_bf16 or amx_bf16 in its flags, else float32; float32 or null: off. "
         "With autocast on, the PPO old log-probs are the trainer's own (free with 1 epoch x 1 minibatch), not "
-        "the engine's. The in-process engine decodes under the same autocast. docs/performance.md#precision"))
+        "the engine's. The in-process engine decodes, and SFT trains, under the same autocast. "
+        "docs/performance.md#precision"))
     export: bool = Field(False, description=(
         "at the end of `masrl train`, export the trained policies into RUN_DIR/export as Hugging Face / PEFT "
         "folders (as `masrl export RUN_DIR --out RUN_DIR/export`; docs/export.md)"))

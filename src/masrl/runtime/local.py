@@ -58,7 +58,7 @@ class LocalRuntime:
             on_step: Callable[[int, dict], None] | None = None) -> dict[str, float]:
         last = run_sft(policies, rows, self.cfg.sft, seed=self.cfg.seed,
                        micro_batch_tokens=self.cfg.trainer.micro_batch_tokens, on_step=on_step,
-                       logprob_chunk_tokens=self.cfg.trainer.logprob_chunk_tokens)
+                       logprob_chunk_tokens=self.cfg.trainer.logprob_chunk_tokens, autocast=self.cfg.trainer.autocast)
         for policy in policies.values():
             after_update(policy)
         return last

@@ -272,7 +272,7 @@ class RayRuntime:
         for name, prows in by_policy.items():
             ref = ray.put(prows)
             launched[name] = [a.sft.remote(ref, sft, self.cfg.seed, self.cfg.trainer.micro_batch_tokens,
-                                          self.cfg.trainer.logprob_chunk_tokens)
+                                          self.cfg.trainer.logprob_chunk_tokens, self.cfg.trainer.autocast)
                               for a in self.groups[name].actors]
         per_policy = {name: self.groups[name].get(refs, "SFT")[0] for name, refs in launched.items()}
         last: dict[str, float] = {}

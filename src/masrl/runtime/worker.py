@@ -118,12 +118,12 @@ class PolicyWorker:
         return raw, float(self.policy.optimizer.param_groups[0]["lr"])
 
     def sft(self, rows: list[dict], sft: dict, seed: int, micro_batch_tokens: int,
-            logprob_chunk_tokens: int = 0) -> list[dict[str, float]]:
+            logprob_chunk_tokens: int = 0, autocast: str | None = None) -> list[dict[str, float]]:
         self.onload()
         steps: list[dict[str, float]] = []
         run_sft({self.name: self.policy}, [Row(**r) for r in rows], SFTConfig.model_validate(sft), seed=seed,
                 micro_batch_tokens=micro_batch_tokens, on_step=lambda step, m: steps.append(dict(m)), dp=self.dp,
-                logprob_chunk_tokens=logprob_chunk_tokens)
+                logprob_chunk_tokens=logprob_chunk_tokens, autocast=autocast)
         after_update(self.policy)
         return steps
 

@@ -165,8 +165,24 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
 def make_optimizer(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> torch.optim.Optimizer:
     """The policy's AdamW over :func:`param_groups` (also used again on FSDP2's sharded parameters)."""
     o = policy.cfg.optim
-    return torch.optim.AdamW(param_groups(policy, agent_optim), lr=o.lr, betas=tuple(o.betas),
-                             weight_decay=o.weight_decay, eps=o.eps, **({"fused": True} if o.fused else {}))
+    groups = param_groups(policy, agent_optim)
+    fused = use_fused_adamw(o.fused, [p for g in groups for p in g["params"]])
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas),
+                             weight_decay=o.weight_decay, eps=o.eps, **({"fused": True} if fused else {}))
+
+
+#: ``optim.fused: auto`` uses the fused kernel from this many trainable parameters on
+FUSED_ADAMW_MIN_PARAMS = 10_000_000
+
+
+def use_fused_adamw(setting: bool | str, params: list[torch.Tensor]) -> bool:
+    """``optim.fused`` resolved: ``auto`` is the fused kernel when every parameter is a floating tensor on CPU
+    or CUDA and there are at least :data:`FUSED_ADAMW_MIN_PARAMS` of them (global sizes under FSDP2, so
+    every rank decides alike); explicit ``true`` / ``false`` win."""
+    if setting != "auto":
+        return bool(setting)
+    devices_ok = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return devices_ok and sum(p.numel() for p in params) >= FUSED_ADAMW_MIN_PARAMS
 
 
 def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> list[dict]:

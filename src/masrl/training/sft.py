@@ -15,8 +15,8 @@ from masrl.errors import ConfigError
 from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
-from masrl.training.policy import Policy
-from masrl.training.update import Row, micro_batches, model_logprobs, pack_rows
+from masrl.training.policy import Policy, use_fused_adamw
+from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows
 from masrl.types import Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
@@ -67,12 +67,15 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
 
 def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,
             micro_batch_tokens: int, on_step: Callable[[int, dict], None] | None = None,
-            dp: DataParallel | None = None, logprob_chunk_tokens: int = 0) -> dict[str, float]:
+            dp: DataParallel | None = None, logprob_chunk_tokens: int = 0,
+            autocast: str | None = None) -> dict[str, float]:
     """Token-mean cross-entropy on response tokens, per policy, AdamW + warmup/cosine.
 
     ``dp``: one rank of a data-parallel group: every rank draws the same batch, trains on its
     share and the gradients are all-reduced before clipping (masrl.training.distributed).
-    ``logprob_chunk_tokens``: as ``trainer.logprob_chunk_tokens`` (0: full logits).
+    ``logprob_chunk_tokens``: as ``trainer.logprob_chunk_tokens`` (0: full logits); ``autocast``: as
+    ``trainer.autocast`` (the forward under ``torch.autocast``; ``auto`` resolved for the model's device; None:
+    float32). The optimizer is AdamW with the policy's ``optim.fused`` setting.
     """
     by_policy: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
@@ -86,7 +89,9 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             for p in unfrozen[name]:
                 p.requires_grad_(True)
             policy.base_trained = True
-        optims[name] = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.lr, weight_decay=0.0)
+        params = list(policy.trainable_parameters())
+        optims[name] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0,
+                                         **({"fused": True} if use_fused_adamw(policy.cfg.optim.fused, params) else {}))
     last: dict[str, float] = {}
     for step in range(cfg.steps):
         warm = min(1.0, (step + 1) / max(cfg.warmup_steps, 1))
@@ -103,7 +108,8 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             loss_sum = 0.0
             for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
-                logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
+                with autocast_context(autocast, batch.input_ids.device):
+                    logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
                 nll = -(logp * batch.response_mask).sum() / total
                 nll.backward()
                 loss_sum += float(nll.detach())

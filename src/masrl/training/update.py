@@ -119,8 +119,13 @@ def autocast(trainer: TrainerConfig, device: str | torch.device | None = None):
     """``trainer.autocast``: a ``torch.autocast`` context for the model forward (float32 master weights,
     gradients and optimizer; the loss math stays float32), else a no-op context. ``device``: where the
     model is (default ``trainer.device``); ``auto`` is resolved for it (masrl.models.precision)."""
-    device = torch.device(device if device is not None else trainer.device)
-    dtype = resolve_autocast(getattr(trainer, "autocast", None), device)
+    return autocast_context(getattr(trainer, "autocast", None), device if device is not None else trainer.device)
+
+
+def autocast_context(setting: str | None, device: str | torch.device):
+    """A ``torch.autocast`` context for ``setting`` (a ``trainer.autocast`` value) on ``device``, or a no-op."""
+    device = torch.device(device)
+    dtype = resolve_autocast(setting, device)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
