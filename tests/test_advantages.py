@@ -72,6 +72,17 @@ def test_worked_example_vanilla_grpo_gives_every_turn_0866():
     close(a, (0.8660 * sign).tolist(), tol=1e-3)
 
 
+def test_worked_example_grpo_per_turn_pools_every_turn_of_the_group():
+    # all 10 turns {1,0,0,1,1,0, 1,0,1,0}: μ = 0.5, σ = sqrt(2.5 / 9) -> ±0.9487, each turn by its own score
+    a = adv(WORKED, "grpo_per_turn")
+    sign = torch.tensor([1, 1, -1, -1, -1, 1, 1, 1, -1, -1], dtype=torch.float64)  # the rows' scores 1 / 0
+    close(a, (0.5 / math.sqrt(2.5 / 9) * sign).tolist(), tol=1e-5)
+    # per-turn scores (the Verifier's turn of e0 scores 0 instead of 1): each turn keeps its own, unlike grpo
+    per_turn = adv({**WORKED, "scores": WORKED["scores"].clone().index_fill_(0, torch.tensor([1]), 0.0)}, "grpo_per_turn")
+    mu, sd = 0.4, math.sqrt(4 * 0.36 / 9 + 6 * 0.16 / 9)
+    close(per_turn[:2], [(1 - mu) / sd, (0 - mu) / sd], tol=1e-5)
+
+
 def test_worked_example_population_std():
     # σ with N: Solver σ = 0.5, Verifier σ = 0.5 -> every advantage is ±1
     a = adv(WORKED, "drmas", unbiased_std=False)

@@ -209,6 +209,16 @@ def drmas(scores, groups, *, eps, unbiased_std, singleton):
     return _standardise(scores, stats, key, stats, key, eps=eps, singleton=singleton)
 
 
+@register_advantage("grpo_per_turn")
+def grpo_per_turn(scores, groups, *, eps, unbiased_std, singleton):
+    """Global baseline over turns: A_i = (r_i - μ_g^turn) / (σ_g^turn + ε), statistics over every turn of group g
+    (all agents pooled, each turn counts). The control for ``drmas`` when turns score their own rewards
+    (``algorithm.reward: per_turn``): both credit each turn with its own score, only the grouping differs."""
+    key = groups.group
+    stats = group_stats(scores, key, unbiased_std=unbiased_std)
+    return _standardise(scores, stats, key, stats, key, eps=eps, singleton=singleton)
+
+
 @register_advantage("drmas_mean_only")
 def drmas_mean_only(scores, groups, *, eps, unbiased_std, singleton):
     """Ablation: agent-wise mean, group std: A_i = (r_i - μ_{g,k}) / (σ_g + ε)."""
