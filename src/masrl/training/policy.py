@@ -171,7 +171,7 @@ def make_optimizer(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]])
                              weight_decay=o.weight_decay, eps=o.eps, **({"fused": True} if fused else {}))
 
 
-#: ``optim.fused: auto`` uses the fused kernel from this many trainable parameters on
+#: ``optim.fused: auto`` uses the fused kernel from this many trainable parameters (on CPU or CUDA)
 FUSED_ADAMW_MIN_PARAMS = 10_000_000
 
 
