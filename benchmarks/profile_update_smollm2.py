@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import command_line, machine_info, machine_line, set_threads  # noqa: E402
+from _benchutil import print_header, set_threads  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -29,8 +29,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=20)
     a = ap.parse_args(argv)
     set_threads(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(machine_info(a.threads))}", flush=True)
+    print_header(a.threads)
     from torch.profiler import ProfilerActivity, profile
 
     from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig

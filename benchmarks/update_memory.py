@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import command_line, machine_info, machine_line, set_threads  # noqa: E402
+from _benchutil import print_header, set_threads  # noqa: E402
 
 
 def _tagger(model):
@@ -109,8 +109,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     set_threads(a.threads)
-    print(f"command: {command_line()}")
-    print(f"machine: {machine_line(machine_info(a.threads))}", flush=True)
+    print_header(a.threads)
     from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig
     from masrl.models.smollm import smollm2_path
     from masrl.training.policy import build_policy
