@@ -268,6 +268,14 @@ class RolloutConfig(_Strict):
         "keys/values of earlier rows of the same rollout whose tokens start a new prompt (the next turn "
         "of an append-only transcript); vLLM has its own (rollout.kwargs.enable_prefix_caching)"))
     prefix_cache_mib: float = Field(1024.0, gt=0.0, description="memory for the stored keys/values per policy")
+    continuous_batching: bool = Field(False, description=(
+        "transformers engine: one running decode batch per policy that admits each agent call as its episode "
+        "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "
+        "each row as soon as it stops; greedy results equal the batched engine's, sampled rows draw another "
+        "random stream (docs/performance.md). vLLM and Ray worker groups keep the per-round flush"))
+    max_running_tokens: int = Field(65536, gt=0, description=(
+        "continuous batching: admission limit of the running batch, rows x their longest prompt + "
+        "max_new_tokens (rows are also limited by trainer.max_rollout_batch)"))
 
 
 class SFTConfig(_Strict):

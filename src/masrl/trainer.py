@@ -70,7 +70,8 @@ class Trainer:
         self.source = load_task_source(cfg.task, cfg.sft.teacher)
         self.runtime = make_runtime(cfg, self.run_dir)  # local (this process) or Ray worker groups
         self.policies: dict[str, Policy] = self.runtime.build_policies()
-        self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()})
+        self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()},
+                                          continuous=cfg.rollout.continuous_batching)
         mon = cfg.monitoring
         self.drift = RoleDriftTracker() if mon.drift else None
         self.spikes = SpikeDetector(window=mon.spike.window, threshold=mon.spike.threshold,

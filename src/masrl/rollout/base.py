@@ -39,6 +39,9 @@ class Engine(Protocol):
 
     shares_training_model: bool = False
     can_sleep: bool = False
+    # continuous batching (``rollout.continuous_batching``): the engine keeps a running decode batch that
+    # admits requests between decode steps (:meth:`enqueue`, :meth:`step`); engines without it are flushed
+    can_batch_continuously: bool = False
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         """One result per request, in order."""
@@ -57,6 +60,26 @@ class Engine(Protocol):
     def collect(self, handle: Any) -> list[GenResult]:
         """The results of a :meth:`submit`."""
         return self.generate(handle)
+
+    def continuous(self) -> Any:
+        """A context manager around one rollout of continuous batching (only when ``can_batch_continuously``):
+        inside it :meth:`enqueue` and :meth:`step` serve requests; on exit, rows still queued or decoding are
+        dropped (a failed rollout leaves nothing behind)."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch continuously")
+
+    def enqueue(self, request: GenRequest, ticket: Any) -> None:
+        """Queue ``request`` for the running batch; :meth:`step` returns its result with ``ticket``."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch continuously")
+
+    def step(self) -> list[tuple[Any, GenResult]]:
+        """Admit queued requests when it pays, run one decode step, return ``(ticket, result)`` of every
+        request that finished in it."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch continuously")
+
+    @property
+    def busy(self) -> bool:
+        """Requests are queued or decoding (continuous batching)."""
+        return False
 
     def clear_prefix_cache(self) -> None:
         """Drop keys/values kept for reuse (end of a rollout; device memory about to be freed)."""

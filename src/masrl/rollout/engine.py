@@ -14,8 +14,8 @@ row's keys and values and prefills only the new tokens. See :class:`PrefixCache`
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -202,15 +202,52 @@ class _LiveRows:
         return logits
 
 
+@dataclass
+class _Entry:
+    """A request of the continuous batch, with what it emitted in earlier segments (a row carried over)."""
+
+    request: GenRequest
+    ticket: Any
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+
+    def carried(self) -> GenRequest:
+        """The request that continues this row: its prompt + every token emitted so far (the last one not fed
+        yet: the new segment prefills it), with the budget that is left."""
+        r = self.request
+        return GenRequest(list(r.prompt_ids) + self.tokens, r.temperature, r.top_p,
+                          r.max_new_tokens - len(self.tokens), r.adapter)
+
+    @property
+    def extent(self) -> int:
+        """The most positions the row can fill: prompt + budget."""
+        return len(self.request.prompt_ids) + self.request.max_new_tokens
+
+
+@dataclass
+class _Segment:
+    """The running batch of continuous batching between two admissions: one prefill, then decode steps."""
+
+    entries: list[_Entry]
+    layout: _PromptLayout
+    state: DecodeState
+    rows: _LiveRows
+    logits: torch.Tensor
+    delivered: torch.Tensor  # rows whose result went back
+    step: int = 0
+
+
 class TransformersEngine(Engine):
     """Batched sampling with a KV cache; the model is shared with the trainer (no weight copies)."""
 
     shares_training_model = True
+    can_batch_continuously = True
 
     def __init__(self, model: torch.nn.Module, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
-                 prefix_cache_mib: float = 1024.0, compact_finished: bool = True):
+                 prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
+                 max_running_tokens: int = 65536):
         self.model = model
         # mixed-precision decoding ("bfloat16", or "auto" resolved for the model's device): the trainer's
         # `trainer.autocast`, so that rollout and training run in the same precision
@@ -230,6 +267,12 @@ class TransformersEngine(Engine):
         self.sharded_model = False  # set by model_sharded() (masrl.training.fsdp.shard_policy)
         self.tokens_generated = 0
         self.prefill_tokens = 0  # prompt tokens actually run through the model (after reuse)
+        # continuous batching: admission limit of the running batch (rows x their longest prompt + budget;
+        # rows: max_batch_size), the requests waiting for admission and the running batch
+        self.max_running_tokens = max_running_tokens
+        self.readmitted_tokens = 0  # tokens prefilled again for rows carried into a new segment
+        self._queue: list[_Entry] = []
+        self._segment: _Segment | None = None
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(seed)
@@ -510,3 +553,126 @@ class TransformersEngine(Engine):
             adapters.append(adapter)
         nbytes = sum(t.numel() * t.element_size() for t in keys + values)
         store.add(StoredBatch(keys, values, tokens, slots, adapters, nbytes))
+
+    # --- continuous batching (rollout.continuous_batching): one running batch that admits requests between
+    # decode steps. An admission ends the running segment: its rows' keys/values go to the prefix store, and the
+    # rows still decoding are carried into the new segment as requests whose prompt is prompt + emitted tokens,
+    # so the store gives them back everything but the last sampled token, which the new prefill feeds (what their
+    # next decode step would have fed); the admitted requests are prefilled beside them, with prefix reuse.
+
+    @contextlib.contextmanager
+    def continuous(self) -> Iterator["TransformersEngine"]:
+        device = next(self.model.parameters()).device
+        # each step enters autocast anew; an open outer autocast keeps its cast weights between steps
+        outer = torch.autocast(device.type, enabled=False) if self.autocast else contextlib.nullcontext()
+        try:
+            with outer:
+                yield self
+        finally:
+            self._queue, self._segment = [], None
+
+    def enqueue(self, request: GenRequest, ticket: Any) -> None:
+        self._queue.append(_Entry(request, ticket))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or self._segment is not None
+
+    def step(self) -> list[tuple[Any, GenResult]]:
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self._precision(model):
+                if self._queue:
+                    self._admit(model)
+                return self._advance(model)
+        finally:
+            model.train(was_training)
+
+    def _admit(self, model) -> None:
+        """Start a new segment with the running rows and the queued requests that fit, once the queue holds a
+        quarter of the rows still decoding (each admission copies the running rows' keys/values twice)."""
+        seg = self._segment
+        going = [] if seg is None else [seg.entries[i] for i in (~seg.state.done).nonzero().squeeze(1).tolist()]
+        if len(self._queue) < max(1, len(going) // 4):
+            return
+        taken = self._take_admissible(going)
+        if not taken:
+            return
+        store = self.prefix_cache if self._preallocatable(model) else None
+        if seg is not None:
+            self._carry(seg, store)
+        entries = going + taken
+        requests = [e.carried() for e in entries]
+        device = next(model.parameters()).device
+        layout = self._layout(model, requests, store)
+        carried = sum(layout.suffix[u] for u in {layout.inverse[i] for i in range(len(going))})
+        self.prefill_tokens -= carried  # counted apart: a carried row's first token is its next decode step's
+        self.readmitted_tokens += carried
+        state = DecodeState(requests, eos=self.eos, pad_token_id=self.pad_token_id, device=device,
+                            generator=self._generator(torch.device(device)))
+        _, logits, rows = self._start(model, layout, state.max_new, device, store)
+        self._segment = _Segment(entries, layout, state, rows, logits, torch.zeros(len(entries), dtype=torch.bool))
+
+    def _take_admissible(self, going: list[_Entry]) -> list[_Entry]:
+        """Queued requests, first come first served, while the batch stays within ``max_batch_size`` rows and
+        ``max_running_tokens`` (rows x the longest prompt + budget); an empty batch admits at least one."""
+        longest = max((e.extent for e in going), default=0)
+        taken: list[_Entry] = []
+        for entry in self._queue:
+            rows, extent = len(going) + len(taken) + 1, max(longest, entry.extent)
+            if (going or taken) and (rows > self.max_batch_size or rows * extent > self.max_running_tokens):
+                break
+            taken.append(entry)
+            longest = extent
+        self._queue = self._queue[len(taken):]
+        return taken
+
+    def _carry(self, seg: _Segment, store: PrefixCache | None) -> None:
+        """End ``seg``: its rows' keys/values go to the prefix store, rows still decoding keep what they emitted."""
+        state, rows = seg.state, seg.rows
+        for i in (~state.done).nonzero().squeeze(1).tolist():
+            n = int(state.n_emitted[i])
+            seg.entries[i].tokens += state.tokens_out[i, :n].tolist()
+            seg.entries[i].logps += state.logps_out[i, :n].tolist()
+        if store is not None:
+            kept = list(range(len(seg.entries))) if rows.live is None else rows.live.tolist()
+            self._store_rows(store, rows.cache, kept, rows.live, seg.layout, state)
+        self._segment = None
+
+    def _advance(self, model) -> list[tuple[Any, GenResult]]:
+        """One decode step of the running segment (the rows' next tokens); the results of rows that stopped."""
+        seg = self._segment
+        if seg is None:
+            return []
+        state, rows, layout = seg.state, seg.rows, seg.layout
+        all_done = state.sample(seg.step, seg.logits)
+        finished = self._deliver(seg)
+        store = self.prefix_cache if self._preallocatable(model) else None
+        if all_done:
+            self._carry(seg, store)
+            return finished
+        if self.compact_finished and self.preallocate_cache and self._preallocatable(model) \
+                and rows.should_compact(state.done):
+            with contextlib.ExitStack() as routing:  # the routing _compact installs is entered again below
+                self._compact(model, rows, state, layout, store, routing)
+        live = range(len(seg.entries)) if rows.live is None else rows.live.tolist()
+        with self._routing(model, [layout.adapters[i] for i in live]):
+            seg.logits = rows.forward(model, state.feed(), seg.logits, layout.width + seg.step + 1)
+        seg.step += 1
+        return finished
+
+    def _deliver(self, seg: _Segment) -> list[tuple[Any, GenResult]]:
+        """``(ticket, result)`` of the rows that stopped since the last call."""
+        state = seg.state
+        newly = (state.done & ~seg.delivered).nonzero().squeeze(1).tolist()
+        seg.delivered |= state.done
+        out = []
+        for i in newly:
+            entry, n = seg.entries[i], int(state.n_emitted[i])
+            tokens = entry.tokens + state.tokens_out[i, :n].tolist()
+            logps = entry.logps + state.logps_out[i, :n].tolist()
+            self.tokens_generated += len(tokens)
+            out.append((entry.ticket, GenResult(tokens, logps, truncated=not bool(state.stopped[i]))))
+        return out

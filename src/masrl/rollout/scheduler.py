@@ -6,10 +6,18 @@ order (then each episode's call order), grouped by policy (whatever agent made t
 group is generated in one engine call. This gives the largest possible batches with a
 deterministic order, even when episodes await threads (retrievers) that finish in any order,
 and nothing reloads weights per agent call.
+
+With ``continuous=True`` (``rollout.continuous_batching``) there is no barrier for engines that batch
+continuously (the in-process engine): each request goes to its policy's engine as its episode makes it,
+the scheduler runs one decode step of every busy engine at a time and hands each finished row back to its
+episode at once, so an episode's next call joins the running batch while other rows still decode.
+Requests are admitted in arrival order (deterministic unless episodes await threads); other engines
+(vLLM, Ray worker groups) are still flushed when every episode waits.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 from collections import defaultdict
@@ -27,6 +35,7 @@ class RolloutStats:
     generated_tokens: int = 0
     generate_seconds: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
+    decode_steps: int = 0  # continuous batching: engine steps (each admits, decodes one token per row)
 
 
 # (episode index, calls so far) of the episode whose code is running; asyncio tasks that an episode
@@ -35,12 +44,15 @@ _EPISODE: contextvars.ContextVar[tuple[int, list[int]] | None] = contextvars.Con
 
 
 class RolloutScheduler:
-    def __init__(self, engines: Mapping[str, Engine]):
+    def __init__(self, engines: Mapping[str, Engine], *, continuous: bool = False):
         self.engines = dict(engines)
+        self.continuous = continuous
         self.stats = RolloutStats()
         self._pending: list[tuple[tuple[int, int], str, GenRequest, asyncio.Future]] = []
         self._active = 0
         self._wake: asyncio.Event | None = None
+        self._streaming: set[str] = set()  # policies whose engine batches continuously in this rollout
+        self._in_engines = 0  # requests in those engines, not returned yet
 
     async def generate(self, policy: str, request: GenRequest) -> GenResult:
         if policy not in self.engines:
@@ -52,8 +64,13 @@ class RolloutScheduler:
         else:
             key = (episode[0], episode[1][0])
             episode[1][0] += 1
-        self._pending.append((key, policy, request, future))
-        self._maybe_wake()
+        if policy in self._streaming:
+            self.engines[policy].enqueue(request, future)
+            self._in_engines += 1
+            self._wake.set()
+        else:
+            self._pending.append((key, policy, request, future))
+            self._maybe_wake()
         return await future
 
     def run(self, coroutines: Sequence[Awaitable]) -> list:
@@ -74,11 +91,22 @@ class RolloutScheduler:
                 self._maybe_wake()
 
         tasks = [asyncio.ensure_future(wrapped(i, c)) for i, c in enumerate(coroutines)]
+        sessions = contextlib.ExitStack()
         try:
+            if self.continuous:
+                for name, engine in self.engines.items():
+                    if engine.can_batch_continuously:
+                        sessions.enter_context(engine.continuous())
+                        self._streaming.add(name)
             while self._active > 0:
-                await self._wake.wait()
-                self._wake.clear()
-                if self._pending and len(self._pending) >= self._active:
+                busy = [name for name in self._streaming if self.engines[name].busy]
+                if busy:
+                    self._step(busy)
+                    await asyncio.sleep(0)  # the episodes whose rows finished run on to their next call
+                else:
+                    await self._wake.wait()
+                    self._wake.clear()
+                if self._pending and len(self._pending) + self._in_engines >= self._active:
                     self._flush()
                 failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
                 if failed is not None:
@@ -87,8 +115,25 @@ class RolloutScheduler:
         finally:
             for t in tasks:
                 t.cancel()
+            sessions.close()  # rows still queued or decoding are dropped
+            self._streaming, self._in_engines = set(), 0
             for engine in self.engines.values():  # reused keys/values live for one rollout
                 engine.clear_prefix_cache()
+
+    def _step(self, policies: list[str]) -> None:
+        """One continuous-batching step of each engine; finished rows go back to their episodes (a cancelled
+        episode's result is dropped)."""
+        start = time.perf_counter()
+        for name in policies:
+            finished = self.engines[name].step()
+            self.stats.decode_steps += 1
+            for future, result in finished:
+                self._in_engines -= 1
+                self.stats.requests += 1
+                self.stats.generated_tokens += len(result.response_ids)
+                if not future.done():
+                    future.set_result(result)
+        self.stats.generate_seconds += time.perf_counter() - start
 
     def _maybe_wake(self) -> None:
         if self._wake is not None and (len(self._pending) >= self._active or self._active == 0):
