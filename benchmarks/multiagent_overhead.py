@@ -147,6 +147,7 @@ ROWS = [("step_s", "seconds per RL step"), ("rollout_s", "  rollout seconds"), (
         ("train_tok_s", "training tokens/s"), ("gen_per_s_overall", "generated tokens per second of RL step"),
         ("prefill_tokens_per_step", "prompt tokens prefilled per step (after prefix reuse)"),
         ("engine_calls_per_step", "engine calls per step (sequential)"), ("mean_batch", "mean engine batch (rows)"),
+        ("decode_steps_per_step", "continuous-batching engine steps per step"),
         ("turns_per_episode", "turns per episode"), ("peak_rss_mib", "peak RSS MiB")]
 
 

@@ -44,7 +44,8 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
     rollout_cpu = _time_rollout_cpu(trainer)
     out = []
     for i in range(warmup + steps):
-        before = (stats.generated_tokens, stats.generate_seconds, stats.engine_calls, len(stats.batch_sizes))
+        before = (stats.generated_tokens, stats.generate_seconds, stats.engine_calls, len(stats.batch_sizes),
+                  stats.decode_steps)
         prefilled = _prefill_tokens(trainer)
         t, c = time.perf_counter(), time.process_time()
         m = trainer.train_step()
@@ -56,6 +57,7 @@ def measure_steps(trainer, warmup: int, steps: int) -> list[dict]:
             "generated_tokens": stats.generated_tokens - before[0],
             "trained_tokens": m["perf/train_tokens_per_s"] * m["perf/update_seconds"],
             "engine_calls": stats.engine_calls - before[2], "batch_sizes": stats.batch_sizes[before[3]:],
+            "decode_steps": stats.decode_steps - before[4],  # rollout.continuous_batching: engine steps
             "turns_per_episode": m.get("team/turns_per_episode", float("nan")),
             "reward": m.get("team/reward", float("nan")),
             "prefill_tokens": _prefill_tokens(trainer) - prefilled, "rollout_cpu_s": rollout_cpu.pop()})
@@ -100,7 +102,10 @@ def summarize(steps: list[dict]) -> dict:
             "trained_tokens_per_step": tot("trained_tokens") / len(timed),
             "engine_calls_per_step": tot("engine_calls") / len(timed),
             "prefill_tokens_per_step": sum(s.get("prefill_tokens", 0) for s in timed) / len(timed),
-            "mean_batch": statistics.fmean(b for s in timed for b in s["batch_sizes"]),
+            # continuous batching makes no batched engine calls: no batch sizes, decode steps instead
+            "mean_batch": statistics.fmean(b for s in timed for b in s["batch_sizes"]) if any(
+                s["batch_sizes"] for s in timed) else float("nan"),
+            "decode_steps_per_step": sum(s.get("decode_steps", 0) for s in timed) / len(timed),
             "turns_per_episode": statistics.fmean(s["turns_per_episode"] for s in timed)}
 
 
