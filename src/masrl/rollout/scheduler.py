@@ -51,7 +51,7 @@ class RolloutScheduler:
         self._pending: list[tuple[tuple[int, int], str, GenRequest, asyncio.Future]] = []
         self._active = 0
         self._wake: asyncio.Event | None = None
-        self._streaming: set[str] = set()  # policies whose engine batches continuously in this rollout
+        self._streaming: list[str] = []  # policies whose engine batches continuously in this rollout
         self._in_engines = 0  # requests in those engines, not returned yet
 
     async def generate(self, policy: str, request: GenRequest) -> GenResult:
@@ -97,7 +97,7 @@ class RolloutScheduler:
                 for name, engine in self.engines.items():
                     if engine.can_batch_continuously:
                         sessions.enter_context(engine.continuous())
-                        self._streaming.add(name)
+                        self._streaming.append(name)
             while self._active > 0:
                 busy = [name for name in self._streaming if self.engines[name].busy]
                 if busy:
@@ -116,7 +116,7 @@ class RolloutScheduler:
             for t in tasks:
                 t.cancel()
             sessions.close()  # rows still queued or decoding are dropped
-            self._streaming, self._in_engines = set(), 0
+            self._streaming, self._in_engines = [], 0
             for engine in self.engines.values():  # reused keys/values live for one rollout
                 engine.clear_prefix_cache()
 
