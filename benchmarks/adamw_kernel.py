@@ -5,7 +5,9 @@ gradients): the tiny quickstart policy (all parameters), SmolLM2-135M (full fine
 LoRA adapters (r=16 on q/k/v/o/gate/up/down, two agents, as ``examples/smollm2_arith_lora.yaml``).
 Process CPU seconds of one ``optimizer.step()``, min over ``--reps`` after a warm-up step. Also reports
 what ``policies.<p>.optim.fused: auto`` picks for each and the largest difference between the two
-kernels' updated parameters after one step.
+kernels' updated parameters after one step. Also the step's gradient-norm + clip: the norm measured twice
+(once for the metric, once inside ``clip_grad_norm_``, as before round 4) vs once (``update._step_norm`` +
+``clip_grads_with_norm_``), and whether the clipped gradients are bit-identical.
 
     python benchmarks/adamw_kernel.py [--threads 1] [--reps 5]
 """
@@ -63,6 +65,38 @@ def step_seconds(shape_list, fused: bool, reps: int):
     return min(times), first
 
 
+def clip_seconds(shape_list, reps: int):
+    """Process CPU seconds (min over reps) of the norm + clip, two passes vs one; clipped gradients bit-equal?"""
+    import torch
+    from masrl.training.update import _step_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shape_list]
+    grads = [torch.randn_like(p) for p in params]
+
+    def two():
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        torch.nn.utils.clip_grad_norm_(params, 1e-3)
+        return norm
+
+    def one():
+        norm = _step_norm(params)
+        torch.nn.utils.clip_grads_with_norm_(params, 1e-3, norm)
+        return float(norm)
+
+    times, clipped = {two: [], one: []}, {}
+    for _ in range(reps + 1):
+        for f in (two, one):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            t = time.process_time()
+            f()
+            times[f].append(time.process_time() - t)
+            clipped[f] = [p.grad for p in params]
+    equal = all(torch.equal(x, y) for x, y in zip(clipped[two], clipped[one]))
+    return min(times[two][1:]), min(times[one][1:]), equal
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -81,12 +115,16 @@ def main() -> None:
         fused, p_fused = step_seconds(sh, True, a.reps)
         diff = max(float((x - y).abs().max()) for x, y in zip(p_ref, p_fused))
         auto = use_fused_adamw("auto", p_ref)
+        clip2, clip1, clip_equal = clip_seconds(sh, a.reps)
         out["cases"][name] = {"params": n, "tensors": len(sh), "foreach_s": ref, "fused_s": fused,
-                              "max_abs_diff_after_one_step": diff, "auto_picks_fused": auto}
+                              "max_abs_diff_after_one_step": diff, "auto_picks_fused": auto,
+                              "norm_clip_two_passes_s": clip2, "norm_clip_one_pass_s": clip1,
+                              "clipped_grads_bit_equal": clip_equal}
         rows.append([name, f"{n / 1e6:.2f}M", len(sh), f"{ref * 1e3:.1f}", f"{fused * 1e3:.1f}",
-                     f"{ref / fused:.1f}x", f"{diff:.1e}", "fused" if auto else "foreach"])
+                     f"{ref / fused:.1f}x", f"{diff:.1e}", "fused" if auto else "foreach",
+                     f"{clip2 * 1e3:.1f} → {clip1 * 1e3:.1f}", "yes" if clip_equal else "NO"])
     print(fmt_table(["parameters", "count", "tensors", "foreach ms", "fused ms", "speed-up",
-                     "max |diff| after 1 step", "auto picks"], rows))
+                     "max |diff| after 1 step", "auto picks", "norm+clip ms, 2 passes → 1", "clip bit-equal"], rows))
     write_json(RESULTS / "adamw_kernel.json", out)
 
 

@@ -166,7 +166,15 @@ def _norm(tensors: Sequence[torch.Tensor]) -> float:
         from masrl.training.fsdp import sharded_norm
 
         return sharded_norm(tensors)
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors])))
+    return float(_total_norm(tensors))
+
+
+def _total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``tensors`` as ``clip_grad_norm_`` computes it (foreach kernels; float32 and wider
+    as they are, narrower dtypes upcast first), so that a clip with this norm equals ``clip_grad_norm_``."""
+    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
+        return torch.nn.utils.get_total_norm(tensors, 2.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
 
 
 # A guard sees (key, grad_norm, step) and returns None (go on) or ("skip"|"scale", scale).
@@ -389,10 +397,19 @@ def _routed_backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, t
     return True
 
 
+def _step_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | float:
+    """The step's gradient norm: a tensor where ``clip_grads_with_norm_`` can reuse it, else a float (shards)."""
+    grads = [p.grad for p in params if p.grad is not None]  # the gradients clip_grad_norm_ would measure
+    if grads and type(grads[0]).__name__ != "DTensor":
+        return _total_norm(grads)
+    return _norm(_grad_list(params))
+
+
 def _optimizer_step(u: _UpdateRun, finite: bool, agent_norms: dict[str, float]) -> None:
     """Step on the accumulated gradient unless it is not finite or the spike guard skips it; gradient metrics."""
     policy, params, metrics = u.policy, u.params, u.metrics
-    grad_norm = _norm(_grad_list(params)) if finite else float("nan")
+    norm_t = _step_norm(params) if finite else None
+    grad_norm = float(norm_t) if norm_t is not None else float("nan")
     prefix = f"policy/{policy.name}"
     if not finite or not math.isfinite(grad_norm):
         metrics[f"{prefix}/nonfinite_skipped"].append(1.0)
@@ -413,11 +430,14 @@ def _optimizer_step(u: _UpdateRun, finite: bool, agent_norms: dict[str, float]) 
                 for p in params:
                     if p.grad is not None:
                         p.grad.mul_(scale)
+                norm_t = None  # the gradient changed: the clip measures it again
     clip = policy.cfg.optim.grad_clip
     if clip is not None and u.dp is not None and u.dp.sharded:
         from masrl.training.fsdp import clip_sharded_
 
         clip_sharded_(params, clip)
+    elif clip is not None and isinstance(norm_t, torch.Tensor):  # the norm measured above: one pass, not two
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], clip, norm_t)
     elif clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
     policy.optimizer.step()
