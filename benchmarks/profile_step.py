@@ -22,6 +22,8 @@ built here, outside masrl):
                  budget filled in arrival order, with the padding overhead of each;
 * ``decode``   : the masrl engine's time per decode step vs the model forward alone (sampling and
                  bookkeeping overhead per step), tiny model; bare forwards under inference_mode vs no_grad;
+* ``sampler``  : (round 4) ``torch.multinomial`` vs the engine's inverse-CDF draw over SmolLM2's vocabulary;
+* ``decode_attention``: (round 4) the engine's decode steps with ``sdpa`` vs ``masrl.models.decode_attention``;
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
                  slow (~40 s of compilation), only with ``--levers compile``.
 
@@ -29,6 +31,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py --section levers    # prefill, adamw, bf16, kvcache, decode on SmolLM2/tiny
     python benchmarks/profile_step.py --section levers --levers compile
     python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
+    python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # round 4
 """
 from __future__ import annotations
 
@@ -101,16 +104,17 @@ def profile_quickstart(a) -> dict:
 
 # ----------------------------------------------------------------------------- levers
 
-def ab(variants: dict, reps: int) -> dict:
-    """Time every variant alternately ``reps`` times (after one untimed call each)."""
+def ab(variants: dict, reps: int, clock=time.perf_counter) -> dict:
+    """Time every variant alternately ``reps`` times (after one untimed call each); ``clock``: wall time, or
+    ``time.process_time`` (process CPU, less inflated by other jobs on a shared machine)."""
     for fn in variants.values():
         fn()
     times = {k: [] for k in variants}
     for _ in range(reps):
         for k, fn in variants.items():
-            t = time.perf_counter()
+            t = clock()
             fn()
-            times[k].append(time.perf_counter() - t)
+            times[k].append(clock() - t)
     base = next(iter(variants))
     return {k: {"median_s": statistics.median(v), "min_s": min(v), "times": v,
                 "ratio_to_first": statistics.median(v) / statistics.median(times[base])} for k, v in times.items()}
@@ -363,6 +367,89 @@ def lever_decode(a):
     return {"what": f"tiny model, {rows} rows, {len(prompt)} prompt tokens, {new} decode steps", "results": res}
 
 
+def lever_sampler(a):
+    """Drawing the next token over SmolLM2's 49,152-token vocabulary: ``torch.multinomial`` (one exponential
+    per vocabulary entry) vs the engine's inverse-CDF draw (float64 cumulative sum + one uniform per row), in
+    ``_sample`` alone (random logits, 8-64 rows) and in whole SmolLM2 engine calls; process CPU time."""
+    import torch
+
+    from masrl.rollout import engine as engine_module
+    from masrl.rollout.engine import GenRequest, TransformersEngine, _sample, _SamplePlan
+
+    threshold = engine_module.INVERSE_CDF_MIN_VOCAB
+
+    def with_sampler(inverse_cdf: bool, fn):
+        def f():
+            engine_module.INVERSE_CDF_MIN_VOCAB = threshold if inverse_cdf else 10**9
+            try:
+                fn()
+            finally:
+                engine_module.INVERSE_CDF_MIN_VOCAB = threshold
+        return f
+
+    results = {}
+    g = torch.Generator().manual_seed(0)
+    for rows in (8, 16, 32, 64):
+        logits = torch.randn(rows, 49152, generator=g) * 3
+        ones = torch.ones(rows)
+        plan = _SamplePlan(ones, ones)
+
+        def draw(n=20):
+            for _ in range(n):
+                _sample(logits, ones, ones, g, plan=plan)
+        res = ab({"multinomial": with_sampler(False, draw), "inverse CDF": with_sampler(True, draw)}, a.reps,
+                 clock=time.process_time)
+        for k, v in res.items():
+            v["ms_per_step"] = 1000 * v["median_s"] / 20
+            results[f"_sample, {rows} rows: {k}"] = v
+    model = load_smollm2()
+    reqs = [GenRequest(torch.randint(10, 40000, (a.prompt_len - 10 * (i % 2),), generator=g).tolist(), 1.0, 1.0,
+                       a.response_len) for i in range(a.rows)]
+    engine = TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast="auto")
+    res = ab({"multinomial": with_sampler(False, lambda: engine.generate(reqs)),
+              "inverse CDF": with_sampler(True, lambda: engine.generate(reqs))}, a.reps, clock=time.process_time)
+    for k, v in res.items():
+        v["ms_per_step"] = 1000 * v["median_s"] / a.response_len
+        results[f"SmolLM2 engine call ({a.rows} rows, autocast auto): {k}"] = v
+    return {"what": "sampling over 49,152 tokens (process CPU; ms per decode step in the last column)",
+            "results": results}
+
+
+def lever_decode_attention(a):
+    """The engine's decode steps with transformers' sdpa vs masrl.models.decode_attention (float32 SDPA on the
+    grouped view), SmolLM2 (GQA 9/3) and the tiny model (MHA), float32 and bf16 autocast, prompts of equal
+    length (no mask: transformers' enable_gqa path) and mixed lengths (padding mask); process CPU time."""
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    g = torch.Generator().manual_seed(0)
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "intermediate_size": 384}, seed=0).eval()
+    workloads = [("tiny, 64 rows, mixed lengths", tiny, 64, (18, 24), 40, 100)]
+    if not a.no_smollm2:
+        big = load_smollm2()
+        workloads += [(f"SmolLM2, {a.rows} rows, {name}", big, a.rows, lengths, a.response_len, 40000)
+                      for name, lengths in (("equal lengths", (a.prompt_len,)),
+                                            ("mixed lengths", (a.prompt_len, a.prompt_len - 20)))]
+    results = {}
+    for name, model, rows, lengths, new, vocab in workloads:
+        reqs = [GenRequest(torch.randint(10, vocab, (lengths[i % len(lengths)],), generator=g).tolist(), 1.0, 1.0, new)
+                for i in range(rows)]
+        for precision in (None, "bfloat16"):
+            engines = {fast: TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast=precision,
+                                                decode_attention=fast) for fast in (False, True)}
+            res = ab({"sdpa": lambda: engines[False].generate(reqs),
+                      "decode attention": lambda: engines[True].generate(reqs)}, a.reps, clock=time.process_time)
+            for k, v in res.items():
+                v["ms_per_step"] = 1000 * v["median_s"] / new
+                results[f"{name}, {precision or 'float32'}: {k}"] = v
+    return {"what": "engine calls, sdpa vs decode attention (process CPU; ms per decode step, prefill included)",
+            "results": results}
+
+
 def lever_prealloc(a):
     """Decode with the engine's preallocated KV cache (written in place) vs transformers' growing cache
     (``torch.cat`` per layer per step); tiny model, 128 rows, short and long generations. Same outputs."""
@@ -535,6 +622,10 @@ def run_levers(a) -> dict:
             out[name] = lever_prealloc(a)
         elif name == "entropy":
             out[name] = lever_entropy(a)
+        elif name == "sampler":
+            out[name] = lever_sampler(a)
+        elif name == "decode_attention":
+            out[name] = lever_decode_attention(a)
         elif name == "prefix":
             out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
@@ -542,7 +633,8 @@ def run_levers(a) -> dict:
                          "rollout_bf16": lever_rollout_bf16,
                          "kvcache": lever_kvcache, "logits": lever_logits}[name](a, big)
         print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
-        extra = {"decode": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
+        extra = {"decode": ("ms_per_step", "ms / decode step"), "sampler": ("ms_per_step", "ms / decode step"),
+                 "decode_attention": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
                  "prefix": ("prefill_tokens_per_call", "prefill tokens / call")}
         rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
                 ([fmt(v[extra[name][0]])] if name in extra else [])
@@ -560,8 +652,8 @@ def main(argv=None) -> None:
     ap.add_argument("--levers", nargs="+",
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
-                             "prealloc", "rollout_bf16", "entropy", "prefix"])
-    ap.add_argument("--no-smollm2", action="store_true", help="prefix lever: tiny workloads only")
+                             "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention"])
+    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention levers: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

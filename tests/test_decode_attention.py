@@ -1,0 +1,128 @@
+"""The engine's attention for 1-token decode queries (masrl.models.decode_attention) computes sdpa's result.
+
+Tiny Llama models built from config (multi-head, GQA, SmolLM2-shaped GQA 9/3): under bf16 autocast (or with
+bf16 inputs) the function equals float32 ``sdpa`` on random inputs (masks: none, padding, additive) and is
+closer to it than bf16 ``sdpa``; in float32 it is ``sdpa`` itself (bitwise). The engine decodes the same
+greedy tokens with it as without, log-probs bitwise in float32 and within 0.02 under bf16 autocast; it is
+really used for the decode steps, prompts still go to ``sdpa``, and the model is ``sdpa`` again after.
+"""
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from masrl.models.decode_attention import NAME, decode_attention, decode_attention_forward
+from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+from masrl.rollout.engine import GenRequest, TransformersEngine
+
+CONFIGS = {
+    "mha": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "intermediate_size": 64, "max_position_embeddings": 128},
+    "gqa": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "max_position_embeddings": 128},
+    "smollm2_shaped": {"hidden_size": 144, "num_hidden_layers": 3, "num_attention_heads": 9, "num_key_value_heads": 3,
+                       "intermediate_size": 96, "max_position_embeddings": 256, "tie_word_embeddings": True},
+}
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "additive"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_function_equals_sdpa_for_one_token_queries(mask_kind, heads, kv_heads):
+    g = torch.Generator().manual_seed(0)
+    batch, length, dim = 5, 23, 16
+    q = torch.randn(batch, heads, 1, dim, generator=g)
+    k_buf, v_buf = (torch.randn(batch, kv_heads, length + 9, dim, generator=g) for _ in range(2))
+    k, v = k_buf[:, :, :length], v_buf[:, :, :length]  # strided views, as the preallocated cache hands them
+    mask = None
+    if mask_kind != "none":
+        mask = torch.ones(batch, 1, 1, length, dtype=torch.bool)
+        mask[1, ..., :7] = False
+        mask[3, ..., :2] = False
+        if mask_kind == "additive":
+            mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    module = _Attn(heads // kv_heads)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    got, weights = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    assert weights is None and torch.equal(got, expected)  # float32 without autocast: sdpa itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's default on a bf16 CPU
+        fast, _ = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+        slow, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    assert fast.dtype == torch.float32 and fast.shape == expected.shape == (batch, 1, heads, dim)
+    torch.testing.assert_close(fast, expected, atol=2e-6, rtol=0)
+    assert (slow.float() - expected).abs().max() > 1e-4  # what bf16 sdpa loses
+    low = [t.bfloat16() for t in (q, k, v)]  # a model in bfloat16 (no autocast)
+    out, _ = decode_attention_forward(module, *low, mask, scaling=dim ** -0.5)
+    reference, _ = sdpa_attention_forward(module, *(t.float() for t in low), mask, scaling=dim ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.bfloat16().float(), atol=0, rtol=0.008)
+
+
+def test_prompts_and_other_devices_go_to_sdpa_unchanged():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
+    module = _Attn(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+        got, _ = decode_attention_forward(module, q, k, v, None, scaling=0.3)
+    assert torch.equal(got, expected)  # bitwise: the same call
+
+
+def _requests(tok, equal_lengths: bool) -> list[GenRequest]:
+    questions = ["Q 12+13-4\nS ", "Q 29-3+11\nS "] if equal_lengths else ["Q 1+2\nS ", "Q 12+13-4\nS ", "Q 7\nS "]
+    ids = [tok(q, add_special_tokens=False)["input_ids"] for q in questions]
+    return [GenRequest(ids[i % len(ids)], temperature=0.0, top_p=1.0, max_new_tokens=[24, 9, 17][i % 3])
+            for i in range(9)]
+
+
+def _generate(model, tok, requests, *, fast: bool, autocast=None, seen=None):
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, seed=3,
+                                decode_attention=fast, autocast=autocast)
+    hook = None
+    if seen is not None:  # the attention implementation each forward ran with, by query length
+        hook = model.model.layers[0].self_attn.register_forward_pre_hook(
+            lambda mod, args, kw: seen.add((kw["hidden_states"].shape[1] == 1, mod.config._attn_implementation)),
+            with_kwargs=True)
+    try:
+        return engine.generate(requests)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("equal_lengths", [False, True])  # padding mask / no mask (transformers' enable_gqa path)
+def test_engine_greedy_tokens_identical_and_logprobs_close(name, equal_lengths):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, CONFIGS[name], seed=0).eval()
+    requests = _requests(tok, equal_lengths)
+    seen = set()
+    fast = _generate(model, tok, requests, fast=True, autocast="bfloat16", seen=seen)
+    slow = _generate(model, tok, requests, fast=False, autocast="bfloat16")
+    assert seen == {(False, NAME), (True, NAME)}  # prompts (falling back to sdpa) and decode steps
+    assert model.config._attn_implementation == "sdpa"
+    assert [r.response_ids for r in fast] == [r.response_ids for r in slow]
+    assert sum(len(r.response_ids) for r in fast) > 40
+    for a, b in zip(fast, slow):  # measured max 0.0039 (sdpa rounds its inputs to bf16)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.02, rtol=0)
+    assert fast != slow  # the attention really changed
+    # float32: the same sdpa calls, bitwise the same results
+    assert _generate(model, tok, requests, fast=True) == _generate(model, tok, requests, fast=False)
+
+
+def test_only_cpu_sdpa_models_switch_and_the_switch_is_undone():
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, CONFIGS["gqa"], seed=0)
+    with decode_attention(model) as switched:
+        assert switched and model.config._attn_implementation == NAME
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), decode_attention(model):
+        raise RuntimeError("a failing decode")
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    with decode_attention(model) as switched:
+        assert not switched and model.config._attn_implementation == "eager"
