@@ -172,8 +172,8 @@ def _norm(tensors: Sequence[torch.Tensor]) -> float:
 def _total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all ``tensors`` as ``clip_grad_norm_`` computes it (foreach kernels; float32 and wider
     as they are, narrower dtypes upcast first), so that a clip with this norm equals ``clip_grad_norm_``."""
-    if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
-        return torch.nn.utils.get_total_norm(tensors, 2.0)
+    if all(t.dtype in (torch.float32, torch.float64) and type(t).__name__ != "DTensor" for t in tensors):
+        return torch.nn.utils.get_total_norm(tensors, 2.0)  # (foreach kernels need one tensor type)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensors]))
 
 
@@ -400,9 +400,9 @@ def _routed_backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, t
 def _step_norm(params: Sequence[torch.nn.Parameter]) -> torch.Tensor | float:
     """The step's gradient norm: a tensor where ``clip_grads_with_norm_`` can reuse it, else a float (shards)."""
     grads = [p.grad for p in params if p.grad is not None]  # the gradients clip_grad_norm_ would measure
-    if grads and type(grads[0]).__name__ != "DTensor":
-        return _total_norm(grads)
-    return _norm(_grad_list(params))
+    if any(type(g).__name__ == "DTensor" for g in grads):  # fsdp shards (possibly beside plain tensors)
+        return _norm(_grad_list(params))
+    return _total_norm(grads) if grads else 0.0
 
 
 def _optimizer_step(u: _UpdateRun, finite: bool, agent_norms: dict[str, float]) -> None:
