@@ -36,6 +36,20 @@ def tiny_config_dict(tmp_path, **over):
     return cfg
 
 
+# A 2-layer tiny Llama for engine tests (max 256 positions)
+SMALL_TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "intermediate_size": 64, "max_position_embeddings": 256}
+
+
+@pytest.fixture()
+def tiny():
+    """``(model, tokenizer)``: a fresh :data:`SMALL_TINY` model in eval mode (seed 0) and the char tokenizer."""
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    return build_tiny_model(tok, SMALL_TINY, seed=0).eval(), tok
+
+
 @pytest.fixture
 def tiny_cfg(tmp_path):
     return lambda **over: tiny_config_dict(tmp_path, **over)

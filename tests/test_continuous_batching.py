@@ -11,21 +11,12 @@ import asyncio
 import pytest
 import torch
 
-from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, TransformersEngine
 from masrl.rollout.scheduler import RolloutScheduler
 
-SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-         "intermediate_size": 64, "max_position_embeddings": 256}
 TOL = 1e-5
 QUESTIONS = ["Q 12+13-4, then add the first number\nS ", "Q 7*3\nS ", "Q 5\nS ",
              "Q a much longer question about 17 and 4, and then some more words\nS "]
-
-
-@pytest.fixture()
-def tiny():
-    tok = build_char_tokenizer()
-    return build_tiny_model(tok, SMALL, seed=0).eval(), tok
 
 
 def _enc(tok, text):

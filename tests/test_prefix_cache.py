@@ -9,19 +9,10 @@ shape), while the counters show how many prompt tokens were not run through the 
 import pytest
 import torch
 
-from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, PrefixCache, TransformersEngine
 from masrl.rollout.scheduler import RolloutScheduler
 
-SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-         "intermediate_size": 64, "max_position_embeddings": 256}
 TOL = 1e-5  # log-prob difference allowed between reused and recomputed keys/values (observed: <= 5e-7)
-
-
-@pytest.fixture()
-def tiny():
-    tok = build_char_tokenizer()
-    return build_tiny_model(tok, SMALL, seed=0).eval(), tok
 
 
 def _enc(tok, text):

@@ -6,6 +6,9 @@ perplexity; plus a plot of each role's gradient share over RL steps (mean over s
 
 A cliff: the final held-out avg@n is >= CLIFF points below the run's peak over its evals (eval.every=10)."""
 import glob, json, math, os, statistics as st, sys
+from pathlib import Path
+
+from masrl.monitoring.logger import read_metrics
 CLIFF = 10.0
 root = sys.argv[1]
 
@@ -14,7 +17,7 @@ def pct(x):
 
 def run_row(d):
     rep = json.load(open(f"{d}/report.json"))
-    recs = [json.loads(l) for l in open(f"{d}/metrics.jsonl")]
+    recs = read_metrics(Path(d))
     evals = [pct(r.get("eval/test/avg@n")) for r in recs if r.get("phase") == "eval"]
     evals = [v for v in evals if v is not None]
     sft, final = pct(rep["eval"]["sft"]["avg@n"]), pct(rep["eval"]["final"]["avg@n"])
