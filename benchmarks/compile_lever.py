@@ -75,6 +75,7 @@ def static_decode(self, model, requests, compiled=True):
     from transformers.cache_utils import StaticCache
 
     from masrl.rollout.engine import DecodeState, run_decode
+    from masrl.rollout.kv_cache import with_cache
 
     device = next(model.parameters()).device
     batch = len(requests)
@@ -91,13 +92,13 @@ def static_decode(self, model, requests, compiled=True):
     positions = (full_mask[:, :width].cumsum(-1) - 1).clamp(min=0)
     cache = StaticCache(config=model.config, max_cache_len=width + state.max_new)
     out = model(input_ids=input_ids.to(device), attention_mask=full_mask, position_ids=positions, use_cache=True,
-                past_key_values=cache, logits_to_keep=1, cache_position=torch.arange(width, device=device))
+                **with_cache(cache), logits_to_keep=1, cache_position=torch.arange(width, device=device))
     step_fn = compiled_module(model) if compiled else model
     next_pos = [positions[:, -1] + 1]
 
     def forward(step, logits):
         out = step_fn(input_ids=state.feed().to(device)[:, None], attention_mask=full_mask,
-                      position_ids=next_pos[0][:, None], past_key_values=cache, use_cache=True,
+                      position_ids=next_pos[0][:, None], **with_cache(cache), use_cache=True,
                       cache_position=torch.tensor([width + step], device=device))
         next_pos[0] = next_pos[0] + 1
         return out.logits[:, -1, :]

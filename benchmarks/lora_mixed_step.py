@@ -32,6 +32,7 @@ import torch
 
 from masrl.models.lora import adapter_names, attach_adapters, mixed_adapters, set_all_trainable
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+from masrl.rollout.kv_cache import output_cache, with_cache
 
 SIZES = {
     "tiny": {},
@@ -114,7 +115,7 @@ def decode(model, ids, owner, steps, how: str):
             out = model(input_ids=ids[rows], use_cache=True, **extra)
             for _ in range(steps):
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
-                out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True, **extra)
+                out = model(input_ids=tok, use_cache=True, **with_cache(output_cache(out)), **extra)
 
 
 def timed(fns: dict, reps: int) -> dict[str, tuple[float, float]]:

@@ -329,6 +329,7 @@ def lever_decode(a):
 
     from masrl.models.tiny import build_char_tokenizer, build_tiny_model
     from masrl.rollout.engine import GenRequest, TransformersEngine
+    from masrl.rollout.kv_cache import output_cache, with_cache
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, {}, seed=0).eval()
@@ -341,18 +342,18 @@ def lever_decode(a):
     def bare():
         with torch.inference_mode():
             out = model(input_ids=x, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            cache, nxt = output_cache(out), out.logits[:, -1].argmax(-1)
             for _ in range(new - 1):
-                out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+                out = model(input_ids=nxt[:, None], use_cache=True, **with_cache(cache))
+                cache, nxt = output_cache(out), out.logits[:, -1].argmax(-1)
 
     def bare_no_grad():
         with torch.no_grad():
             out = model(input_ids=x, use_cache=True)
-            cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+            cache, nxt = output_cache(out), out.logits[:, -1].argmax(-1)
             for _ in range(new - 1):
-                out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-                cache, nxt = out.past_key_values, out.logits[:, -1].argmax(-1)
+                out = model(input_ids=nxt[:, None], use_cache=True, **with_cache(cache))
+                cache, nxt = output_cache(out), out.logits[:, -1].argmax(-1)
 
     def hf_generate():
         model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_p=1.0, top_k=0,

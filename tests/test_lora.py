@@ -12,6 +12,7 @@ from masrl.models.lora import (BASE, adapter_names, adapter_parameters, adapter_
                                base_only, load_adapter_state_dict, mixed_adapters, route_rows, set_all_trainable)
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, TransformersEngine
+from masrl.rollout.kv_cache import output_cache, with_cache
 
 torch.set_num_threads(1)
 
@@ -112,7 +113,7 @@ def test_mixed_decoding_with_kv_cache_equals_per_adapter_decoding(tok):
                 attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
                 pos = pos + 1
                 out = model(input_ids=feed[:, t:t + 1], attention_mask=attn, position_ids=pos,
-                            past_key_values=out.past_key_values, use_cache=True)
+                            use_cache=True, **with_cache(output_cache(out)))
                 steps.append(out.logits[:, -1])
         return torch.stack(steps, 1)
 

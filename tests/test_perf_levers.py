@@ -13,6 +13,7 @@ from masrl.algorithms.losses import entropy_from_logits, entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, GenResult, TransformersEngine, _sample
+from masrl.rollout.kv_cache import output_cache, with_cache
 from masrl.training.policy import build_policy
 from masrl.training.update import Row, autocast, pack_rows, response_logits, token_logprobs, update_policy
 
@@ -40,7 +41,7 @@ def _reference_decode(engine: TransformersEngine, model, requests) -> list[GenRe
     with torch.inference_mode():
         out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        cache, logits = output_cache(out), out.logits[:, -1, :]
         next_pos = positions[:, -1] + 1
         tokens_out = torch.full((batch, max_new), engine.pad_token_id, dtype=torch.long)
         logps_out = torch.zeros((batch, max_new), dtype=torch.float32)
@@ -61,8 +62,8 @@ def _reference_decode(engine: TransformersEngine, model, requests) -> list[GenRe
             feed = torch.where(done, torch.full_like(tok, engine.pad_token_id), tok)
             attention = full_mask[:, :width + step + 1]
             out = model(input_ids=feed[:, None], attention_mask=attention, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :]
+                        use_cache=True, **with_cache(cache))
+            cache, logits = output_cache(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
     return [GenResult(tokens_out[i, :int(n_emitted[i])].tolist(), logps_out[i, :int(n_emitted[i])].tolist(),
                       truncated=not bool(stopped[i])) for i in range(batch)]

@@ -22,7 +22,7 @@ import torch
 from masrl.models.decode_attention import decode_attention as cpu_decode_attention
 from masrl.models.precision import resolve_autocast
 from masrl.rollout.base import Engine, GenRequest, GenResult
-from masrl.rollout.kv_cache import preallocated_cache
+from masrl.rollout.kv_cache import output_cache, preallocated_cache, with_cache
 from masrl.rollout.prefix_cache import PrefixCache, StoredBatch
 
 __all__ = ["DecodeState", "Engine", "GenRequest", "GenResult", "PrefixCache", "TransformersEngine", "run_decode"]
@@ -237,8 +237,8 @@ class _LiveRows:
         """One decode step on the rows in the batch; returns every row's next logits."""
         feed = (feed if self.live is None else feed.index_select(0, self.live)).to(self.device)
         out = model(input_ids=feed[:, None], attention_mask=self.mask[:, :mask_len],
-                    position_ids=self.pos[:, None], past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                    position_ids=self.pos[:, None], use_cache=True, **with_cache(self.cache))
+        self.cache = output_cache(out)
         logits = out.logits[:, -1, :] if self.live is None else logits.index_copy(0, self.live_dev, out.logits[:, -1, :])
         self.pos = self.pos + 1
         return logits
@@ -511,8 +511,8 @@ class TransformersEngine(Engine):
         if len(bounds) == 1:
             with self._routing(model, [a for a, _ in uniq]):  # the prompt's last position only: no prefill logits
                 out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
-                            use_cache=True, past_key_values=cache, logits_to_keep=1)
-            return out.past_key_values, out.logits[:, -1, :]
+                            use_cache=True, logits_to_keep=1, **with_cache(cache))
+            return output_cache(out), out.logits[:, -1, :]
         logits = {}
         for start, end in sorted(bounds, key=lambda b: -suffix[b[1] - 1]):  # the longest first: it allocates
             span = suffix[end - 1]
@@ -520,8 +520,8 @@ class TransformersEngine(Engine):
                 layer.focus(slice(start, end), width - span, n_rows)
             with self._routing(model, [a for a, _ in uniq[start:end]]):
                 out = model(input_ids=input_ids[start:end, -span:], attention_mask=attention[start:end],
-                            position_ids=positions[start:end, -span:], use_cache=True, past_key_values=cache,
-                            logits_to_keep=1)
+                            position_ids=positions[start:end, -span:], use_cache=True, logits_to_keep=1,
+                            **with_cache(cache))
             logits[start] = out.logits[:, -1, :]
         for layer in cache.layers:
             layer.focus(slice(None), width, n_rows)

@@ -1,7 +1,32 @@
 """The preallocated KV cache of the in-process engine: keys/values written in place, not grown by ``torch.cat``."""
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.lru_cache(maxsize=1)
+def cache_keyword() -> str:
+    """The keyword transformers' causal LMs take the KV cache by (and the output field that returns it).
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old keyword warns and goes in 5.40);
+    earlier 5.x releases only know ``past_key_values``. The output dataclass carries the same name."""
+    import dataclasses
+
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+
+
+def with_cache(cache) -> dict:
+    """``model(..., **with_cache(cache))``: pass a KV cache under this transformers' keyword."""
+    return {cache_keyword(): cache}
+
+
+def output_cache(out):
+    """The KV cache a causal LM's forward returned."""
+    return getattr(out, cache_keyword())
 
 
 class _PreallocatedLayer:
