@@ -1,5 +1,6 @@
 """`masrl eval` on a trained tiny checkpoint writes the console table, eval.json, eval.md and samples."""
 import json
+import re
 
 import yaml
 
@@ -50,3 +51,19 @@ def test_periodic_eval_covers_extra_benches(tiny_cfg, tmp_path):
     evals = [r for r in records if r["phase"] == "eval"]
     assert [r["step"] for r in evals] == [0, 1, 2]
     assert all("eval/gsm8k/pass@2" in r and "eval/test/avg@n" in r for r in evals)
+
+
+def test_eval_shows_progress_and_accuracy_so_far(tmp_path, tiny_cfg, capsys):
+    """A long evaluation prints progress lines (not a terminal: one line per 5%, at most one a second, and the
+    last); the last line's correct count is the evaluation's own avg@n x episodes."""
+    data = tiny_cfg(**{"logging.progress": True})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "eval"
+    assert main(["eval", str(cfg_path), "--n", "3", "--k", "1", "--limit", "5", "--out", str(out)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval test ")]
+    assert lines, "no progress line"
+    last = re.fullmatch(r"\[eval test 15/15 eta +0s\] correct (\d+)/15", lines[-1])
+    assert last, lines[-1]
+    avg = json.loads((out / "eval.json").read_text())["results"]["test"]["avg@n"]
+    assert int(last.group(1)) == round(avg * 15)

@@ -100,7 +100,8 @@ def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
             raise ConfigError(f"--bench {bench}: no tasks loaded" + (f" ({len(skipped)} skipped: {skipped[0]})"
                                                                      if skipped else ""))
         rep, groups = repeat_tasks(tasks, n)
-        episodes = trainer.rollout(rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed, score=score)
+        episodes = trainer.eval_rollout(bench, rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed,
+                                        score=score, show=cfg.logging.progress)
         summary = summarize_episodes(episodes, ks, bench=bench)
         summary["skipped_over_context"] = len(skipped)
         tokens = {}

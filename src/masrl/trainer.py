@@ -85,14 +85,30 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
     def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
-                score=None) -> list[Episode]:
+                score=None, on_episode=None) -> list[Episode]:
         for i, policy in enumerate(self.policies.values()):
             policy.engine.reseed(seed + i)
         call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
         return run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
                             score=score or self.source.score, prompts=self.cfg.workflow.prompts,
                             params=self.params,
-                            format_penalty=self.cfg.algorithm.format_penalty)
+                            format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode)
+
+    def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
+                     show: bool | None = None) -> list[Episode]:
+        """:meth:`rollout` of an evaluation, with a progress line (episodes done, accuracy so far, ETA)."""
+        progress = _Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks))
+        correct = [0]
+
+        def on_episode(episode: Episode) -> None:
+            correct[0] += bool(episode.correct)
+            progress.advance(f"correct {correct[0]}/{progress.done + 1}")
+
+        try:
+            return self.rollout(tasks, group_ids, temperature=temperature, seed=seed, score=score,
+                                on_episode=on_episode)
+        finally:
+            progress.close()
 
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
         """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
@@ -158,8 +174,8 @@ class Trainer:
         for bench in ["test", *ecfg.benches]:
             tasks, score = load_bench_tasks(bench, self.source, self.cfg.task, ecfg.limit, False)
             rep, groups = repeat_tasks(tasks, ecfg.n)
-            episodes = self.rollout(rep, groups, temperature=ecfg.temperature,
-                                    seed=_step_seed(self.cfg.seed, 0, 99), score=score)
+            episodes = self.eval_rollout(bench, rep, groups, temperature=ecfg.temperature,
+                                         seed=_step_seed(self.cfg.seed, 0, 99), score=score)
             summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n], bench=bench)
             if bench == "test":
                 self.history[label] = summary
@@ -359,11 +375,12 @@ def _progress_text(m: dict, agents) -> str:
 
 
 class _Progress:
-    """A rich progress bar with ETA when interactive; one line per update otherwise."""
+    """A rich progress bar with ETA when interactive; otherwise a line every 5% of the total (at most one a second)."""
 
     def __init__(self, enabled: bool, label: str, total: int, completed: int = 0):
         self.enabled, self.label, self.total, self.done = enabled, label, total, completed
         self.start = time.perf_counter()
+        self._printed = -float("inf")
         self._bar = None
         if enabled:
             from rich.console import Console
@@ -384,8 +401,11 @@ class _Progress:
             self._bar.update(self._task, advance=1, description=text)
             return
         every = max(1, self.total // 20)
-        if self.done % every == 0 or self.done == self.total:
-            elapsed = time.perf_counter() - self.start
+        now = time.perf_counter()
+        # episodes of an evaluation finish in bursts (one per workflow round): at most one line a second
+        if (self.done % every == 0 and now - self._printed >= 1.0) or self.done == self.total:
+            self._printed = now
+            elapsed = now - self.start
             eta = elapsed / max(self.done, 1) * (self.total - self.done)
             print(f"[{self.label} {self.done}/{self.total} eta {eta:5.0f}s] {text}", flush=True)
 

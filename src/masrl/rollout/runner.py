@@ -1,7 +1,7 @@
 """Run a workflow over many tasks concurrently; agent calls go through the rollout scheduler."""
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from masrl.config import AgentConfig
 from masrl.errors import ConfigError
@@ -91,14 +91,19 @@ def check_continuation(policies: Mapping, agent: str, policy: str, prompt: Conti
 
 def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,
                  scheduler: RolloutScheduler, score: ScoreFn, prompts: Mapping[str, str],
-                 params: Mapping, format_penalty: float) -> list[Episode]:
-    """One episode per task (tasks repeat G times for a group); results in input order."""
+                 params: Mapping, format_penalty: float,
+                 on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """One episode per task (tasks repeat G times for a group); results in input order.
+
+    ``on_episode``: called with each episode as it finishes (progress of a long evaluation)."""
 
     async def one(index: int, task: Task) -> Episode:
         team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty)
         episode = await spec.fn(task, team)
         episode.group_id = group_ids[index]
         episode.episode_id = index
+        if on_episode is not None:
+            on_episode(episode)
         return episode
 
     return scheduler.run([one(i, t) for i, t in enumerate(tasks)])
