@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -225,3 +226,119 @@ def test_request_parser_accepts_or_refuses_with_4xx(body):
     assert all(isinstance(q, str) and len(q) <= LIMITS.max_query_chars for q in queries)
     assert len(queries) <= LIMITS.max_queries and 1 <= topk <= LIMITS.max_topk
     assert isinstance(return_scores, bool)
+
+
+# ------------------------------------------------------------------ hostile clients (raw sockets: what httpx won't send)
+
+def _raw(server, data: bytes, timeout: float = 10.0) -> tuple[int, dict]:
+    """Send raw bytes, read the reply until the server closes; (status, JSON body). Never half-closes."""
+    with socket.create_connection((server.host, server.port), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+        except ConnectionResetError:  # the server answered early and closed; the reply is still readable
+            pass
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _request(method: str, path: str, body: bytes = b"", headers: str = "") -> bytes:
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("content", [
+    b'{"queries": ["alpha"], "topk": 1' + b"0" * 5000 + b"}",  # an integer Python refuses to convert
+    b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nesting deeper than the JSON parser recurses
+    b'{"queries": ["alpha"], "topk": ' + b"-" * 10 + b"1}",
+    b"\xef\xbb\xbf\xff\xfe",
+], ids=["int_over_4300_digits", "nested_100k_deep", "dashes", "bom_then_garbage"])
+def test_every_malformed_json_is_a_400_not_a_500(server, content):
+    r = post(server, content=content)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"].startswith("malformed JSON")
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/retrieve", 405), ("PUT", "/retrieve", 405),
+                                                ("DELETE", "/health", 405), ("GET", "/nope", 404),
+                                                ("POST", "/retrieve/../etc/passwd", 404)])
+def test_wrong_method_or_path_is_a_json_error_naming_the_api(server, method, path, status):
+    code, body = _raw(server, _request(method, path))
+    assert code == status
+    assert set(body) == {"error"} and "POST /retrieve" in body["error"] and method in body["error"]
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    limits = ServerLimits(max_body_bytes=1000, body_timeout_s=1.0)
+    with BackgroundServer(BM25Retriever(PASSAGES), limits) as srv:
+        wait_until_answers(srv.url)
+        yield srv
+
+
+def _chunked(payload: bytes, chunk: int = 400) -> bytes:
+    parts = [b"%x\r\n%s\r\n" % (len(payload[i:i + chunk]), payload[i:i + chunk]) for i in range(0, len(payload), chunk)]
+    return (b"POST /retrieve HTTP/1.1\r\nHost: x\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(parts) + b"0\r\n\r\n")
+
+
+@pytest.mark.parametrize("how", ["declared", "chunked", "declared_then_nothing"])
+def test_body_over_the_limit_is_refused_before_it_is_held(small_server, how):
+    big = json.dumps({"queries": ["x" * 5000]}).encode()
+    if how == "declared":
+        data = _request("POST", "/retrieve", big)
+    elif how == "chunked":
+        data = _chunked(big)
+    else:  # a Content-Length of 1 GB and one byte: answered at once, not after waiting for the rest
+        data = b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n{"
+    start = time.monotonic()
+    code, body = _raw(small_server, data, timeout=5)
+    assert code == 413 and "exceeds 1000" in body["error"]
+    assert time.monotonic() - start < 0.9  # before the body timeout: refused, not timed out
+    assert post(small_server, {"queries": ["Topic alpha"], "topk": 1}).json()["result"][0][0]["id"] == "0"
+
+
+def test_chunked_body_under_the_limit_is_served(small_server):
+    code, body = _raw(small_server, _chunked(json.dumps({"queries": ["Topic golf"], "topk": 1}).encode(), chunk=7))
+    assert code == 200 and body["result"][0][0]["id"] == "6"
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_slow_clients_time_out_and_do_not_block_others(small_server):
+    logged = _Records()
+    logging.getLogger("uvicorn.error").addHandler(logged)  # where uvicorn logs an application's exception
+    slow = [socket.create_connection((small_server.host, small_server.port)) for _ in range(20)]
+    try:
+        for s in slow:  # headers promise 100 bytes; one arrives
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        start = time.monotonic()
+        assert post(small_server, {"queries": ["Topic hotel"], "topk": 1}).json()["result"][0][0]["id"] == "7"
+        assert time.monotonic() - start < 0.9  # served while the 20 slow bodies are pending
+        slow[0].settimeout(10)
+        reply = slow[0].recv(65536)
+        assert b" 408 " in reply.split(b"\r\n")[0] and b"did not arrive within 1 s" in reply
+    finally:
+        for s in slow[1:]:  # these hang up mid-body: dropped without a logged traceback
+            s.close()
+        slow[0].close()
+    time.sleep(0.3)
+    assert post(small_server, {"queries": ["Topic alpha"], "topk": 1}).status_code == 200
+    logging.getLogger("uvicorn.error").removeHandler(logged)
+    assert not [r for r in logged.records if r.exc_info], [r.getMessage() for r in logged.records]
+
+
+@pytest.mark.parametrize("field,value", [("max_topk", 0), ("max_queries", -1), ("max_body_bytes", 1.5),
+                                         ("body_timeout_s", float("nan")), ("max_connections", True)])
+def test_server_limits_refuse_nonsense(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerLimits(**{field: value})

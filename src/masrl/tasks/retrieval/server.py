@@ -7,12 +7,18 @@
 ``retrieval_server.py``. ``GET /health`` answers ``{"status": "ok", ...}``.
 
 Limits: ``topk`` above ``max_topk`` is capped; queries longer than ``max_query_chars`` are
-truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes``, is refused
-with 413. Malformed JSON is a 400, missing or mistyped fields a 422; errors are
-``{"error": message}``.
+truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes`` (refused from its
+``Content-Length`` before it is read, or as soon as a chunked body passes the limit), is refused
+with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408; at most
+``max_connections`` connections are served at once (uvicorn answers 503 beyond). Malformed JSON
+(not JSON, not UTF-8, nested too deep, a number too long to convert) is a 400, missing or mistyped
+fields a 422, a wrong path or method a 404 / 405, a failure of the retriever a 500. Every error
+body is ``{"error": message}``; a client that disconnects mid-request is dropped without a log
+traceback.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -24,6 +30,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from masrl.tasks.retrieval.base import Retriever
 
@@ -37,6 +45,20 @@ class ServerLimits:
     max_queries: int = 512
     max_query_chars: int = 2000
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    max_connections: int = 256
+
+    def __post_init__(self):
+        for name in ("default_topk", "max_topk", "max_queries", "max_query_chars", "max_body_bytes",
+                     "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= 1, got {value!r}")
+        if not 0 < self.body_timeout_s < float("inf"):
+            raise ValueError(f"ServerLimits.body_timeout_s must be a finite number > 0, got {self.body_timeout_s!r}")
+
+
+ROUTES = "the API is POST /retrieve and GET /health"
 
 
 class _BadRequest(Exception):
@@ -51,7 +73,9 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
         raise _BadRequest(413, f"request body of {len(body)} bytes exceeds {limits.max_body_bytes}")
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise _BadRequest(400, "malformed JSON: nested too deep") from None
+    except ValueError as e:  # not JSON, not UTF-8, an integer of more than 4300 digits
         raise _BadRequest(400, f"malformed JSON: {e}") from None
     if not isinstance(data, dict):
         raise _BadRequest(422, 'the body must be a JSON object {"queries": [...], "topk": k, "return_scores": bool}')
@@ -76,6 +100,29 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
     return queries, min(topk, limits.max_topk), return_scores
 
 
+async def read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The request body, read without ever holding more than ``max_body_bytes`` of it: a ``Content-Length``
+    over the limit is refused before reading (413), a chunked body as soon as it passes the limit (413), a
+    body slower than ``body_timeout_s`` is a 408. Raises :class:`_BadRequest` (or ``ClientDisconnect``)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise _BadRequest(413, f"request body of {int(declared)} bytes exceeds {limits.max_body_bytes}")
+
+    async def collect() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise _BadRequest(413, f"request body exceeds {limits.max_body_bytes} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(collect(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise _BadRequest(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
+
+
 def create_app(retriever: Retriever, limits: ServerLimits | None = None):
     """The FastAPI application serving ``retriever``."""
     limits = limits or ServerLimits()
@@ -88,9 +135,23 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None):
                 "passages": len(retriever) if hasattr(retriever, "__len__") else None,
                 "max_topk": limits.max_topk, "max_queries": limits.max_queries}
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"error": f"{exc.detail}: {request.method} {request.url.path}; {ROUTES}"},
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):  # a bug or a failing retriever: Starlette logs it
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"[:500]}, status_code=500)
+
     @app.post("/retrieve")
     async def retrieve(request: Request):
-        body = await request.body()
+        try:
+            body = await read_body(request, limits)
+        except _BadRequest as e:  # the rest of the body is unread: close the connection after answering
+            return JSONResponse({"error": e.message}, status_code=e.status, headers={"Connection": "close"})
+        except ClientDisconnect:  # nobody to answer
+            return JSONResponse({"error": "client disconnected"}, status_code=400)
         try:
             queries, topk, return_scores = parse_retrieve_request(body, limits)
         except _BadRequest as e:
@@ -110,7 +171,9 @@ def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limit
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(retriever, limits), host=host, port=port, log_level=log_level)
+    limits = limits or ServerLimits()
+    uvicorn.run(create_app(retriever, limits), host=host, port=port, log_level=log_level,
+                limit_concurrency=limits.max_connections)
 
 
 class BackgroundServer:
@@ -128,7 +191,9 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(create_app(retriever, limits), log_level="warning", lifespan="off")
+        limits = limits or ServerLimits()
+        config = uvicorn.Config(create_app(retriever, limits), log_level="warning", lifespan="off",
+                                limit_concurrency=limits.max_connections)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._startup_timeout = startup_timeout
