@@ -595,6 +595,19 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+def _construct_int(loader: "_BoundedLoader", node) -> int:
+    """YAML's int constructor, with Python's limit on digits (``sys.get_int_max_str_digits``) as a refusal
+    that names the place instead of a ``ValueError`` from deep inside PyYAML."""
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        raise _YamlLimit(f"the number {str(node.value)[:20]}... has {len(str(node.value)):,} characters; "
+                         "Python converts at most 4,300 digits", node.start_mark) from None
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def _children(node) -> list:
     if isinstance(node, yaml.MappingNode):
         return [n for pair in node.value for n in pair]

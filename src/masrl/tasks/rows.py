@@ -126,6 +126,8 @@ def load_json(path: Path, error: type[Exception] = MalformedRowError) -> Any:
         raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise error(f"{path}: invalid JSON ({e})") from None
     except RecursionError:
         raise error(f"{path}: JSON nested too deeply") from None
     except (OSError, EOFError, zlib.error) as e:  # unreadable, a truncated or corrupt .gz
@@ -188,6 +190,8 @@ def _jsonl_records(path: Path, blank_lines_are_rows: bool) -> Iterator[tuple[Row
             yield pos, json.loads(text)
         except json.JSONDecodeError as e:
             yield pos, _Undecodable(f"invalid JSON ({e.msg} at column {e.colno})")
+        except ValueError as e:  # an integer of more than 4,300 digits
+            yield pos, _Undecodable(f"invalid JSON ({e})")
         except RecursionError:
             yield pos, _Undecodable("invalid JSON (nested too deeply)")
 

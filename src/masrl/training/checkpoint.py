@@ -171,7 +171,7 @@ def verify_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{path}: no {MANIFEST} (partial checkpoint)")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:  # a flipped byte may not even be UTF-8
+    except (OSError, ValueError, RecursionError) as e:  # not UTF-8, not JSON, a 5,000-digit number, too deep
         raise CheckpointError(f"{manifest_path}: unreadable manifest ({e})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or "trainer_state.json" not in files:
