@@ -403,3 +403,72 @@ def test_quick_sweep_on_a_local_ray_cluster(tmp_path, monkeypatch):
     assert json.loads((out / "task=ok" / "seed0" / "report.json").read_text())["steps"] == 2
     assert json.loads((out / "task=broken" / "seed0.json").read_text())["rc"] == 2  # unknown task: a runtime error
     assert "no_such_task" in (out / "task=broken" / "seed0.log").read_text()
+
+
+# ---------------------------------------------------------------------- hostile input (.ci/probe_cli.py)
+
+def _fails_with_one_line(argv, capsys, *needles) -> str:
+    code = cli_main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if ln.startswith("masrl:")]) == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+@pytest.mark.parametrize("axes", [
+    {"a" * 200: {"b" * 60: []}},  # one axis: name + label over 255 bytes
+    {f"axis{i}": {"x" * 40: []} for i in range(6)},  # six short axes that add up
+    {"a": {"x" * 254: []}},  # a=<254 characters>: 256 bytes
+], ids=["one_long_axis", "many_axes", "one_byte_over"])
+def test_cell_folder_name_over_the_file_system_limit_is_refused(tmp_path, monkeypatch, capsys, axes):
+    """Was an OSError "File name too long" traceback when the sweep made the cell's folder."""
+    monkeypatch.chdir(REPO)
+    spec = write_spec(tmp_path, axes=axes)
+    _fails_with_one_line(["sweep", spec, "--out", tmp_path / "out"], capsys, "255")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("out", ["file", "under_file"])
+def test_sweep_out_that_is_or_lies_under_a_file_is_refused_even_in_a_dry_run(tmp_path, monkeypatch, capsys, out):
+    monkeypatch.chdir(REPO)
+    taken = tmp_path / "taken"
+    taken.write_text("mine\n")
+    target = taken if out == "file" else taken / "sub"
+    _fails_with_one_line(["sweep", write_spec(tmp_path), "--out", target, "--dry-run"], capsys, str(taken))
+    assert taken.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("manifest", ['{"name": "t", "axes": [', "[1, 2]", '{"axes": {"a": "x"}, "seeds": [0], "cells": []}',
+                                      '{"axes": {"a": ["1"]}, "seeds": ["zero"], "cells": ["a=1"]}',
+                                      '{"axes": {"a": ["1"]}, "seeds": [0], "cells": [7]}', "\xff\xfe"],
+                         ids=["truncated", "list", "axes_wrong", "seeds_wrong", "cells_wrong", "binary"])
+def test_sweep_report_of_a_damaged_sweep_json_is_one_clear_error(tmp_path, capsys, manifest):
+    """Was a JSONDecodeError / KeyError / AttributeError traceback."""
+    (tmp_path / "sweep.json").write_bytes(manifest.encode("latin-1"))
+    _fails_with_one_line(["sweep", "report", tmp_path], capsys, str(tmp_path / "sweep.json"))
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("damage", [
+    ("report.json", '{"steps": 3, "eval": {"sft": "x", "final": {"avg@n": "hi"}}}'),
+    ("report.json", '{"steps": 3, "eval": {"final": [0.4]}}'),
+    ("metrics.jsonl", '{"step": 1, "phase": "train", "team/reward": "x", "agent/Solver/grad_norm": "big"}\n'
+                      '{"step": 2, "phase": ["eval"], "eval/test/avg@n": {"a": 1}}\n'),
+], ids=["eval_entry_str", "eval_entry_list", "metric_values_wrong_types"])
+def test_sweep_report_tolerates_damaged_runs_and_counts_them(tmp_path, damage):
+    """Was an AttributeError / TypeError traceback: a damaged report.json makes the run 'failed' (listed,
+    counted); metric values of the wrong type are left out of their record (masrl.monitoring.logger)."""
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1], "axes": {"est": ["a", "b"]},
+                                                "cells": ["est=a", "est=b"]}))
+    for cell in ("est=a", "est=b"):
+        for seed in (0, 1):
+            fabricate(out, cell, seed, 0.30, 0.40, [1.0, 2.0, 3.0], [0, 0, 0])
+    name, content = damage
+    (out / "est=a" / "seed0" / name).write_text(content)
+    report(out)
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["total"] == 4 and runs["ok"] == (3 if name == "report.json" else 4)

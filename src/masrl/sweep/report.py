@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from masrl.config import ConfigError, load_config
+from masrl.errors import UserInputError, decode_utf8
 from masrl.sweep.run import read_report
 from masrl.sweep.spec import cell_name, parse_cell_name
 from masrl.sweep.stats import mean_ci, paired
@@ -161,6 +162,31 @@ def _last_line(log: Path) -> str:
 
 # ---------------------------------------------------------------------- the grid
 
+def read_manifest(path: Path) -> dict:
+    """OUT/sweep.json as ``masrl sweep`` writes it (axes: {axis: [labels]}, seeds: [int], cells: [cell names]),
+    or one ``ConfigError`` naming the file and what is wrong with it (truncated, not JSON, wrong types)."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"masrl sweep report: {path}: {why}; re-run `masrl sweep SPEC` to rewrite it, or delete it "
+                           "to report the run folders found")
+    try:
+        manifest = json.loads(decode_utf8(path.read_bytes(), path, "sweep manifest"))
+    except (OSError, ValueError, RecursionError, UserInputError) as e:  # unreadable, not UTF-8/JSON, too deep
+        raise refuse(f"not a readable JSON file ({e})") from None
+    if not isinstance(manifest, dict):
+        raise refuse("not a JSON object")
+    axes, seeds, cells = manifest.get("axes"), manifest.get("seeds"), manifest.get("cells")
+    if not (isinstance(axes, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                           for v in axes.values())):
+        raise refuse("'axes' is not a mapping of axis -> list of labels")
+    if not (isinstance(seeds, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
+        raise refuse("'seeds' is not a list of integers")
+    if not (isinstance(cells, list) and all(isinstance(c, str) and parse_cell_name(c) for c in cells)):
+        raise refuse("'cells' is not a list of cell names (axis=label__...)")
+    if not isinstance(manifest.get("name", ""), str):
+        raise refuse("'name' is not a string")
+    return manifest
+
+
 def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[str, str], ...], int]], str]:
     """(axes -> labels in order, expected (labels, seed) runs, sweep name) from sweep.json, else the folders."""
     found = []
@@ -173,7 +199,7 @@ def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[st
         found += [(labels, s) for s in sorted(seeds)]
     manifest_path = out / "sweep.json"
     if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_manifest(manifest_path)
         axes = {a: list(labels) for a, labels in manifest["axes"].items()}
         expected = [(parse_cell_name(c), s) for s in manifest["seeds"] for c in manifest["cells"]]
         return axes, expected + [r for r in found if r not in expected], manifest.get("name", out.name)

@@ -48,6 +48,8 @@ def read_report(run_dir: Path) -> dict | None:
         return None
     if not isinstance(report, dict) or not isinstance(report.get("eval"), dict) or report.get("steps") != steps:
         return None
+    if not all(isinstance(k, str) and isinstance(v, dict) for k, v in report["eval"].items()):
+        return None  # a damaged file: each evaluation ("sft", "final", ...) is an object of metrics
     return report
 
 

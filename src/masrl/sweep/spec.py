@@ -19,6 +19,7 @@ from masrl.config import ConfigError, RunConfig, format_validation_error, load_c
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # axis names and labels become folder names
 Scalar = Union[bool, int, float, str]
+MAX_CELL_NAME_BYTES = 255  # a cell's folder name (axis=label__...): the limit of ext4, XFS, APFS, NTFS
 RESERVED = ("seed", "output_dir", "logging.progress")  # set by the sweep itself
 
 
@@ -208,6 +209,10 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
             raise ConfigError(f"cell {cell_name(labels)}: two axes set a base config ({', '.join(bases)}); "
                               "only one axis may give a cell its own base")
         overrides = tuple(o for _, (_, arm) in zip(axes, combo) for o in arm.overrides)
+        size = len(cell_name(labels).encode())
+        if size > MAX_CELL_NAME_BYTES:
+            raise ConfigError(f"cell {cell_name(labels)[:60]}...: its folder name would be {size} bytes; file systems "
+                              f"allow {MAX_CELL_NAME_BYTES}: use shorter axis names and labels")
         cells.append(Cell(labels, next(iter(bases.values()), spec.base), overrides))
     return cells
 
