@@ -346,3 +346,23 @@ def test_a_failed_end_of_run_export_says_the_run_is_saved(tmp_path, tiny_cfg, mo
     with pytest.raises(ExportError, match=r"run finished and is saved .*No space left.*masrl export .* --overwrite"):
         Trainer(cfg, progress=False).fit()
     assert (cfg.run_dir / "checkpoints" / "step_0" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("where", ["the_run_folder", "its_parent", "another_run", "a_user_folder", "a_file"])
+def test_overwrite_never_replaces_what_is_not_an_export(tmp_path, tiny_cfg, capsys, where):
+    """`--out RUN --overwrite` replaced the run folder (checkpoints and all) with the export; `--out ..` its
+    parent with every run in it. --overwrite now replaces only an earlier export (export.json) or an empty folder."""
+    _, run = _fake_run(tmp_path, tiny_cfg, "runs/r")  # a real checkpoint: the export would go through
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine\n")
+    if where == "another_run":
+        (other / "config.yaml").write_text("seed: 0\n")
+    out = {"the_run_folder": run, "its_parent": run.parent, "another_run": other, "a_user_folder": other,
+           "a_file": other / "notes.txt"}[where]
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["export", str(run), "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "--out" in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (other / "notes.txt").read_text() == "mine\n"

@@ -28,7 +28,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from masrl.config import ConfigError, RunConfig, load_config
-from masrl.errors import UserInputError
+from masrl.errors import UserInputError, check_output_folder
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.training import checkpoint as ckpt
 
@@ -46,11 +46,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
     """Export the policies of ``run_dir`` (default: every trained one) from checkpoint ``step``
     (default: the last valid one, as ``--resume`` picks) into ``out``; returns ``out``."""
     run_dir, out = Path(run_dir), Path(out).resolve()
+    check_destination(run_dir, out, overwrite)
     cfg = read_run_config(run_dir)
     path = pick_checkpoint(run_dir, step)
     names = pick_policies(cfg, policies)
-    if out.exists() and not overwrite:
-        raise ExportError(f"--out {out} already exists; choose another folder or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -77,6 +76,23 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
 
 
 # ------------------------------------------------------------------------------ inputs
+
+def check_destination(run_dir: Path, out: Path, overwrite: bool) -> None:
+    """``out`` may be created, or replaced with ``overwrite`` only when it is an earlier export (it holds
+    export.json) or an empty folder: never the run folder, a folder holding it, another run, or a file."""
+    check_output_folder(out, "--out")
+    if run_dir.exists() and (out == run_dir.resolve() or out in run_dir.resolve().parents):
+        raise ExportError(f"--out {out} would replace the run folder {run_dir} (it is that folder or holds it); "
+                          f"choose a new folder, e.g. --out {run_dir / 'export'}")
+    if not out.exists():
+        return
+    if not overwrite:
+        raise ExportError(f"--out {out} already exists; choose another folder or pass --overwrite")
+    if out.is_dir() and ((out / "export.json").is_file() or not any(out.iterdir())):
+        return
+    raise ExportError(f"--out {out} is not an earlier masrl export (no export.json) and not empty; --overwrite only "
+                      "replaces an export: choose another folder")
+
 
 def read_run_config(run_dir: Path) -> RunConfig:
     cfg_path = run_dir / "config.yaml"
