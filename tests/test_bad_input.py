@@ -10,6 +10,7 @@ import yaml
 
 from masrl.cli import main
 from masrl.tasks.math_data import MalformedRowWarning, load_gsm8k
+from masrl.tasks.rows import MalformedRowError
 from masrl.tasks.qa import QADataError, QADataWarning, load_qa
 
 # errors happen before training; should one not, the run is still instant
@@ -560,3 +561,72 @@ def test_ensemble_options_found_by_probing(tmp_path, capsys, argv, needle):
     path.write_text("\n".join(json.dumps(r) for r in _ensemble_rows([0, 1, 2, 1] * 10)) + "\n")
     code, err = _ensemble([argv[0], "--data", path, *[a.replace("{data}", str(path)) for a in argv[1:]]], capsys)
     assert code == 2 and "Traceback" not in err and needle in err, err
+
+
+# ----------------------------------------------------------------------------- round 3: adversarial probe (.ci/probe_cli.py)
+
+BIG = "1" + "0" * 5000  # Python refuses to convert more than 4,300 digits: a ValueError from deep in a parser
+
+
+@pytest.mark.parametrize("where", ["config_file", "override", "sweep_spec", "config_show"])
+def test_number_with_5000_digits_is_one_clear_error(write_cfg, tmp_path, capsys, where):
+    """Every YAML a user gives (config, override, sweep spec) goes through one loader: a ValueError traceback."""
+    path = write_cfg()
+    if where == "config_file":
+        path.write_text(path.read_text() + f"trainer_seed_extra: {BIG}\n")
+        argv = ["train", path]
+    elif where == "override":
+        argv = ["train", path, f"seed={BIG}"]
+    elif where == "config_show":
+        argv = ["config", "show", path, f"trainer.total_steps={BIG}"]
+    else:
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(f"name: s\nbase: {path}\nseeds: [{BIG}]\naxes: {{a: {{key: seed, values: [1]}}}}\n")
+        argv = ["sweep", spec, "--dry-run"]
+    _fails_clearly(argv, capsys, "4,300 digits")
+
+
+def test_json_number_with_5000_digits_in_data_is_a_counted_bad_row(tmp_path):
+    """The one reader of data rows (tasks.rows) caught only JSONDecodeError: the ValueError escaped."""
+    from masrl.tasks.rows import iter_records, load_json
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(f'{{"question": "q", "answer": {BIG}}}\n{{"question": "q", "answer": 1}}\n')
+    records = list(iter_records(rows))
+    assert len(records) == 2 and "invalid JSON" in records[0][1].reason and records[1][1]["answer"] == 1
+    whole = tmp_path / "rows.json"
+    whole.write_text(f"[{BIG}]")
+    with pytest.raises(MalformedRowError, match="invalid JSON"):
+        load_json(whole)
+
+
+@pytest.mark.parametrize("manifest", [f'{{"files": {BIG}}}', "[" * 100_000, "\xff"], ids=["bigint", "deep", "binary"])
+def test_checkpoint_manifest_that_does_not_parse_is_a_checkpoint_error(tmp_path, manifest):
+    from masrl.training.checkpoint import CheckpointError, verify_checkpoint
+
+    (tmp_path / "manifest.json").write_bytes(manifest.encode("latin-1"))
+    with pytest.raises(CheckpointError, match="unreadable manifest"):
+        verify_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("bench", [",", " , ", "test,test"])
+def test_eval_bench_list_that_is_empty_or_repeats_is_refused(write_cfg, tmp_path, capsys, bench):
+    """`--bench ,` evaluated nothing and wrote an empty eval.json, exit 0; `test,test` overwrote its own result."""
+    out = tmp_path / "eval_out"
+    _fails_clearly(["eval", write_cfg(), "--bench", bench, "--out", out], capsys, "--bench")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", [{"team/reward": "x"}, {"team/reward": [1]}, {"team/reward": True},
+                                 {"phase": 3, "team/reward": {"a": 1}}], ids=["str", "list", "bool", "phase_int"])
+def test_metrics_values_of_the_wrong_type_are_left_out_not_fatal(tmp_path, capsys, bad):
+    """Every reader of metrics.jsonl goes through parse_record; `masrl plot` was a TypeError traceback."""
+    from masrl.monitoring.logger import read_metrics
+
+    lines = [{"step": 1, "phase": "train", "team/reward": 0.5}, {"step": 2, "phase": "train", **bad},
+             {"step": 3, "phase": "train", "team/reward": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and "team/reward" not in records[1]
+    assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 0

@@ -36,6 +36,16 @@ def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
     return kept, skipped
 
 
+def bench_names(text: str) -> list[str]:
+    """``--bench a,b``: the benchmark names, at least one, each once (results are keyed by name)."""
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names:
+        raise ConfigError(f"--bench {text!r}: give at least one benchmark ('test' = the task's held-out split)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--bench {text!r}: give each benchmark once")
+    return names
+
+
 def run_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -54,6 +64,7 @@ def run_eval(args) -> int:
         raise ConfigError(f"--k values must be >= 1, got {args.k!r}")
     if args.out:
         check_output_folder(args.out, "--out")
+    args.bench = bench_names(args.bench)
     ks = sorted({k for k in ks if k <= n})
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
         results, samples, ckpt_path, out = _eval_benches(args, cfg, trainer, n, ks)
@@ -90,7 +101,7 @@ def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
-    for bench in [b.strip() for b in args.bench.split(",") if b.strip()]:
+    for bench in args.bench:
         tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, args.limit or cfg.eval.limit, args.strict)
         tasks, skipped = fit_context(tasks, trainer.policies, cfg.agents)
         if skipped:

@@ -87,7 +87,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def parse_record(line: str) -> dict | None:
     """One metrics record, or None for a line that is not one (partial, not UTF-8, not an object with a
-    finite numeric ``step``): such lines are skipped, never fatal."""
+    finite numeric ``step``): such lines are skipped, never fatal. Every reader (plots, dashboard, sweep
+    report, resume) goes through here, so a record holds only what the logger writes: numbers, ``null``
+    (a non-finite value) and the ``phase`` string; any other value (a string, list, object or boolean where
+    a metric belongs) is left out of the record."""
     try:
         record = json.loads(line)
     except (ValueError, RecursionError):
@@ -97,4 +100,5 @@ def parse_record(line: str) -> dict | None:
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, (int, float)) or not math.isfinite(step):
         return None
-    return record
+    return {k: v for k, v in record.items() if (k == "phase" and isinstance(v, str)) or v is None
+            or (isinstance(v, (int, float)) and not isinstance(v, bool))}
