@@ -630,3 +630,48 @@ def test_metrics_values_of_the_wrong_type_are_left_out_not_fatal(tmp_path, capsy
     assert [r["step"] for r in records] == [1, 2, 3] and "team/reward" not in records[1]
     assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
     assert (tmp_path / "plots" / "training_curves.png").stat().st_size > 0
+
+
+MOA = {"workflow.name": "proposers_summarizer", "workflow.params": {"n_proposers": 2},
+       "workflow.prompts": {"Proposer": "Q {question}\nS ", "Summarizer": "Q {question}\n{proposals}A ",
+                            "proposal": "{text}\n"},
+       "agents": {"Proposer": {"policy": "shared", "max_new_tokens": 4},
+                  "Summarizer": {"policy": "shared", "max_new_tokens": 4}}}
+
+
+@pytest.mark.parametrize("kind", ["folder", "under_a_file"])
+def test_ensemble_collect_out_checked_before_the_team_runs(write_cfg, tmp_path, capsys, kind):
+    """A folder as --out failed with IsADirectoryError only after every episode had run (the work lost)."""
+    taken = tmp_path / "taken"
+    taken.mkdir() if kind == "folder" else taken.write_text("mine\n")
+    out = taken if kind == "folder" else taken / "preds.jsonl"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main(["ensemble", "collect", str(write_cfg(**MOA)), "--bench", "test", "--limit", "2", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and "Traceback" not in captured.err and str(taken) in captured.err, captured.err
+    assert "--out" in captured.err and "ensemble collect:" not in captured.out  # refused before the team ran
+
+
+def test_outputs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """eval.json, samples.jsonl, ensemble predictions and reports go through write_text_atomic: a disk that
+    fills mid-write leaves the previous file whole and no half-written one."""
+    from pathlib import Path
+
+    from masrl.paths import write_text_atomic
+
+    target = tmp_path / "eval.json"
+    target.write_text('{"old": true}')
+    real = Path.write_text
+
+    def half_then_full_disk(self, text, *a, **k):
+        real(self, text[: len(text) // 2], *a, **k)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_text_atomic(target, '{"new": "' + "x" * 1000 + '"}')
+    monkeypatch.undo()
+    assert target.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
+    write_text_atomic(target, "{}")
+    assert target.read_text() == "{}"

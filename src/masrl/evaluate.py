@@ -7,6 +7,7 @@ from pathlib import Path
 
 from masrl.config import load_config
 from masrl.errors import ConfigError, check_output_folder
+from masrl.paths import write_text_atomic
 
 
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
@@ -69,10 +70,8 @@ def run_eval(args) -> int:
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
         results, samples, ckpt_path, out = _eval_benches(args, cfg, trainer, n, ks)
     meta = {"config": str(args.config), "checkpoint": str(ckpt_path) if ckpt_path else None, "n": n, "k": ks}
-    (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    with open(out / "samples.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
+    write_text_atomic(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+    write_text_atomic(out / "eval.json", json.dumps({"meta": meta, "results": results}, indent=1))
     metric_keys = ["avg@n", *[f"pass@{k}" for k in ks], *[f"maj@{k}" for k in ks]]
     lines = [f"# masrl eval (n={n})", "", "| bench | tasks | " + " | ".join(metric_keys) + " |",
              "|---|---|" + "---|" * len(metric_keys)]
@@ -83,7 +82,7 @@ def run_eval(args) -> int:
         cells = [f"{100 * s[k]:.1f}%" if k in s else "-" for k in metric_keys]
         lines.append(f"| {bench} | {s['n_tasks']} | " + " | ".join(cells) + " |")
         table.add_row(bench, str(s["n_tasks"]), *cells)
-    (out / "eval.md").write_text("\n".join(lines) + "\n")
+    write_text_atomic(out / "eval.md", "\n".join(lines) + "\n")
     Console().print(table)
     print(f"wrote {out / 'eval.json'}, {out / 'eval.md'}, {out / 'samples.jsonl'}")
     return 0

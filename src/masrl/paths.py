@@ -19,3 +19,16 @@ def cache_dir() -> Path:
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "masrl"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary sibling and a rename: a reader (or a crash, or a full
+    disk) never sees a half-written file, and a file that was there stays whole until the new one is."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from masrl.paths import write_text_atomic
+
 __all__ = ["register", "main"]
 
 
@@ -169,7 +171,7 @@ def cmd_select(args) -> int:
         stem = f"select_{args.method}_k{args.k}"
         md = [f"# {title}", "", data.describe(), "", rep.markdown_table(head, rows), ""]
         (out).mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.md").write_text("\n".join(md))
+        write_text_atomic(out / f"{stem}.md", "\n".join(md))
         rep.write_json({"data": data.source, "split": split.describe(), "result": s.to_dict()}, out / f"{stem}.json")
         print(f"wrote {out / (stem + '.md')} and .json")
     return 0
@@ -204,7 +206,7 @@ def cmd_compare(args) -> int:
         md = [f"# Selector comparison: {name}", "", data.describe(), f"Split: {split.describe()}.",
               rep.combiner_note(data, args.combiner), "", "## Reference points", "", rep.markdown_table(bh, br), "",
               f"## Selectors ({args.scope})", "", rep.markdown_table(sh, sr), "", f"![accuracy vs cost]({png.name})", ""]
-        (out / f"compare_{name}.md").write_text("\n".join(md))
+        write_text_atomic(out / f"compare_{name}.md", "\n".join(md))
         rep.write_json({"data": data.source, "split": split.describe(), "models": data.models, "baselines": base,
                         "selectors": [s.to_dict(compact=True) for s in sums], "seconds": time.time() - t0},
                        out / f"compare_{name}.json")
@@ -254,7 +256,7 @@ def cmd_rlfocal(args) -> int:
               + ("the fitness of the last training window." if cfg.test_window == "train"
                  else "a window sliding over already-answered test items."), ""]
         md += [f"- note: {n}" for n in res.notes]
-        (out / f"rlfocal_{name}.md").write_text("\n".join(md) + "\n")
+        write_text_atomic(out / f"rlfocal_{name}.md", "\n".join(md) + "\n")
         rep.write_json({"data": data.source, "split": split.describe(), "preset": preset, "result": res.to_dict()},
                        out / f"rlfocal_{name}.json")
         print(f"wrote {out}/rlfocal_{name}.md and .json")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from masrl.ensemble.data import InputError
+from masrl.paths import write_text_atomic
 from masrl.types import Episode, Task
 
 __all__ = ["WORKFLOWS_WITH_PROPOSALS", "check_workflow", "proposer_slots", "episode_rows", "collect",
@@ -147,9 +148,17 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
 def write_jsonl(rows: Sequence[dict], path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def check_output_file(path: str | Path, what: str = "--out") -> Path:
+    """``path`` can become a file: not a folder, its folder usable (checked before any work is done)."""
+    from masrl.errors import check_output_folder
+
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{what} {path} is a folder; give a file name, e.g. {path / 'predictions.jsonl'}")
+    check_output_folder(path.parent, what)
     return path
 
 
@@ -212,6 +221,8 @@ def cmd_collect(args) -> int:
     benches = [b.strip() for b in args.bench.split(",") if b.strip()]
     if not benches:
         raise InputError("--bench: give at least one benchmark ('test' = the task's held-out split)")
+    if args.out:
+        check_output_file(args.out)
     try:
         rows, facts = collect(cfg, benches, limit=args.limit, n_samples=args.n_samples, seed=args.seed,
                               temperature=args.temperature, checkpoint=args.checkpoint, strict=args.strict,

@@ -11,6 +11,7 @@ import numpy as np
 from masrl.ensemble.combiners import get_combiner
 from masrl.ensemble.data import EnsembleData, Split
 from masrl.ensemble.selectors import SELECTORS, SelectionSummary, run_selector
+from masrl.paths import write_text_atomic
 
 __all__ = ["compare_selectors", "default_methods", "selection_table", "baseline_table", "rlfocal_table",
            "plot_accuracy_vs_cost", "write_json", "short_model", "pct", "pm"]
@@ -220,7 +221,7 @@ def write_json(obj: Any, path: str | Path, indent: int | None = 1) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     seps = (",", ":") if indent is None else None
-    path.write_text(json.dumps(_jsonable(obj), indent=indent, separators=seps) + "\n")
+    write_text_atomic(path, json.dumps(_jsonable(obj), indent=indent, separators=seps) + "\n")
     return path
 
 
