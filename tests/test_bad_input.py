@@ -675,3 +675,39 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert target.read_text() == '{"old": true}' and [p.name for p in tmp_path.iterdir()] == ["eval.json"]
     write_text_atomic(target, "{}")
     assert target.read_text() == "{}"
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "sweep", "ensemble", "plot"])
+def test_dangling_symlink_where_an_output_folder_goes_is_one_clear_error(write_cfg, tmp_path, capsys, command):
+    """mkdir cannot create through a dangling symlink: every command was a FileExistsError traceback (the
+    sweep's dry run exited 0). All of them check their output folder with errors.check_output_folder."""
+    link = tmp_path / "out"
+    link.symlink_to(tmp_path / "nowhere")
+    cfg = write_cfg()
+    if command == "train":
+        argv = ["train", cfg, "--output-dir", link]
+    elif command == "eval":
+        argv = ["eval", cfg, "--out", link]
+    elif command == "sweep":
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(yaml.safe_dump({"name": "s", "base": str(cfg), "seeds": [0],
+                                        "axes": {"a": {"key": "eval.n", "values": [1]}}}))
+        argv = ["sweep", spec, "--out", link, "--dry-run"]
+    elif command == "ensemble":
+        data = tmp_path / "preds.jsonl"
+        data.write_text("\n".join(json.dumps(r) for r in _ensemble_rows(["1", "2", "3"] * 5)) + "\n")
+        argv = ["ensemble", "select", "--data", data, "--k", "2", "--out", link]
+    else:
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 1, "team/reward": 0.5}\n')
+        link.rename(run / "plots")
+        link = run / "plots"
+        argv = ["plot", run]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    assert "symlink" in err and str(link) in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "nowhere").exists()
