@@ -448,7 +448,9 @@ class LoggingConfig(_Strict):
         "MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default); e.g. file:///path/mlruns"))
     init_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
         "extra arguments of each tracker's init call, by tracker: {wandb: {entity: ..., mode: offline}}"))
-    progress: bool = Field(True, description="progress bar with ETA for SFT, RL and evaluation (not a terminal: a line every 5%, at most one a second)")
+    progress: bool = Field(True, description=(
+        "progress bar with ETA for SFT, RL and evaluation (not a terminal: a line every 5%, at most one a "
+        "second; an evaluation also reports its agent turns, at most every 10 s)"))
     plots: bool = Field(True, description="PNG training curves in RUN_DIR/plots at the end")
 
     @model_validator(mode="after")

@@ -85,28 +85,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ stages
     def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
-                score=None, on_episode=None) -> list[Episode]:
+                score=None, on_episode=None, on_turn=None) -> list[Episode]:
         for i, policy in enumerate(self.policies.values()):
             policy.engine.reseed(seed + i)
         call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
         return run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
                             score=score or self.source.score, prompts=self.cfg.workflow.prompts,
                             params=self.params,
-                            format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode)
+                            format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
+                            on_turn=on_turn)
 
     def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
                      show: bool | None = None) -> list[Episode]:
-        """:meth:`rollout` of an evaluation, with a progress line (episodes done, accuracy so far, ETA)."""
+        """:meth:`rollout` of an evaluation, with progress: episodes done, accuracy so far, ETA, and the agent
+        turns generated (a workflow's episodes finish together in its last round; its turns once per round)."""
         progress = _Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks))
-        correct = [0]
+        count = {"correct": 0, "turns": 0}
 
         def on_episode(episode: Episode) -> None:
-            correct[0] += bool(episode.correct)
-            progress.advance(f"correct {correct[0]}/{progress.done + 1}")
+            count["correct"] += bool(episode.correct)
+            progress.advance(f"correct {count['correct']}/{progress.done + 1}")
+
+        def on_turn(turn: Turn) -> None:
+            count["turns"] += 1
+            progress.note(f"{count['turns']} agent turns generated")
 
         try:
             return self.rollout(tasks, group_ids, temperature=temperature, seed=seed, score=score,
-                                on_episode=on_episode)
+                                on_episode=on_episode, on_turn=on_turn)
         finally:
             progress.close()
 
@@ -408,6 +414,18 @@ class _Progress:
             elapsed = now - self.start
             eta = elapsed / max(self.done, 1) * (self.total - self.done)
             print(f"[{self.label} {self.done}/{self.total} eta {eta:5.0f}s] {text}", flush=True)
+
+    def note(self, text: str) -> None:
+        """Show that work goes on between advances (at most one line every 10 s when not a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+            return
+        now = time.perf_counter()
+        if now - self._printed >= 10.0:
+            self._printed = now
+            print(f"[{self.label} {self.done}/{self.total} {now - self.start:5.0f}s] {text}", flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

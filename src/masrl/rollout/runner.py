@@ -92,10 +92,19 @@ def check_continuation(policies: Mapping, agent: str, policy: str, prompt: Conti
 def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,
                  scheduler: RolloutScheduler, score: ScoreFn, prompts: Mapping[str, str],
                  params: Mapping, format_penalty: float,
-                 on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+                 on_episode: Callable[[Episode], None] | None = None,
+                 on_turn: Callable[[Turn], None] | None = None) -> list[Episode]:
     """One episode per task (tasks repeat G times for a group); results in input order.
 
-    ``on_episode``: called with each episode as it finishes (progress of a long evaluation)."""
+    ``on_episode`` / ``on_turn``: called with each episode / agent turn as it finishes (progress of a long
+    evaluation: a workflow's episodes finish together in its last round, its turns once per round)."""
+    if on_turn is not None:
+        inner = call
+
+        async def call(agent: str, prompt) -> Turn:
+            turn = await inner(agent, prompt)
+            on_turn(turn)
+            return turn
 
     async def one(index: int, task: Task) -> Episode:
         team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty)
