@@ -154,6 +154,7 @@ def cmd_select(args) -> int:
     from masrl.ensemble import report as rep
     from masrl.ensemble.selectors import run_selector
 
+    out = _out_dir(args)  # checked before any work
     data, split = _load(args)
     s = run_selector(data, split, args.method, args.k, args.combiner, scope=args.scope,
                      fitness_weights=_weights(args.weights))
@@ -166,7 +167,6 @@ def cmd_select(args) -> int:
         tr = [[t, "+".join(rep.short_model(m) for m in s.subsets[t]), rep.pct(r["selection_accuracy"]),
                rep.pct(r["test_accuracy"])] for t, r in s.per_task.items()]
         rep.print_table("per task", th, tr)
-    out = _out_dir(args)
     if out:
         stem = f"select_{args.method}_k{args.k}"
         md = [f"# {title}", "", data.describe(), "", rep.markdown_table(head, rows), ""]
@@ -182,6 +182,7 @@ def cmd_compare(args) -> int:
     from masrl.ensemble.data import InputError
     from masrl.ensemble.selectors import SELECTORS, baselines
 
+    out = _out_dir(args)  # checked before any work
     data, split = _load(args)
     methods = [m.strip() for m in args.methods.split(",")] if args.methods else None
     for m in methods or []:
@@ -199,7 +200,6 @@ def cmd_compare(args) -> int:
     name = Path(data.source).stem
     rep.print_table(f"reference points: {name} ({split.describe()})", bh, br)
     rep.print_table(f"selectors: {name}, combiner {sums[0].combiner if sums else args.combiner}, {args.scope}", sh, sr)
-    out = _out_dir(args)
     if out:
         out.mkdir(parents=True, exist_ok=True)
         png = rep.plot_accuracy_vs_cost(sums, out / f"compare_{name}.png", f"{name}: selectors ({args.scope})", base)
@@ -219,6 +219,7 @@ def cmd_rlfocal(args) -> int:
     from masrl.ensemble.data import InputError
     from masrl.ensemble.rlfocal import PRESETS, RLFocalConfig, train_rl_focal
 
+    out = _out_dir(args)  # checked before any work
     data, split = _load(args)
     preset = args.preset
     if preset == "auto":
@@ -248,7 +249,6 @@ def cmd_rlfocal(args) -> int:
     rep.print_table(title, head, rows)
     for n in res.notes:
         print(f"note: {n}")
-    out = _out_dir(args)
     if out:
         out.mkdir(parents=True, exist_ok=True)
         md = [f"# {title}", "", data.describe(), "", rep.markdown_table(head, rows), "",
