@@ -40,6 +40,9 @@ def score(gold, text):
     ("\\frac{100!}{2^{50}}", "\\boxed{\\frac{100!}{2^{50}}}"),
     (27.0, "\\boxed{27}"),  # a non-string gold
     ("$2n$", "\\boxed{2n}"),
+    ("0.75", "\\boxed{3/4}"),  # a plain fraction of two integers is an answer, not an operation
+    ("-0.75", "\\boxed{-3/4}"),
+    ("-5", "\\boxed{-5}"),
 ])
 def test_correct_cases(gold, text):
     r = score(gold, text)
@@ -60,6 +63,14 @@ def test_correct_cases(gold, text):
     ("12", "\\boxed{(10^{7})!}", None),
     ("12", "\\boxed{2^{12345678}}", None),
     (None, "\\boxed{12}", "no_gold"),
+    # a numeric gold wants the computed number, not the question copied into the box (a SmolLM2 reward hack)
+    ("3", "\\boxed{3+0}", "unevaluated"),
+    ("35", "\\boxed{24 + 11}", "unevaluated"),
+    ("1", "\\boxed{20-19}", "unevaluated"),
+    ("8", "\\boxed{2^{3}}", "unevaluated"),
+    ("42", "\\boxed{6\\times 7}", "unevaluated"),
+    ("35", "\\boxed{\\frac{24+11}{1}}", "unevaluated"),
+    ("3", "\\boxed{(1+2)}", "unevaluated"),
 ])
 def test_incorrect_cases(gold, text, reason):
     r = score(gold, text)

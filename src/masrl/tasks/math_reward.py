@@ -7,6 +7,10 @@ r"""Math answer scoring: last ``\boxed{}`` of the response vs the gold answer, v
 3. Fast path: when prediction and gold both normalise to plain numbers (``1,000`` -> ``1000``,
    ``27.0`` -> ``27``, ``\$18`` -> ``18``), they are compared exactly without math-verify.
    Equal -> correct; two different integers -> incorrect. Other cases go to math-verify.
+   A gold that is a plain number wants a computed answer: a prediction that still holds an operation
+   (``3+0``, ``24 + 11``, ``2^{3}``, ``6\times 7``, ``\frac{24+11}{1}``) is incorrect
+   (``reason="unevaluated"``) — math-verify would evaluate it, and a policy learns to copy the question
+   into the box (seen with SmolLM2 on arithmetic). A plain fraction of two integers (``3/4``) stays an answer.
 4. Safety screen: predictions that could make sympy run for minutes (power towers, factorials
    of huge numbers, exponents with 7+ digits, very long text) are marked incorrect
    (``reason="unsafe"``) without parsing. The same screen applies in every thread, so a
@@ -254,6 +258,17 @@ def _verify(gold: str, pred: str) -> tuple[bool, str]:
     return bool(ok), ("verified" if ok else "mismatch")
 
 
+_OPERATION = re.compile(r"[\d)}.]\s*(?:[-+*/×÷^]|\\times|\\div|\\cdot|\\pm)\s*[\d({\\.]")
+_INT_FRACTION = re.compile(r"^[+-]?\d+/\d+$")
+
+
+def unevaluated(pred: str) -> bool:
+    """The prediction still holds an arithmetic operation between operands (``3+0``, ``2^{3}``,
+    ``6\\times 7``); a leading sign and a plain fraction of two integers (``-3/4``) do not count."""
+    t = pred.replace(" ", "").strip("$")
+    return not _INT_FRACTION.match(t) and _OPERATION.search(t) is not None
+
+
 @functools.lru_cache(maxsize=65536)
 def is_equiv(gold: str, pred: str) -> tuple[bool, str]:
     """``(correct, reason)`` for a gold answer and an extracted prediction. Never raises."""
@@ -264,6 +279,9 @@ def is_equiv(gold: str, pred: str) -> tuple[bool, str]:
         unsafe = _unsafe_reason(pred)
         if unsafe:
             return False, f"unsafe: {unsafe}"
+        if normalize_number(gold) is not None and unevaluated(pred):
+            return False, "unevaluated"
+        _math_verify()  # the first call imports math-verify and sympy (seconds): not on the timeout's clock
         return _call_with_alarm(lambda: _verify(gold, pred), TIMEOUT_S)
     except _MathTimeout:
         return False, "timeout"
