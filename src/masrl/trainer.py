@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
+from masrl.paths import write_text_atomic
 from masrl.evaluation.runner import agent_facts, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
@@ -258,7 +258,7 @@ class Trainer:
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
-            _atomic_write(self.run_dir / "config.yaml", versions_comment(self.versions) + dump_config(cfg))
+            write_text_atomic(self.run_dir / "config.yaml", versions_comment(self.versions) + dump_config(cfg))
         record_versions(self.run_dir, self.versions, resumed_at=start_step if resume else None)
         trackers = make_trackers(cfg.logging, name=cfg.name, run_dir=self.run_dir, resume=resume,
                                  config=cfg.model_dump(mode="json"))
@@ -439,18 +439,12 @@ def _rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def record_versions(run_dir: Path, versions: dict, resumed_at: int | None = None) -> None:
     """``versions.json``: the versions a run started with, plus those of each resume (``resumed_at_step_N``)."""
     path = run_dir / "versions.json"
     record = json.loads(path.read_text()) if resumed_at is not None and path.is_file() else {}
     record["run" if resumed_at is None else f"resumed_at_step_{resumed_at}"] = versions
-    _atomic_write(path, json.dumps(record, indent=1))
+    write_text_atomic(path, json.dumps(record, indent=1))
 
 
 def write_report(trainer: Trainer) -> dict:
@@ -475,8 +469,8 @@ def write_report(trainer: Trainer) -> dict:
         for label, summary in rows:
             stage = {"sft": _start_label(cfg), "final": "after RL"}.get(label, label)
             lines.append(f"| {stage} | " + " | ".join(f"{100 * summary.get(k, float('nan')):.1f}%" for k in keys) + " |")
-    _atomic_write(run_dir / "report.json", json.dumps(report, indent=1, default=float))
-    _atomic_write(run_dir / "report.md", "\n".join(lines) + "\n")
+    write_text_atomic(run_dir / "report.json", json.dumps(report, indent=1, default=float))
+    write_text_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     if cfg.logging.plots:
         try:
             report["plots"] = [str(p) for p in plot_training_curves(run_dir)]
