@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from masrl.paths import write_text_atomic
 from masrl.config import ConfigError, load_config
 from masrl.errors import UserInputError, decode_utf8
 from masrl.sweep.run import read_report
@@ -379,7 +379,4 @@ def report(out: str | Path, baseline_arms: Sequence[str] = ()) -> list[Path]:
 
 
 def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, text)

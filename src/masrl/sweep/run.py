@@ -23,6 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Sequence
 
+from masrl.paths import write_text_atomic
 from masrl.config import ConfigError, RunConfig, load_config
 from masrl.sweep.spec import Run, SweepSpec, check_bases, expand_cells, expand_runs
 
@@ -231,9 +232,7 @@ def write_manifest(spec: SweepSpec, out: Path, quick: bool) -> None:
     manifest = {"name": spec.name, "quick": quick, "seeds": spec.seeds,
                 "axes": {name: list(axis.arms) for name, axis in spec.axes.items()},
                 "cells": [c.name for c in expand_cells(spec)], "spec": spec.model_dump(mode="json")}
-    tmp = out / f".sweep.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, out / "sweep.json")
+    write_text_atomic(out / "sweep.json", json.dumps(manifest, indent=1))
 
 
 def sweep(spec: SweepSpec, out: Path, *, jobs: int = 1, nice: int = 0, ray_address: str | None = None,
