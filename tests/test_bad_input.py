@@ -71,6 +71,19 @@ def test_wrong_types_and_ranges(write_cfg, capsys, key, value):
     _fails_clearly(["train", path], capsys, f"key '{key}", str(path))
 
 
+@pytest.mark.parametrize("overrides, says", [
+    (["trainer.group_size=99999999"], "key 'trainer.group_size'"),
+    (["agents.Solver.max_new_tokens=999999999"], "key 'agents.Solver.max_new_tokens'"),
+    (["eval.n=100000"], "key 'eval.n'"),
+    (["trainer.threads=100000000"], "key 'trainer.threads'"),
+    (["trainer.batch_size=60000", "trainer.group_size=4000"], "episodes per step"),
+])
+def test_sizes_that_allocate_up_front_are_bounded(write_cfg, capsys, overrides, says):
+    """Sizes the engine allocates for before any progress (KV cache, episodes, threads): one clear error, not an
+    out-of-memory kill minutes later."""
+    _fails_clearly(["train", write_cfg(), *overrides], capsys, says)
+
+
 def test_config_file_missing(tmp_path, capsys):
     _fails_clearly(["train", tmp_path / "nope.yaml"], capsys, "nope.yaml", "does not exist")
 

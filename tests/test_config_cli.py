@@ -78,3 +78,18 @@ def test_docs_config_md_is_generated_from_the_schema():
     assert DOC_PATH.read_text() == render(), "docs/config.md is stale: run python -m masrl.config_docs"
     text = render()
     assert "| `logging.report_to` |" in text and "| `agents.<name>.optim.lr` |" in text
+
+
+@pytest.mark.parametrize("override, says", [
+    ("task.params.train_size=-3", "train_size"),  # the task's own params
+    ("task.params.max_operand=1", "cannot draw"),  # params that cannot give the data
+    ("workflow.prompts.Nobody=hi", "unknown template"),
+])
+def test_config_show_refuses_what_train_refuses(tmp_path, tiny_cfg, capsys, override, says):
+    """`config show` runs the checks `train` runs before it builds a model: what it prints, `train` starts."""
+    path = _write(tmp_path, tiny_cfg())
+    assert main(["config", "show", str(path), override]) == 2
+    shown = capsys.readouterr()
+    assert says in shown.err and shown.out == ""
+    assert main(["train", str(path), override, "--output-dir", str(tmp_path / "run")]) == 2
+    assert says in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -44,12 +44,13 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_config_show(args) -> int:
-    """The resolved config (defaults filled in, overrides applied, names checked) as YAML."""
+    """The resolved config (defaults filled in, overrides applied, checked as ``train`` checks it before it
+    builds a model: names, agents, prompt templates, the task's params and data) as YAML."""
     from masrl.config import dump_config
-    from masrl.registry_names import check_names
+    from masrl.registry_names import check_run
 
     cfg = load_config(args.config, args.overrides)
-    check_names(cfg)
+    check_run(cfg)
     print(dump_config(cfg), end="")
     return 0
 

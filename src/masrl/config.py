@@ -94,7 +94,8 @@ class AgentConfig(_Strict):
     policy: str = Field(description="the policy (a key of policies) that plays this agent")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling threshold")
-    max_new_tokens: int = Field(256, gt=0, description="longest response of one turn, in tokens")
+    max_new_tokens: int = Field(256, gt=0, le=1 << 20, description=(
+        "longest response of one turn, in tokens (at most 2^20: the engine allocates its KV cache for it)"))
     system_prompt: Optional[str] = Field(None, description="system message of the chat template")
     optim: Optional[AgentOptimConfig] = Field(None, description=(
         "optimizer overrides for this agent's own LoRA adapter (a policy with lora.per_agent: true): a parameter "
@@ -298,8 +299,9 @@ class TrainerConfig(_Strict):
     """The RL loop: batch sizes, update schedule, checkpoints, device."""
 
     total_steps: int = Field(50, ge=0, description="RL steps")
-    batch_size: int = Field(8, gt=0, description="tasks per step")
-    group_size: int = Field(8, gt=0, description="episodes per task (G)")
+    batch_size: int = Field(8, gt=0, le=65536, description="tasks per step")
+    group_size: int = Field(8, gt=0, le=4096, description=(
+        "episodes per task (G); batch_size x group_size episodes per step, at most 2^20"))
     epochs: int = Field(1, gt=0, description="passes over each step's turns")
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch (the turns split in this many parts)")
     micro_batch_tokens: int = Field(4096, gt=0, description=(
@@ -314,7 +316,7 @@ class TrainerConfig(_Strict):
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
-    threads: Optional[int] = Field(None, gt=0, description="torch CPU threads (None: torch's default)")
+    threads: Optional[int] = Field(None, gt=0, le=4096, description="torch CPU threads (None: torch's default)")
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")
@@ -336,10 +338,17 @@ class TrainerConfig(_Strict):
         "the prefix is encoded once; the same loss and gradient under loss ppo + agg token-mean, which it "
         "requires (masrl/training/conversation.py)"))
 
+    @model_validator(mode="after")
+    def _episodes_per_step_bounded(self):
+        if self.batch_size * self.group_size > 1 << 20:
+            raise ValueError(f"batch_size x group_size = {self.batch_size * self.group_size:,} episodes per step; "
+                             "at most 2^20 (1,048,576): lower trainer.batch_size or trainer.group_size")
+        return self
+
 
 class EvalConfig(_Strict):
     every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only before/after)")
-    n: int = Field(4, gt=0, description="samples per task (avg@n)")
+    n: int = Field(4, gt=0, le=4096, description="samples per task (avg@n)")
     k: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1, 4],
                                                  description="k values of pass@k and maj@k")
     temperature: Optional[float] = Field(None, ge=0.0, description="sampling temperature (None: each agent's)")

@@ -30,3 +30,25 @@ def check_names(cfg: RunConfig) -> None:
             problems.append(f"task.params.reward: {e}")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def check_run(cfg: RunConfig, sft_teacher: dict | None = None):
+    """Everything a run checks before it builds a model: the registry names, the workflow's agents and prompt
+    templates against the config's, and the task (its params and data rows: the task source is loaded).
+    Returns ``(workflow spec, task source)``. ``masrl train`` and ``masrl config show`` both call it, so a
+    config that ``show`` prints is one that ``train`` starts."""
+    from masrl.tasks.registry import load_task_source
+    from masrl.workflows.base import get_workflow
+
+    check_names(cfg)
+    spec = get_workflow(cfg.workflow.name)
+    missing = [a for a in spec.agents if a not in cfg.agents]
+    extra = [a for a in cfg.agents if a not in spec.agents]
+    if missing or extra:
+        raise ConfigError(f"workflow {spec.name!r} has agents {list(spec.agents)}; the config's "
+                          f"agents section is missing {missing} and has unknown {extra}")
+    unknown_prompts = sorted(set(cfg.workflow.prompts) - set(spec.prompts))
+    if unknown_prompts:
+        raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
+                          f"{spec.name} uses {sorted(spec.prompts)}")
+    return spec, load_task_source(cfg.task, cfg.sft.teacher if sft_teacher is None else sft_teacher)

@@ -28,10 +28,10 @@ from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
-from masrl.registry_names import check_names
+from masrl.registry_names import check_run
 from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
-from masrl.tasks.registry import load_bench_tasks, load_task_source
+from masrl.tasks.registry import load_bench_tasks
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError, make_runtime
 from masrl.training.conversation import merge_extending_rows
@@ -40,7 +40,6 @@ from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
 from masrl.versions import library_versions, versions_comment
-from masrl.workflows.base import get_workflow
 
 
 def _step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -49,7 +48,6 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
-        check_names(cfg)  # registry names (workflow, task, reward) before anything is built
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
         self.show_progress = cfg.logging.progress if progress is None else progress
@@ -57,17 +55,8 @@ class Trainer:
             torch.set_num_threads(cfg.trainer.threads)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.spec = get_workflow(cfg.workflow.name)
-        missing = [a for a in self.spec.agents if a not in cfg.agents]
-        extra = [a for a in cfg.agents if a not in self.spec.agents]
-        if missing or extra:
-            raise ConfigError(f"workflow {self.spec.name!r} has agents {list(self.spec.agents)}; the config's "
-                              f"agents section is missing {missing} and has unknown {extra}")
-        unknown_prompts = sorted(set(cfg.workflow.prompts) - set(self.spec.prompts))
-        if unknown_prompts:
-            raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
-                              f"{self.spec.name} uses {sorted(self.spec.prompts)}")
-        self.source = load_task_source(cfg.task, cfg.sft.teacher)
+        # registry names, agents, prompt templates and the task's data, before anything is built
+        self.spec, self.source = check_run(cfg)
         self.runtime = make_runtime(cfg, self.run_dir)  # local (this process) or Ray worker groups
         self.policies: dict[str, Policy] = self.runtime.build_policies()
         self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()},

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from masrl.paths import write_text_atomic
-from masrl.config import ConfigError, load_config
+from masrl.config import ConfigError
 from masrl.errors import UserInputError, decode_utf8
 from masrl.sweep.run import read_report
 from masrl.sweep.spec import cell_name, parse_cell_name
