@@ -417,9 +417,10 @@ def lever_sampler(a):
 
 
 def lever_decode_attention(a):
-    """The engine's decode steps with transformers' sdpa vs masrl.models.decode_attention (float32 SDPA on the
-    grouped view), SmolLM2 (GQA 9/3) and the tiny model (MHA), float32 and bf16 autocast, prompts of equal
-    length (no mask: transformers' enable_gqa path) and mixed lengths (padding mask); process CPU time."""
+    """The engine's decode steps with transformers' sdpa (under autocast: its bf16 cache) vs
+    masrl.models.decode_attention (two batched matmuls in float32 on the grouped view; under autocast a float32
+    cache), SmolLM2 (GQA 9/3) and the tiny model (MHA), float32 and bf16 autocast, prompts of equal length (no
+    mask: transformers' enable_gqa path) and mixed lengths (padding mask); process CPU time."""
     import torch
 
     from masrl.models.tiny import build_char_tokenizer, build_tiny_model
@@ -429,7 +430,8 @@ def lever_decode_attention(a):
     tok = build_char_tokenizer()
     tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
                                   "intermediate_size": 384}, seed=0).eval()
-    workloads = [("tiny, 64 rows, mixed lengths", tiny, 64, (18, 24), 40, 100)]
+    workloads = [("tiny, 64 rows, mixed lengths", tiny, 64, (18, 24), 40, 100),
+                 ("tiny, 128 rows, long prompts (a team's later turns)", tiny, 128, (60, 90), 40, 100)]
     if not a.no_smollm2:
         big = load_smollm2()
         workloads += [(f"SmolLM2, {a.rows} rows, {name}", big, a.rows, lengths, a.response_len, 40000)

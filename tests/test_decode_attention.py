@@ -1,10 +1,11 @@
 """The engine's attention for 1-token decode queries (masrl.models.decode_attention) computes sdpa's result.
 
-Tiny Llama models built from config (multi-head, GQA, SmolLM2-shaped GQA 9/3): under bf16 autocast (or with
-bf16 inputs) the function equals float32 ``sdpa`` on random inputs (masks: none, padding, additive) and is
-closer to it than bf16 ``sdpa``; in float32 it is ``sdpa`` itself (bitwise). The engine decodes the same
-greedy tokens with it as without, log-probs bitwise in float32 and within 0.02 under bf16 autocast; it is
-really used for the decode steps, prompts still go to ``sdpa``, and the model is ``sdpa`` again after.
+Tiny Llama models built from config (multi-head, GQA, SmolLM2-shaped GQA 9/3): in float32, and under bf16
+autocast (or with bf16 inputs) computed in float32, the function equals float32 ``sdpa`` on random inputs (masks:
+none, padding, additive, batch-broadcast; keys as strided cache views) within 2e-6, closer than bf16 ``sdpa``.
+The engine decodes the same greedy tokens with it as without, log-probs within 1e-5 in float32 and within 0.02
+under bf16 autocast; under autocast its float32 cache gives bitwise the results of a bf16 cache; it is really
+used for the decode steps, prompts still go to ``sdpa``, and the model is ``sdpa`` again after.
 """
 import pytest
 import torch
@@ -30,7 +31,7 @@ class _Attn(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "additive"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "additive", "broadcast"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 2)])
 def test_function_equals_sdpa_for_one_token_queries(mask_kind, heads, kv_heads):
     g = torch.Generator().manual_seed(0)
@@ -45,10 +46,13 @@ def test_function_equals_sdpa_for_one_token_queries(mask_kind, heads, kv_heads):
         mask[3, ..., :2] = False
         if mask_kind == "additive":
             mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+        if mask_kind == "broadcast":  # one mask row for the whole batch
+            mask = mask[1:2]
     module = _Attn(heads // kv_heads)
     expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     got, weights = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
-    assert weights is None and torch.equal(got, expected)  # float32 without autocast: sdpa itself
+    assert weights is None and got.shape == expected.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)  # float32: two matmuls and a softmax
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's default on a bf16 CPU
         fast, _ = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
         slow, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
@@ -110,8 +114,38 @@ def test_engine_greedy_tokens_identical_and_logprobs_close(name, equal_lengths):
     for a, b in zip(fast, slow):  # measured max 0.0039 (sdpa rounds its inputs to bf16)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=0.02, rtol=0)
     assert fast != slow  # the attention really changed
-    # float32: the same sdpa calls, bitwise the same results
-    assert _generate(model, tok, requests, fast=True) == _generate(model, tok, requests, fast=False)
+    # float32: the same greedy tokens, log-probs within float32 rounding
+    fast, slow = _generate(model, tok, requests, fast=True), _generate(model, tok, requests, fast=False)
+    assert [r.response_ids for r in fast] == [r.response_ids for r in slow]
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "smollm2_shaped"])
+def test_float32_cache_under_autocast_gives_the_bf16_cache_results(name, monkeypatch):
+    """Under bf16 autocast the engine keeps float32 keys/values (the bf16 values exactly), so the decode
+    attention reads them in place: the same tokens and log-probs, bitwise, as a bf16 cache."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, CONFIGS[name], seed=0).eval()
+    requests = _requests(tok, equal_lengths=False)
+    dtypes = []
+    original = TransformersEngine._cache_dtype
+
+    def spy(model):
+        dtypes.append(original(model))
+        return dtypes[-1]
+
+    monkeypatch.setattr(TransformersEngine, "_cache_dtype", staticmethod(spy))
+    float32_cache = _generate(model, tok, requests, fast=True, autocast="bfloat16")
+    assert dtypes == [torch.float32]
+    monkeypatch.setattr(TransformersEngine, "_cache_dtype", staticmethod(lambda model: None))
+    bf16_cache = _generate(model, tok, requests, fast=True, autocast="bfloat16")
+    assert float32_cache == bf16_cache and sum(len(r.response_ids) for r in bf16_cache) > 40
+    dtypes.clear()
+    monkeypatch.setattr(TransformersEngine, "_cache_dtype", staticmethod(spy))
+    _generate(model, tok, requests, fast=True)  # float32 without autocast: the keys' own dtype
+    _generate(model, tok, requests, fast=False, autocast="bfloat16")  # sdpa decoding: its bf16 cache
+    assert dtypes == [None, None]
 
 
 def test_only_cpu_sdpa_models_switch_and_the_switch_is_undone():

@@ -1,20 +1,22 @@
-"""Attention for 1-token decode queries on CPU in low precision: float32 SDPA on the grouped (GQA) view.
+"""Attention for 1-token decode queries on CPU: two batched matmuls in float32 that read the cache in place.
 
-transformers' ``sdpa`` attention runs a decode step (one query token per row) through
-``scaled_dot_product_attention`` under ``torch.autocast``, i.e. in bfloat16, and with ``enable_gqa=True``
-when there is no padding mask. On CPU the bfloat16 flash kernel is slow for a 1-token query: 0.83 ms per
-call for 8 rows x 9 heads x 92 keys with ``enable_gqa``, 0.25 ms on the grouped view
-``[batch, kv_heads, groups, head_dim]``, 0.10 ms on that view in float32 (one Zen 4 core).
-:func:`decode_attention_forward` takes the last path for a 1-token query on a CPU under autocast or with
-low-precision inputs: autocast off, query/keys/values in float32, the query reshaped to the grouped view
-(no ``repeat_kv`` copy, no ``enable_gqa``), the same SDPA kernel, the output in the query's dtype.
-Everything else goes to transformers' ``sdpa_attention_forward`` unchanged: float32 without autocast (the
-float32 kernels gain nothing measurable here, and float32 results stay bitwise as they were), prompts
-(several query tokens), other devices, soft-capping, position biases, attention sinks, per-head masks.
+transformers' ``sdpa`` attention runs a decode step (one query token per row) through the CPU flash kernel of
+``scaled_dot_product_attention``: under ``torch.autocast`` in bfloat16 (and with ``enable_gqa=True`` when there
+is no padding mask), and on the preallocated cache's strided views of the filled positions, which it reads at
+about half the speed of contiguous keys. :func:`decode_attention_forward` computes a 1-token query on a CPU
+itself, in float32 (autocast off): the query on the grouped view ``[batch * kv_heads, groups, head_dim]`` (no
+``repeat_kv`` copy), scores by one batched matmul over the cache's views (the batch and head dims fold into
+one: no copy), the mask, a softmax, and a second batched matmul with the values; the output in the query's
+dtype. A decode step is a matrix-vector product per row and head, bound by reading the keys and values.
+Under autocast the engine keeps the cache itself in float32 (``TransformersEngine._cache_dtype``: the bf16 keys
+exactly), so nothing is converted per step. Everything else goes to transformers' ``sdpa_attention_forward``
+unchanged: prompts (several query tokens), other devices, soft-capping, position biases, attention sinks,
+per-head masks, masks that do not match the keys.
 
-Exactness: the attention is computed in float32 from the same inputs, i.e. more precisely than ``sdpa``'s
-bfloat16 (equal to float32 ``sdpa`` within 2e-6; the engine's greedy tokens on tiny configs identical, its
-log-probs within 0.004 of bf16 ``sdpa``'s: ``tests/test_decode_attention.py``). Measured in
+Exactness: float32 arithmetic from the same inputs; equal to float32 ``sdpa`` within 2e-6 (more precise than
+``sdpa``'s bfloat16 under autocast, off by > 1e-4); in the engine the greedy tokens of tiny configs are identical
+to ``sdpa``'s, log-probs within 1e-5 in float32 and 0.004 of bf16 ``sdpa``'s (``tests/test_decode_attention.py``).
+Not bitwise ``sdpa`` in float32 (a different summation order). Measured in
 ``benchmarks/profile_step.py --section levers --levers decode_attention`` (docs/performance.md).
 
 The in-process engine uses it only while it decodes (:func:`decode_attention`, a context manager that
@@ -39,23 +41,57 @@ def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     ``[batch, kv_heads, kv_len, dim]``; returns ``([batch, q_len, heads, dim], None)`` as ``sdpa`` does."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    full_precision = (query.dtype == key.dtype == value.dtype == torch.float32
-                      and not torch.is_autocast_enabled("cpu"))
-    if (q_len != 1 or query.device.type != "cpu" or full_precision or dropout or heads % kv_heads
+    if (q_len != 1 or query.device.type != "cpu" or dropout or heads % kv_heads
             or value.shape[-1] != dim
             or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS)
-            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))):
+            or (attention_mask is not None and (attention_mask.dim() != 4
+                                                or tuple(attention_mask.shape[1:]) != (1, 1, key.shape[2])
+                                                or attention_mask.shape[0] not in (1, batch)))):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if key.dtype != query.dtype and not torch.is_autocast_enabled("cpu"):  # a float32 cache, low-precision model
+            key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     with torch.autocast("cpu", enabled=False):
-        grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, dim)
-        mask = attention_mask if attention_mask is None or attention_mask.dtype == torch.bool else attention_mask.float()
-        out = torch.nn.functional.scaled_dot_product_attention(grouped, key.float(), value.float(), attn_mask=mask,
-                                                               scale=scaling)
-    # [batch, kv_heads, groups, dim] -> [batch, 1, heads, dim]; head h = kv head h // groups, as repeat_kv orders them
-    return out.reshape(batch, 1, heads, dim).to(query.dtype), None
+        out = grouped_decode_attention(query.float(), key.float(), value.float(), attention_mask,
+                                       dim ** -0.5 if scaling is None else scaling)
+    return out.to(query.dtype), None
+
+
+def _fold(x: torch.Tensor) -> torch.Tensor:
+    """``[batch, kv_heads, length, dim]`` as ``[batch * kv_heads, length, dim]`` without a copy when the two
+    leading dims fold (a view of the preallocated cache: row stride = kv_heads x head stride)."""
+    b, h, n, d = x.shape
+    if x.stride(0) == h * x.stride(1) and x.stride(3) == 1:
+        return x.as_strided((b * h, n, d), (x.stride(1), x.stride(2), 1))
+    return x.reshape(b * h, n, d)
+
+
+def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention of one query token per row, in the dtype of its inputs (float32 here): ``query``
+    ``[batch, heads, 1, dim]``, ``key``/``value`` ``[batch, kv_heads, length, dim]`` (any strides: the cache's
+    views are read in place), ``mask`` ``[batch, 1, 1, length]`` (bool: True attends; or additive) or None.
+    Returns ``[batch, 1, heads, dim]``, heads in ``repeat_kv`` order (head h reads kv head h // groups).
+
+    Two batched matmuls over ``batch x kv_heads`` (scores ``[groups, length]``, then probabilities x values)
+    and a softmax between them; a decode step is a matrix-vector product per row and head, bound by reading
+    the keys and values, which the CPU flash kernel reads at about half this speed from strided views."""
+    batch, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = query.reshape(batch * kv_heads, groups, dim)
+    scores = torch.bmm(q, _fold(key).transpose(1, 2)).view(batch, heads, length)
+    scores.mul_(scale)
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, length)  # [batch or 1, 1, length]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    probs = torch.softmax(scores, -1).view(batch * kv_heads, groups, length)
+    return torch.bmm(probs, _fold(value)).view(batch, 1, heads, dim)
 
 
 def register() -> None:

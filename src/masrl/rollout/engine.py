@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from masrl.models.decode_attention import decode_attention as cpu_decode_attention
+from masrl.models.decode_attention import NAME as DECODE_ATTENTION, decode_attention as cpu_decode_attention
 from masrl.models.precision import resolve_autocast
 from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.rollout.kv_cache import output_cache, preallocated_cache, with_cache
@@ -386,6 +386,16 @@ class TransformersEngine(Engine):
         :func:`masrl.models.decode_attention.decode_attention_forward` (prompts still go to ``sdpa``)."""
         return cpu_decode_attention(model) if self.decode_attention else contextlib.nullcontext()
 
+    @staticmethod
+    def _cache_dtype(model) -> torch.dtype | None:
+        """float32 keys/values for a float32 model decoding under autocast with the CPU decode attention
+        (which attends in float32): the cache holds the bf16 keys exactly (the same results) and the attention
+        reads it in place instead of converting the whole cache at every step. None: the keys' own dtype."""
+        if (getattr(getattr(model, "config", None), "_attn_implementation", None) != DECODE_ATTENTION
+                or not torch.is_autocast_enabled("cpu")):
+            return None
+        return torch.float32 if next(model.parameters()).dtype == torch.float32 else None
+
     def _preallocatable(self, model) -> bool:
         """Whether ``model``'s cache can be preallocated (prefix reuse works on those buffers)."""
         key = id(model)
@@ -463,7 +473,7 @@ class TransformersEngine(Engine):
         """Prefill every unique row and give each row its unique row's cache: (cache, first logits, rows)."""
         batch, width = len(layout.inverse), layout.width
         input_ids, positions = layout.input_ids.to(device), layout.positions.to(device)
-        cache = preallocated_cache(model, width + max_new) if self.preallocate_cache else None
+        cache = preallocated_cache(model, width + max_new, self._cache_dtype(model)) if self.preallocate_cache else None
         if layout.prefix_width:
             self._fill_prefixes(cache, layout.hits, layout.reuse, layout.prefix_width, width + max_new, device)
         cache, logits = self._prefill(model, cache, input_ids, layout.attention.to(device), positions, layout.uniq,

@@ -46,9 +46,10 @@ class _PreallocatedLayer:
                 positions are already set (reused prefixes); otherwise the first update allocates them.
                 """
 
-                def __init__(self, capacity: int):
+                def __init__(self, capacity: int, dtype: torch.dtype | None = None):
                     super().__init__()
                     self.capacity = capacity
+                    self.buffer_dtype = dtype  # None: the dtype of the first keys written
                     self._filled = 0
                     self._rows = slice(None)  # the batch rows the next forward covers (prefill chunks)
                     self._total_rows: int | None = None
@@ -67,11 +68,12 @@ class _PreallocatedLayer:
 
                 def update(self, key_states, value_states, *args, **kwargs):
                     if not self.is_initialized:
-                        self.dtype, self.device = key_states.dtype, key_states.device
+                        dtype = self.buffer_dtype or key_states.dtype
+                        self.dtype, self.device = dtype, key_states.device
                         b, h, _, d = key_states.shape
                         b = self._total_rows or b
-                        self._k = key_states.new_zeros((b, h, self.capacity, d))
-                        self._v = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]))
+                        self._k = key_states.new_zeros((b, h, self.capacity, d), dtype=dtype)
+                        self._v = value_states.new_zeros((b, h, self.capacity, value_states.shape[-1]), dtype=dtype)
                         self.is_initialized = True
                     start, end = self._filled, self._filled + key_states.shape[-2]
                     if end > self._k.shape[-2]:  # longer than planned: grow (never happens in _decode)
@@ -94,14 +96,16 @@ class _PreallocatedLayer:
         return cls.cls
 
 
-def preallocated_cache(model: torch.nn.Module, capacity: int):
+def preallocated_cache(model: torch.nn.Module, capacity: int, dtype: torch.dtype | None = None):
     """A transformers ``DynamicCache`` whose layers write into buffers of ``capacity`` positions.
 
     The default dynamic cache grows every layer's keys and values by ``torch.cat`` at every decode
     step (a copy of the whole cache per step: O(length^2) traffic, the largest rollout op on small
     models). Here each layer allocates ``[batch, heads, capacity, head_dim]`` once, writes new
     positions in place and hands attention the view of the filled prefix: the same values, so the
-    same logits. Returns None (the model builds its default cache) unless every layer of the
+    same logits. ``dtype``: the buffers' dtype (None: the first keys'); a float32 cache under bf16
+    autocast holds the bf16 keys exactly and spares the float32 decode attention a conversion of the whole
+    cache per step. Returns None (the model builds its default cache) unless every layer of the
     model's default cache is a plain full-attention ``DynamicLayer``.
     """
     try:
@@ -118,5 +122,5 @@ def preallocated_cache(model: torch.nn.Module, capacity: int):
     if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
         return None
     layer_cls = _PreallocatedLayer.get()
-    cache.layers = [layer_cls(capacity) for _ in cache.layers]
+    cache.layers = [layer_cls(capacity, dtype) for _ in cache.layers]
     return cache
