@@ -1,5 +1,6 @@
 """Policy options: gradient checkpointing (same gradients, recomputed activations; with per-agent LoRA
 adapters too), chat-template kwargs."""
+import pytest
 import torch
 
 from masrl.config import AlgorithmConfig, PolicyConfig, TrainerConfig
@@ -106,3 +107,24 @@ def test_sft_runs_under_trainer_autocast():
     assert plain != bf16
     torch.testing.assert_close(torch.tensor(bf16), torch.tensor(plain), rtol=2e-2, atol=2e-2)
     assert _sft_run("float32")[0] == plain
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sft_trains_each_agents_own_adapter(checkpointing):
+    """Per-agent LoRA: a demonstration trains its agent's adapter only. (Before the fix SFT ran unrouted, i.e.
+    through PEFT's first active adapter: every agent's demonstrations trained the first agent's adapter and the
+    others stayed at their zero start, so a SmolLM2 Verifier never learned its tag.)"""
+    from masrl.config import SFTConfig
+    from masrl.training.sft import run_sft
+
+    policy = build_policy("p", PolicyConfig(tiny=TINY, gradient_checkpointing=checkpointing,
+                                            lora={"r": 4, "alpha": 8, "per_agent": True}),
+                          seed=0, max_rollout_batch=8, agents=["A", "B"])
+    before = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
+    rows = [Row("B", [5, 6, 7, 8], [9, 10, 11], [0.0] * 3, 0.0, policy="p"),
+            Row("B", [5, 6], [12, 13], [0.0] * 2, 0.0, policy="p")]
+    run_sft({"p": policy}, rows, SFTConfig(steps=3, batch_size=2, lr=1e-2, warmup_steps=0), seed=0,
+            micro_batch_tokens=4096)
+    moved = {n for n, p in policy.model.named_parameters() if "lora_" in n and not torch.equal(p, before[n])}
+    assert moved and all(".B." in n for n in moved)  # B's adapter trained, A's untouched
+    assert any(".A." in n for n in before)

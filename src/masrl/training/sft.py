@@ -16,7 +16,7 @@ from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy, use_fused_adamw
-from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows
+from masrl.training.update import Row, adapter_routing, autocast_context, micro_batches, model_logprobs, pack_rows
 from masrl.types import Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
@@ -107,11 +107,15 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
+                chunk.sort(key=lambda r: r.agent)  # per-agent LoRA: contiguous rows per adapter
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
-                with autocast_context(autocast, batch.input_ids.device):
-                    logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
-                nll = -(logp * batch.response_mask).sum() / total
-                nll.backward()
+                # per-agent LoRA: each demonstration trains its own agent's adapter (outside the routing only the
+                # first adapter is active); backward inside it, for gradient checkpointing's recomputation
+                with adapter_routing(policy, chunk, backward_inside=True):
+                    with autocast_context(autocast, batch.input_ids.device):
+                        logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
+                    nll = -(logp * batch.response_mask).sum() / total
+                    nll.backward()
                 loss_sum += float(nll.detach())
             if dp is not None:
                 params = policy.trainable_parameters()

@@ -346,7 +346,7 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     backwarded with weight 0 and logs nothing. Rows stay routed to their adapters until backward is done
     (gradient checkpointing recomputes the layers there)."""
     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
-    with _routing(u.policy, chunk, backward_inside=True):
+    with adapter_routing(u.policy, chunk, backward_inside=True):
         return _routed_backward_chunk(u, chunk, total_tokens, total_rows, role_w, padding=padding, finite=finite)
 
 
@@ -463,7 +463,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
         for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
             chunk.sort(key=lambda r: r.agent)
             batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), device)
-            with _routing(policy, chunk), autocast(trainer, device):
+            with adapter_routing(policy, chunk), autocast(trainer, device):
                 logp = model_logprobs(model, batch, trainer.logprob_chunk_tokens).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
@@ -474,7 +474,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
     return [out[id(r)] for r in rows]
 
 
-def _routing(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):
+def adapter_routing(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):
     """Route each row to its agent's adapter (per-agent LoRA), else do nothing. ``backward_inside``: the
     caller also runs backward inside the context (allowed with gradient checkpointing)."""
     if not policy.adapter_of:
