@@ -107,7 +107,8 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for chunk in micro_batches(dp.shard(batch_rows) if dp else batch_rows, micro_batch_tokens):
-                chunk.sort(key=lambda r: r.agent)  # per-agent LoRA: contiguous rows per adapter
+                if policy.adapter_of:  # per-agent LoRA: contiguous rows per adapter (others keep their order,
+                    chunk.sort(key=lambda r: r.agent)  # so their SFT sums stay bitwise what they were)
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
                 # per-agent LoRA: each demonstration trains its own agent's adapter (outside the routing only the
                 # first adapter is active); backward inside it, for gradient checkpointing's recomputation
