@@ -32,7 +32,7 @@ def check_names(cfg: RunConfig) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def check_run(cfg: RunConfig, sft_teacher: dict | None = None):
+def check_run(cfg: RunConfig):
     """Everything a run checks before it builds a model: the registry names, the workflow's agents and prompt
     templates against the config's, and the task (its params and data rows: the task source is loaded).
     Returns ``(workflow spec, task source)``. ``masrl train`` and ``masrl config show`` both call it, so a
@@ -51,4 +51,4 @@ def check_run(cfg: RunConfig, sft_teacher: dict | None = None):
     if unknown_prompts:
         raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                           f"{spec.name} uses {sorted(spec.prompts)}")
-    return spec, load_task_source(cfg.task, cfg.sft.teacher if sft_teacher is None else sft_teacher)
+    return spec, load_task_source(cfg.task, cfg.sft.teacher)

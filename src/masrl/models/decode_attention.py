@@ -49,8 +49,6 @@ def decode_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
                                                 or attention_mask.shape[0] not in (1, batch)))):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if key.dtype != query.dtype and not torch.is_autocast_enabled("cpu"):  # a float32 cache, low-precision model
-            key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     with torch.autocast("cpu", enabled=False):
