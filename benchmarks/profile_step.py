@@ -23,7 +23,10 @@ built here, outside masrl):
 * ``decode``   : the masrl engine's time per decode step vs the model forward alone (sampling and
                  bookkeeping overhead per step), tiny model; bare forwards under inference_mode vs no_grad;
 * ``sampler``  : (round 4) ``torch.multinomial`` vs the engine's inverse-CDF draw over SmolLM2's vocabulary;
-* ``decode_attention``: (round 4) the engine's decode steps with ``sdpa`` vs ``masrl.models.decode_attention``;
+* ``decode_attention``: (round 4) the engine's decode steps with ``sdpa`` vs ``masrl.models.cpu_attention``;
+* ``train_attention``: (round 4, session 10) a training forward+backward under bf16 autocast with transformers'
+                 ``sdpa`` (bf16 flash kernel) vs masrl's CPU attention (float32 ``sdpa`` up to 256 keys),
+                 SmolLM2 and the tiny model, left-padded rows of mixed lengths;
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
                  slow (~40 s of compilation), only with ``--levers compile``.
 
@@ -32,6 +35,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py --section levers --levers compile
     python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
     python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # round 4
+    python benchmarks/profile_step.py --section levers --levers train_attention --reps 5             # session 10
 """
 from __future__ import annotations
 
@@ -418,7 +422,7 @@ def lever_sampler(a):
 
 def lever_decode_attention(a):
     """The engine's decode steps with transformers' sdpa (under autocast: its bf16 cache) vs
-    masrl.models.decode_attention (two batched matmuls in float32 on the grouped view; under autocast a float32
+    masrl.models.cpu_attention (two batched matmuls in float32 on the grouped view; under autocast a float32
     cache), SmolLM2 (GQA 9/3) and the tiny model (MHA), float32 and bf16 autocast, prompts of equal length (no
     mask: transformers' enable_gqa path) and mixed lengths (padding mask); process CPU time."""
     import torch
@@ -450,6 +454,50 @@ def lever_decode_attention(a):
                 v["ms_per_step"] = 1000 * v["median_s"] / new
                 results[f"{name}, {precision or 'float32'}: {k}"] = v
     return {"what": "engine calls, sdpa vs decode attention (process CPU; ms per decode step, prefill included)",
+            "results": results}
+
+
+def lever_train_attention(a):
+    """A training forward + backward (sum of the response positions' log-softmax, as a loss would take) under
+    bf16 autocast: transformers' ``sdpa`` (its CPU flash kernel in bf16) vs ``masrl.models.cpu_attention``
+    (float32 ``sdpa`` up to ``FLOAT32_MAX_KEYS`` keys), rows left-padded to mixed lengths; process CPU time."""
+    import torch
+
+    from masrl.models.cpu_attention import cpu_attention
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    g = torch.Generator().manual_seed(0)
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "intermediate_size": 384}, seed=0)
+    workloads = [("tiny, 64 rows x 60 tokens", tiny, 64, 60, 40, 100), ("tiny, 30 rows x 130 tokens", tiny, 30, 130, 40, 100)]
+    if not a.no_smollm2:
+        width = a.prompt_len + a.response_len
+        workloads += [(f"SmolLM2, {a.rows} rows x {width} tokens", load_smollm2(), a.rows, width, a.response_len, 40000),
+                      ("SmolLM2, 32 rows x 128 tokens (a 4096-token micro-batch)", None, 32, 128, 64, 40000),
+                      ("SmolLM2, 4 rows x 512 tokens (above the float32 limit)", None, 4, 512, 64, 40000)]
+    results, model = {}, None
+    for name, m, rows, width, resp, vocab in workloads:
+        model = (m if m is not None else model).train()
+        ids = torch.randint(10, vocab, (rows, width), generator=g)
+        lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
+        attention = (torch.arange(width)[None] >= (width - lengths)[:, None]).long()
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+
+        def step(fast):
+            def f():
+                with cpu_attention(model) if fast else contextlib.nullcontext():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        out = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False,
+                                    logits_to_keep=resp + 1)
+                    out.logits.float().log_softmax(-1).amax(-1).sum().backward()
+                model.zero_grad(set_to_none=True)
+            return f
+
+        res = ab({"sdpa (bf16)": step(False), "cpu attention": step(True)}, a.reps, clock=time.process_time)
+        for k, v in res.items():
+            results[f"{name}: {k}"] = v
+    return {"what": "training forward+backward under bf16 autocast, sdpa vs masrl's CPU attention (process CPU)",
             "results": results}
 
 
@@ -629,6 +677,8 @@ def run_levers(a) -> dict:
             out[name] = lever_sampler(a)
         elif name == "decode_attention":
             out[name] = lever_decode_attention(a)
+        elif name == "train_attention":
+            out[name] = lever_train_attention(a)
         elif name == "prefix":
             out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
@@ -655,8 +705,9 @@ def main(argv=None) -> None:
     ap.add_argument("--levers", nargs="+",
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
-                             "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention"])
-    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention levers: tiny workloads only")
+                             "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention",
+                             "train_attention"])
+    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention levers: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from masrl.models.decode_attention import NAME as DECODE_ATTENTION, decode_attention as cpu_decode_attention
+from masrl.models.cpu_attention import NAME as CPU_ATTENTION, cpu_attention
 from masrl.models.precision import resolve_autocast
 from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.rollout.kv_cache import output_cache, preallocated_cache, with_cache
@@ -291,7 +291,8 @@ class TransformersEngine(Engine):
                  prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
                  max_running_tokens: int = 65536, decode_attention: bool = True):
         self.model = model
-        # 1-token decode queries on CPU: float32 SDPA on the grouped view (masrl.models.decode_attention)
+        # CPU attention while decoding (masrl.models.cpu_attention): 1-token queries as float32 matmuls over the
+        # cache, prompts under autocast in float32
         self.decode_attention = decode_attention
         # mixed-precision decoding ("bfloat16", or "auto" resolved for the model's device): the trainer's
         # `trainer.autocast`, so that rollout and training run in the same precision
@@ -383,15 +384,15 @@ class TransformersEngine(Engine):
 
     def _attention(self, model) -> contextlib.AbstractContextManager:
         """The model's attention while this engine decodes: ``sdpa`` models on CPU switch to
-        :func:`masrl.models.decode_attention.decode_attention_forward` (prompts still go to ``sdpa``)."""
-        return cpu_decode_attention(model) if self.decode_attention else contextlib.nullcontext()
+        :func:`masrl.models.cpu_attention.attention_forward`."""
+        return cpu_attention(model) if self.decode_attention else contextlib.nullcontext()
 
     @staticmethod
     def _cache_dtype(model) -> torch.dtype | None:
         """float32 keys/values for a float32 model decoding under autocast with the CPU decode attention
         (which attends in float32): the cache holds the bf16 keys exactly (the same results) and the attention
         reads it in place instead of converting the whole cache at every step. None: the keys' own dtype."""
-        if (getattr(getattr(model, "config", None), "_attn_implementation", None) != DECODE_ATTENTION
+        if (getattr(getattr(model, "config", None), "_attn_implementation", None) != CPU_ATTENTION
                 or not torch.is_autocast_enabled("cpu")):
             return None
         return torch.float32 if next(model.parameters()).dtype == torch.float32 else None

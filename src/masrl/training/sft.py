@@ -12,6 +12,7 @@ import torch
 
 from masrl.config import AgentConfig, SFTConfig
 from masrl.errors import ConfigError
+from masrl.models.cpu_attention import cpu_attention
 from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
@@ -112,7 +113,7 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
                 # per-agent LoRA: each demonstration trains its own agent's adapter (outside the routing only the
                 # first adapter is active); backward inside it, for gradient checkpointing's recomputation
-                with adapter_routing(policy, chunk, backward_inside=True):
+                with cpu_attention(policy.model), adapter_routing(policy, chunk, backward_inside=True):
                     with autocast_context(autocast, batch.input_ids.device):
                         logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
                     nll = -(logp * batch.response_mask).sum() / total

@@ -24,6 +24,7 @@ from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_
                               truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.models.cpu_attention import cpu_attention
 from masrl.models.precision import resolve_autocast
 from masrl.training.distributed import DataParallel
 from masrl.training.logprobs import response_logprobs
@@ -346,7 +347,8 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     backwarded with weight 0 and logs nothing. Rows stay routed to their adapters until backward is done
     (gradient checkpointing recomputes the layers there)."""
     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
-    with adapter_routing(u.policy, chunk, backward_inside=True):
+    # masrl's CPU attention (float32 under autocast) for forward and backward, as gradient checkpointing recomputes
+    with cpu_attention(u.policy.model), adapter_routing(u.policy, chunk, backward_inside=True):
         return _routed_backward_chunk(u, chunk, total_tokens, total_rows, role_w, padding=padding, finite=finite)
 
 
@@ -463,7 +465,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
         for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
             chunk.sort(key=lambda r: r.agent)
             batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), device)
-            with adapter_routing(policy, chunk), autocast(trainer, device):
+            with cpu_attention(model), adapter_routing(policy, chunk), autocast(trainer, device):
                 logp = model_logprobs(model, batch, trainer.logprob_chunk_tokens).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
@@ -522,7 +524,8 @@ def model_logprobs(model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int
 def reference_logprobs(policy: Policy, batch: PackedBatch, chunk_tokens: int = 0) -> torch.Tensor:
     """Log-probs under the reference: the frozen initial copy, or the base with adapters disabled."""
     if policy.ref_model is not None:
-        return model_logprobs(policy.ref_model, batch, chunk_tokens)
+        with cpu_attention(policy.ref_model):
+            return model_logprobs(policy.ref_model, batch, chunk_tokens)
     if policy.cfg.lora is not None:
         from masrl.models.lora import base_only
 

@@ -1,4 +1,4 @@
-"""The engine's attention for 1-token decode queries (masrl.models.decode_attention) computes sdpa's result.
+"""masrl's CPU attention (masrl.models.cpu_attention) computes sdpa's result.
 
 Tiny Llama models built from config (multi-head, GQA, SmolLM2-shaped GQA 9/3): in float32, and under bf16
 autocast (or with bf16 inputs) computed in float32, the function equals float32 ``sdpa`` on random inputs (masks:
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from masrl.models.decode_attention import NAME, decode_attention, decode_attention_forward
+from masrl.models.cpu_attention import FLOAT32_MAX_KEYS, NAME, attention_forward, cpu_attention
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, TransformersEngine
 
@@ -50,30 +50,71 @@ def test_function_equals_sdpa_for_one_token_queries(mask_kind, heads, kv_heads):
             mask = mask[1:2]
     module = _Attn(heads // kv_heads)
     expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
-    got, weights = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+    got, weights = attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     assert weights is None and got.shape == expected.shape and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=0)  # float32: two matmuls and a softmax
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the engine's default on a bf16 CPU
-        fast, _ = decode_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
+        fast, _ = attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
         slow, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=dim ** -0.5)
     assert fast.dtype == torch.float32 and fast.shape == expected.shape == (batch, 1, heads, dim)
     torch.testing.assert_close(fast, expected, atol=2e-6, rtol=0)
     assert (slow.float() - expected).abs().max() > 1e-4  # what bf16 sdpa loses
     low = [t.bfloat16() for t in (q, k, v)]  # a model in bfloat16 (no autocast)
-    out, _ = decode_attention_forward(module, *low, mask, scaling=dim ** -0.5)
+    out, _ = attention_forward(module, *low, mask, scaling=dim ** -0.5)
     reference, _ = sdpa_attention_forward(module, *(t.float() for t in low), mask, scaling=dim ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference.bfloat16().float(), atol=0, rtol=0.008)
 
 
-def test_prompts_and_other_devices_go_to_sdpa_unchanged():
+def test_prompts_run_sdpa_in_float32_under_autocast_up_to_the_key_limit():
+    """Several query tokens (prompts, training sequences) go to transformers' sdpa: under bf16 autocast on a CPU
+    with float32 inputs and autocast off (bitwise float32 sdpa, rounded to bf16 as sdpa's output would be), up to
+    FLOAT32_MAX_KEYS keys; beyond, and in float32 without autocast, the very same sdpa call."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g), torch.randn(2, 2, 6, 8, generator=g)
     module = _Attn(2)
+    for length, float32 in [(6, True), (FLOAT32_MAX_KEYS, True), (FLOAT32_MAX_KEYS + 1, False)]:
+        q = torch.randn(2, 4, length, 8, generator=g)
+        k, v = torch.randn(2, 2, length, 8, generator=g), torch.randn(2, 2, length, 8, generator=g)
+        mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None].repeat(2, 1, 1, 1)
+        mask[1, ..., :3] = False
+        mask[1, 0, :3, 0] = True  # padding rows still see one key, as transformers' sdpa mask makes them
+        for m in (None, mask):
+            plain, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.3)
+            got, _ = attention_forward(module, q, k, v, m, scaling=0.3)
+            assert torch.equal(got, plain)  # float32, no autocast: the same call
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                bf16, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.3)
+                got, _ = attention_forward(module, q, k, v, m, scaling=0.3)
+            assert got.dtype == bf16.dtype == torch.bfloat16
+            if float32:
+                assert torch.equal(got, plain.bfloat16())
+                assert not torch.equal(got, bf16)  # what bf16 sdpa loses
+            else:
+                assert torch.equal(got, bf16)
+            low = [t.bfloat16() for t in (q, k, v)]  # a bf16 model, no autocast
+            got, _ = attention_forward(module, *low, m, scaling=0.3)
+            reference, _ = sdpa_attention_forward(module, *(t.float() for t in low), m, scaling=0.3)
+            expected = reference.bfloat16() if float32 else sdpa_attention_forward(module, *low, m, scaling=0.3)[0]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+def test_float32_short_attention_gradients_flow_to_bf16_inputs():
+    """Training under autocast: the float32 attention's gradients reach the bf16 queries, keys and values
+    (through the casts) and equal float32 sdpa's, rounded to bf16."""
+    g = torch.Generator().manual_seed(2)
+    module = _Attn(3)
+    q = torch.randn(2, 9, 12, 16, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(2, 3, 12, 16, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    grad = torch.randn(2, 12, 9, 16, generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
-        got, _ = decode_attention_forward(module, q, k, v, None, scaling=0.3)
-    assert torch.equal(got, expected)  # bitwise: the same call
+        out, _ = attention_forward(module, q, k, v, None, scaling=0.25)
+    out.float().backward(grad)
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    expected, _ = sdpa_attention_forward(module, *ref, None, scaling=0.25)
+    expected.backward(grad.bfloat16().float())
+    assert torch.equal(out, expected.bfloat16())
+    for t, r in zip((q, k, v), ref):
+        assert t.grad.dtype == torch.bfloat16 and torch.equal(t.grad, r.grad.bfloat16())
 
 
 def _requests(tok, equal_lengths: bool) -> list[GenRequest]:
@@ -151,12 +192,12 @@ def test_float32_cache_under_autocast_gives_the_bf16_cache_results(name, monkeyp
 def test_only_cpu_sdpa_models_switch_and_the_switch_is_undone():
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, CONFIGS["gqa"], seed=0)
-    with decode_attention(model) as switched:
+    with cpu_attention(model) as switched:
         assert switched and model.config._attn_implementation == NAME
     assert model.config._attn_implementation == "sdpa"
-    with pytest.raises(RuntimeError), decode_attention(model):
+    with pytest.raises(RuntimeError), cpu_attention(model):
         raise RuntimeError("a failing decode")
     assert model.config._attn_implementation == "sdpa"
     model.set_attn_implementation("eager")
-    with decode_attention(model) as switched:
+    with cpu_attention(model) as switched:
         assert not switched and model.config._attn_implementation == "eager"
