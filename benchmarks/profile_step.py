@@ -27,6 +27,9 @@ built here, outside masrl):
 * ``train_attention``: (round 4, session 10) a training forward+backward under bf16 autocast with transformers'
                  ``sdpa`` (bf16 flash kernel) vs masrl's CPU attention (float32 ``sdpa`` up to 256 keys),
                  SmolLM2 and the tiny model, left-padded rows of mixed lengths;
+* ``packed_linear``: (session 10) bf16 engine calls with autocast's ``F.linear`` vs oneDNN-prepacked weights
+                 (``masrl.models.packed_linear``), SmolLM2 with the packs reused and repacked every call (full
+                 fine-tuning changes the weights every step), and the tiny model;
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
                  slow (~40 s of compilation), only with ``--levers compile``.
 
@@ -35,7 +38,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py --section levers --levers compile
     python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
     python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # round 4
-    python benchmarks/profile_step.py --section levers --levers train_attention --reps 5             # session 10
+    python benchmarks/profile_step.py --section levers --levers train_attention packed_linear --reps 5   # session 10
 """
 from __future__ import annotations
 
@@ -501,6 +504,46 @@ def lever_train_attention(a):
             "results": results}
 
 
+def lever_packed_linear(a):
+    """Engine calls under bf16 autocast with autocast's ``F.linear`` (a cast weight, reordered by oneDNN every
+    call) vs prepacked weights (``masrl.models.packed_linear``): SmolLM2 (packs reused; and repacked before every
+    call, what full fine-tuning pays once per step) and the tiny model; process CPU per decode step."""
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    g = torch.Generator().manual_seed(0)
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "intermediate_size": 384}, seed=0).eval()
+    workloads = [("tiny, 64 rows", tiny, 64, (18, 24), 40, 100)]
+    if not a.no_smollm2:
+        workloads.append((f"SmolLM2, {a.rows} rows", load_smollm2().eval(), a.rows, (a.prompt_len, a.prompt_len - 20),
+                          a.response_len, 40000))
+    results = {}
+    for name, model, rows, lengths, new, vocab in workloads:
+        reqs = [GenRequest(torch.randint(10, vocab, (lengths[i % len(lengths)],), generator=g).tolist(), 1.0, 1.0, new)
+                for i in range(rows)]
+        engines = {packed: TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast="bfloat16",
+                                              packed_linear=packed) for packed in (False, True)}
+
+        def repacked():
+            engines[True].packed_linears.clear()
+            engines[True].generate(reqs)
+
+        variants = {"autocast F.linear": lambda: engines[False].generate(reqs),
+                    "packed weights (reused)": lambda: engines[True].generate(reqs)}
+        if engines[True].packed_linears is not None and vocab > 1000:
+            variants["packed weights (repacked every call)"] = repacked
+        res = ab(variants, a.reps, clock=time.process_time)
+        for k, v in res.items():
+            v["ms_per_step"] = 1000 * v["median_s"] / new
+            results[f"{name}: {k}"] = v
+    return {"what": "bf16 engine calls, autocast F.linear vs prepacked weights (process CPU; ms per decode step, "
+                    "prefill included)", "results": results}
+
+
 def lever_prealloc(a):
     """Decode with the engine's preallocated KV cache (written in place) vs transformers' growing cache
     (``torch.cat`` per layer per step); tiny model, 128 rows, short and long generations. Same outputs."""
@@ -679,6 +722,8 @@ def run_levers(a) -> dict:
             out[name] = lever_decode_attention(a)
         elif name == "train_attention":
             out[name] = lever_train_attention(a)
+        elif name == "packed_linear":
+            out[name] = lever_packed_linear(a)
         elif name == "prefix":
             out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
@@ -687,7 +732,8 @@ def run_levers(a) -> dict:
                          "kvcache": lever_kvcache, "logits": lever_logits}[name](a, big)
         print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
         extra = {"decode": ("ms_per_step", "ms / decode step"), "sampler": ("ms_per_step", "ms / decode step"),
-                 "decode_attention": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
+                 "decode_attention": ("ms_per_step", "ms / decode step"),
+                 "packed_linear": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
                  "prefix": ("prefill_tokens_per_call", "prefill tokens / call")}
         rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
                 ([fmt(v[extra[name][0]])] if name in extra else [])
@@ -706,8 +752,8 @@ def main(argv=None) -> None:
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
                              "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention",
-                             "train_attention"])
-    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention levers: tiny workloads only")
+                             "train_attention", "packed_linear"])
+    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention, packed_linear levers: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, cpu_attention
+from masrl.models.packed_linear import PackedLinears, available as packed_linear_available
 from masrl.models.precision import resolve_autocast
 from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.rollout.kv_cache import output_cache, preallocated_cache, with_cache
@@ -289,11 +290,14 @@ class TransformersEngine(Engine):
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
                  prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
-                 max_running_tokens: int = 65536, decode_attention: bool = True):
+                 max_running_tokens: int = 65536, decode_attention: bool = True, packed_linear: bool = True):
         self.model = model
         # CPU attention while decoding (masrl.models.cpu_attention): 1-token queries as float32 matmuls over the
         # cache, prompts under autocast in float32
         self.decode_attention = decode_attention
+        # bf16 decoding on CPU: large Linear weights prepacked for oneDNN once per weight version
+        # (masrl.models.packed_linear; bitwise autocast's results)
+        self.packed_linears = PackedLinears() if packed_linear and packed_linear_available() else None
         # mixed-precision decoding ("bfloat16", or "auto" resolved for the model's device): the trainer's
         # `trainer.autocast`, so that rollout and training run in the same precision
         self.autocast = autocast
@@ -336,8 +340,11 @@ class TransformersEngine(Engine):
 
     def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
         """The engine decodes with the trainer's model, so it serves new weights as they are; the keys/values
-        kept for prefix reuse belong to the old ones."""
+        kept for prefix reuse belong to the old ones, and so do packed copies of changed base weights (dropped
+        before the update needs the memory; they would be repacked anyway)."""
         self.clear_prefix_cache()
+        if base_changed and self.packed_linears is not None:
+            self.packed_linears.clear()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """The CPU generator, or one on ``device`` (seeded alike) when the logits live there."""
@@ -359,7 +366,7 @@ class TransformersEngine(Engine):
         was_training = model.training
         model.eval()
         try:
-            with self._precision(model), self._attention(model):
+            with self._precision(model), self._attention(model), self._packed(model):
                 return self._decode(model, requests)
         finally:
             model.train(was_training)
@@ -386,6 +393,14 @@ class TransformersEngine(Engine):
         """The model's attention while this engine decodes: ``sdpa`` models on CPU switch to
         :func:`masrl.models.cpu_attention.attention_forward`."""
         return cpu_attention(model) if self.decode_attention else contextlib.nullcontext()
+
+    def _packed(self, model) -> contextlib.AbstractContextManager:
+        """bf16 autocast on a CPU: the model's large Linear layers use prepacked weights while this engine decodes
+        (:class:`masrl.models.packed_linear.PackedLinears`)."""
+        if (self.packed_linears is None or not torch.is_autocast_enabled("cpu")
+                or torch.get_autocast_dtype("cpu") != torch.bfloat16):
+            return contextlib.nullcontext()
+        return self.packed_linears.active(model)
 
     @staticmethod
     def _cache_dtype(model) -> torch.dtype | None:
