@@ -10,6 +10,13 @@ rule (masrl.models.precision).
 
     python benchmarks/autocast_size.py                    # 4 widths, 3 timed steps each
     python benchmarks/autocast_size.py --hidden 128 576 --steps 2 --repeats 2
+
+``--decode`` (session 10): the in-process engine's decode step alone, bf16 autocast vs float32, tiny Llamas of
+hidden 128 / 192 / 256 / 384 / 576 (4 layers, 32-wide heads, MLP 3x), 64 and 16 rows, prompts of 18/24 tokens, 40
+new tokens; process CPU, median of 5 alternated engine calls. It sets ``AUTO_BF16_MIN_HIDDEN`` (rollout/engine.py):
+under ``auto`` narrower models decode in float32.
+
+    python benchmarks/autocast_size.py --decode
 """
 from __future__ import annotations
 
@@ -63,6 +70,48 @@ def worker(a) -> dict:
     return {"steps": steps, "params": params}
 
 
+def decode_by_width(widths=(128, 192, 256, 384, 576), rows_list=(64, 16), reps: int = 5) -> None:
+    """Engine calls (40 new tokens, no stop token) under bf16 autocast vs float32 on tiny Llamas by width."""
+    import statistics
+
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    set_threads(1)
+    info = print_header(1)
+    tok = build_char_tokenizer()
+    g = torch.Generator().manual_seed(0)
+    table, raw = [], []
+    for hidden in widths:
+        heads = hidden // 32
+        model = build_tiny_model(tok, {"hidden_size": hidden, "num_hidden_layers": 4, "num_attention_heads": heads,
+                                       "num_key_value_heads": heads, "intermediate_size": 3 * hidden}, seed=0).eval()
+        for rows in rows_list:
+            reqs = [GenRequest(torch.randint(10, 100, (18 + (i % 2) * 6,), generator=g).tolist(), 1.0, 1.0, 40)
+                    for i in range(rows)]
+            engines = {p: TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast=p)
+                       for p in ("float32", "bfloat16")}
+            times = {p: [] for p in engines}
+            for e in engines.values():
+                e.generate(reqs)
+            for _ in range(reps):
+                for p, e in engines.items():
+                    c = time.process_time()
+                    e.generate(reqs)
+                    times[p].append(time.process_time() - c)
+            med = {p: 1000 * statistics.median(t) / 40 for p, t in times.items()}
+            table.append([hidden, rows, fmt(med["float32"]), fmt(med["bfloat16"]), fmt(med["bfloat16"] / med["float32"])])
+            raw.append({"hidden": hidden, "rows": rows, "times": times})
+            print(f"  hidden {hidden} rows {rows}: {table[-1]}", flush=True)
+    print()
+    print(fmt_table(["hidden", "rows", "float32 ms / decode step", "bf16 ms / decode step", "bf16 / float32"], table))
+    path = RESULTS / "autocast_size_decode.json"
+    write_json(path, {"command": command_line(), "machine": info, "runs": raw, "rows": table})
+    print(f"\nwritten {path}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[128, 256, 384, 576])
@@ -71,7 +120,11 @@ def main(argv=None) -> None:
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     ap.add_argument("--hidden-size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--autocast", help=argparse.SUPPRESS)
+    ap.add_argument("--decode", action="store_true", help="the engine's decode step alone, by width (session 10)")
     a = ap.parse_args(argv)
+    if a.decode:
+        decode_by_width()
+        return
     if a.worker_json:
         set_threads(1)
         Path(a.worker_json).write_text(json.dumps(worker(a)))

@@ -57,16 +57,22 @@ def test_auto_is_the_default_and_bad_values_are_refused():
 
 
 def test_the_engine_decodes_under_the_resolved_autocast(monkeypatch):
+    """``auto`` decodes under autocast where bf16 is native, for models at least AUTO_BF16_MIN_HIDDEN wide; a
+    narrower model decodes in float32 under ``auto`` (faster on a CPU), but under an explicit ``bfloat16``."""
     import masrl.models.precision as precision
     from masrl.models.tiny import build_char_tokenizer, build_tiny_model
-    from masrl.rollout.engine import TransformersEngine
+    from masrl.rollout.engine import AUTO_BF16_MIN_HIDDEN, TransformersEngine
 
-    model = build_tiny_model(build_char_tokenizer(), {"hidden_size": 16, "num_hidden_layers": 1,
-                                                      "num_attention_heads": 2, "num_key_value_heads": 2,
-                                                      "intermediate_size": 32}, seed=0)
-    engine = TransformersEngine(model, eos_token_ids=[1], pad_token_id=0, autocast="auto")
+    def model(hidden):
+        return build_tiny_model(build_char_tokenizer(), {"hidden_size": hidden, "num_hidden_layers": 1,
+                                                         "num_attention_heads": 2, "num_key_value_heads": 2,
+                                                         "intermediate_size": 32}, seed=0)
+
+    wide, narrow = model(AUTO_BF16_MIN_HIDDEN), model(AUTO_BF16_MIN_HIDDEN - 16)
     for native in (True, False):
         monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
-        with engine._precision(model):
-            assert torch.is_autocast_enabled("cpu") is native
-            assert torch.is_inference_mode_enabled() is not native  # no_grad under autocast (cast cache)
+        for m, setting, expected in ((wide, "auto", native), (narrow, "auto", False), (narrow, "bfloat16", True)):
+            engine = TransformersEngine(m, eos_token_ids=[1], pad_token_id=0, autocast=setting)
+            with engine._precision(m):
+                assert torch.is_autocast_enabled("cpu") is expected
+                assert torch.is_inference_mode_enabled() is not expected  # no_grad under autocast (cast cache)

@@ -212,6 +212,18 @@ class _PromptLayout:
                    attention, positions)
 
 
+# `autocast: auto` decodes in bf16 on a CPU only from this hidden size: a decode step of a tiny Llama (4 layers,
+# 64 / 16 rows) under bf16 autocast takes 1.15-1.25x the float32 time at 128, 0.97-1.15x at 192, 0.84-1.05x at 256,
+# 0.63-0.83x from 384 (benchmarks/autocast_size.py --decode; docs/performance.md, "Precision")
+AUTO_BF16_MIN_HIDDEN = 256
+
+
+def _hidden_size(model: torch.nn.Module) -> int:
+    """The width of the model's token embeddings (its hidden size); a large number when it has none."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(getattr(embeddings, "embedding_dim", 1 << 30))
+
+
 class _LiveRows:
     """The rows still in the model's batch (``live``: None = all) with their cache, mask and next positions.
     Finished rows may leave it (:meth:`keep`); sampling always covers every row."""
@@ -381,6 +393,8 @@ class TransformersEngine(Engine):
         """
         device = next(model.parameters()).device
         dtype = resolve_autocast(self.autocast, device) if isinstance(self.autocast, str) else self.autocast
+        if self.autocast == "auto" and device.type == "cpu" and _hidden_size(model) < AUTO_BF16_MIN_HIDDEN:
+            dtype = None  # a narrow model decodes faster in float32 on a CPU (the casts cost more than they save)
         if not dtype:  # FSDP2 (sharded_model) must not allocate its unsharded weights as inference tensors
             return torch.no_grad() if self.sharded_model else torch.inference_mode()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -658,7 +672,7 @@ class TransformersEngine(Engine):
         was_training = model.training
         model.eval()
         try:
-            with self._precision(model), self._attention(model):
+            with self._precision(model), self._attention(model), self._packed(model):
                 if self._queue:
                     self._admit(model)
                 return self._advance(model)
