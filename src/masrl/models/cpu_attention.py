@@ -77,7 +77,8 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
     low = torch.get_autocast_dtype("cpu") if autocast else query.dtype
     if (query.device.type != "cpu" or key.shape[2] > FLOAT32_MAX_KEYS
-            or low not in (torch.bfloat16, torch.float16)):
+            or low not in (torch.bfloat16, torch.float16)
+            or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
