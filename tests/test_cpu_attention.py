@@ -5,7 +5,9 @@ autocast (or with bf16 inputs) computed in float32, the function equals float32 
 none, padding, additive, batch-broadcast; keys as strided cache views) within 2e-6, closer than bf16 ``sdpa``.
 The engine decodes the same greedy tokens with it as without, log-probs within 1e-5 in float32 and within 0.02
 under bf16 autocast; under autocast its float32 cache gives bitwise the results of a bf16 cache; it is really
-used for the decode steps, prompts still go to ``sdpa``, and the model is ``sdpa`` again after.
+used for the decode steps, prompts still go to ``sdpa``, and the model is ``sdpa`` again after. Several query
+tokens (prompts, training sequences) under bf16 autocast run float32 ``sdpa`` up to FLOAT32_MAX_KEYS keys, bitwise,
+gradients included; beyond the limit and in float32 without autocast the very same ``sdpa`` call.
 """
 import pytest
 import torch
