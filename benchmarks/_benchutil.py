@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -145,3 +146,19 @@ def run_worker(script: Path, args: Sequence[str], timeout: float | None = None) 
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
+def ab(variants: dict, reps: int, clock=time.perf_counter) -> dict:
+    """Time every variant alternately ``reps`` times (after one untimed call each); ``clock``: wall time, or
+    ``time.process_time`` (process CPU, less inflated by other jobs on a shared machine)."""
+    for fn in variants.values():
+        fn()
+    times = {k: [] for k in variants}
+    for _ in range(reps):
+        for k, fn in variants.items():
+            t = clock()
+            fn()
+            times[k].append(clock() - t)
+    base = next(iter(variants))
+    return {k: {"median_s": statistics.median(v), "min_s": min(v), "times": v,
+                "ratio_to_first": statistics.median(v) / statistics.median(times[base])} for k, v in times.items()}

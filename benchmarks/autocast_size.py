@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (RESULTS, command_line, fmt, fmt_table, print_header, run_worker,  # noqa: E402
+from _benchutil import (RESULTS, ab, command_line, fmt, fmt_table, print_header, run_worker,  # noqa: E402
                         set_threads, spread, write_json)
 from vs_trl import TASK_PARAMS, TERSE_SOLVER  # noqa: E402
 
@@ -72,8 +72,6 @@ def worker(a) -> dict:
 
 def decode_by_width(widths=(128, 192, 256, 384, 576), rows_list=(64, 16), reps: int = 5) -> None:
     """Engine calls (40 new tokens, no stop token) under bf16 autocast vs float32 on tiny Llamas by width."""
-    import statistics
-
     import torch
 
     from masrl.models.tiny import build_char_tokenizer, build_tiny_model
@@ -93,17 +91,10 @@ def decode_by_width(widths=(128, 192, 256, 384, 576), rows_list=(64, 16), reps: 
                     for i in range(rows)]
             engines = {p: TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast=p)
                        for p in ("float32", "bfloat16")}
-            times = {p: [] for p in engines}
-            for e in engines.values():
-                e.generate(reqs)
-            for _ in range(reps):
-                for p, e in engines.items():
-                    c = time.process_time()
-                    e.generate(reqs)
-                    times[p].append(time.process_time() - c)
-            med = {p: 1000 * statistics.median(t) / 40 for p, t in times.items()}
+            res = ab({p: (lambda e=e: e.generate(reqs)) for p, e in engines.items()}, reps, clock=time.process_time)
+            med = {p: 1000 * v["median_s"] / 40 for p, v in res.items()}
             table.append([hidden, rows, fmt(med["float32"]), fmt(med["bfloat16"]), fmt(med["bfloat16"] / med["float32"])])
-            raw.append({"hidden": hidden, "rows": rows, "times": times})
+            raw.append({"hidden": hidden, "rows": rows, "times": {p: v["times"] for p, v in res.items()}})
             print(f"  hidden {hidden} rows {rows}: {table[-1]}", flush=True)
     print()
     print(fmt_table(["hidden", "rows", "float32 ms / decode step", "bf16 ms / decode step", "bf16 / float32"], table))

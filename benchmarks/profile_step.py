@@ -47,13 +47,12 @@ import contextlib
 import cProfile
 import io
 import pstats
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import (print_header, REPO, RESULTS, command_line, fmt, fmt_table,  # noqa: E402
+from _benchutil import (ab, print_header, REPO, RESULTS, command_line, fmt, fmt_table,  # noqa: E402
                         set_threads, write_json)
 from quickstart_throughput import BASE_OVERRIDES  # noqa: E402
 
@@ -110,21 +109,6 @@ def profile_quickstart(a) -> dict:
 
 
 # ----------------------------------------------------------------------------- levers
-
-def ab(variants: dict, reps: int, clock=time.perf_counter) -> dict:
-    """Time every variant alternately ``reps`` times (after one untimed call each); ``clock``: wall time, or
-    ``time.process_time`` (process CPU, less inflated by other jobs on a shared machine)."""
-    for fn in variants.values():
-        fn()
-    times = {k: [] for k in variants}
-    for _ in range(reps):
-        for k, fn in variants.items():
-            t = clock()
-            fn()
-            times[k].append(clock() - t)
-    base = next(iter(variants))
-    return {k: {"median_s": statistics.median(v), "min_s": min(v), "times": v,
-                "ratio_to_first": statistics.median(v) / statistics.median(times[base])} for k, v in times.items()}
 
 
 def load_smollm2(dtype=None):
