@@ -74,9 +74,9 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     gives there (autocast's, else the query's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    autocast = query.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-    low = torch.get_autocast_dtype("cpu") if autocast else query.dtype
-    if (query.device.type != "cpu" or key.shape[2] > FLOAT32_MAX_KEYS
+    on_cpu = query.device.type == "cpu"
+    low = torch.get_autocast_dtype("cpu") if on_cpu and torch.is_autocast_enabled("cpu") else query.dtype
+    if (not on_cpu or key.shape[2] > FLOAT32_MAX_KEYS
             or low not in (torch.bfloat16, torch.float16)
             or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

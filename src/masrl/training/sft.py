@@ -12,12 +12,11 @@ import torch
 
 from masrl.config import AgentConfig, SFTConfig
 from masrl.errors import ConfigError
-from masrl.models.cpu_attention import cpu_attention
 from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy, use_fused_adamw
-from masrl.training.update import Row, adapter_routing, autocast_context, micro_batches, model_logprobs, pack_rows
+from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows, trainer_forward
 from masrl.types import Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
@@ -113,7 +112,7 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
                 batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), next(policy.model.parameters()).device)
                 # per-agent LoRA: each demonstration trains its own agent's adapter (outside the routing only the
                 # first adapter is active); backward inside it, for gradient checkpointing's recomputation
-                with cpu_attention(policy.model), adapter_routing(policy, chunk, backward_inside=True):
+                with trainer_forward(policy, chunk, backward_inside=True):
                     with autocast_context(autocast, batch.input_ids.device):
                         logp = model_logprobs(policy.model, batch, logprob_chunk_tokens)
                     nll = -(logp * batch.response_mask).sum() / total

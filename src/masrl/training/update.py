@@ -347,8 +347,7 @@ def _backward_chunk(u: _UpdateRun, chunk: list[Row], total_tokens: int, total_ro
     backwarded with weight 0 and logs nothing. Rows stay routed to their adapters until backward is done
     (gradient checkpointing recomputes the layers there)."""
     chunk.sort(key=lambda r: r.agent)  # contiguous rows per adapter route by slicing
-    # masrl's CPU attention (float32 under autocast) for forward and backward, as gradient checkpointing recomputes
-    with cpu_attention(u.policy.model), adapter_routing(u.policy, chunk, backward_inside=True):
+    with trainer_forward(u.policy, chunk, backward_inside=True):
         return _routed_backward_chunk(u, chunk, total_tokens, total_rows, role_w, padding=padding, finite=finite)
 
 
@@ -465,7 +464,7 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
         for chunk in micro_batches([r for r in rows if r.response_ids], trainer.micro_batch_tokens):
             chunk.sort(key=lambda r: r.agent)
             batch = pack_rows(chunk, int(policy.tokenizer.pad_token_id), device)
-            with cpu_attention(model), adapter_routing(policy, chunk), autocast(trainer, device):
+            with trainer_forward(policy, chunk), autocast(trainer, device):
                 logp = model_logprobs(model, batch, trainer.logprob_chunk_tokens).float().cpu()
             width = batch.targets.shape[1]
             for i, r in enumerate(chunk):
@@ -474,6 +473,15 @@ def with_trainer_logprobs(policy: Policy, rows: Sequence[Row], trainer: TrainerC
     finally:
         model.train(was_training)
     return [out[id(r)] for r in rows]
+
+
+@contextlib.contextmanager
+def trainer_forward(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):
+    """What every trainer forward of ``chunk`` runs under: masrl's CPU attention (float32 for short sequences under
+    autocast, masrl.models.cpu_attention) and the rows' adapter routing. ``backward_inside``: the caller also runs
+    backward inside (gradient checkpointing recomputes with the same attention and routing)."""
+    with cpu_attention(policy.model), adapter_routing(policy, chunk, backward_inside=backward_inside):
+        yield
 
 
 def adapter_routing(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):
