@@ -40,7 +40,9 @@ on a CPU with native bf16, float32 elsewhere; ``trainer.logprob_chunk_tokens: 10
 ``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. The optimizer kernel is the
 same on both sides: masrl's ``optim.fused`` (``--fused-adamw auto|true|false``, default ``auto`` = fused from 10M
 trained parameters: SmolLM2 yes, tiny no) and TRL's ``adamw_torch_fused`` (transformers' default) or
-``adamw_torch`` to match. Besides wall time,
+``adamw_torch`` to match. ``--masrl-malloc default`` turns off masrl's glibc malloc settings
+(``trainer.tune_malloc``, on by default), ``--trl-malloc tuned`` gives TRL's process the same settings
+(``masrl.runtime.malloc.tune_malloc()`` before anything is loaded). Besides wall time,
 every step records its process CPU time (``cpu_s``), which other jobs on a shared machine inflate less.
 
 Writes ``benchmarks/results/vs_trl_<model>.json`` and prints a markdown table.
@@ -125,7 +127,7 @@ def worker_masrl(a) -> dict:
                       "loss": {"loss": "ppo", "clip_low": 0.2, "clip_high": 0.2, "agg": "token-mean"}},
         "sft": {"steps": 0},
         "trainer": {"total_steps": a.warmup + a.steps, "batch_size": a.B, "group_size": a.G,
-                    "threads": a.threads, "autocast": a.autocast,
+                    "threads": a.threads, "autocast": a.autocast, "tune_malloc": a.masrl_malloc == "tuned",
                     **({"micro_batch_tokens": a.micro_batch_tokens} if a.micro_batch_tokens else {})},
         "eval": {"before_after": False},
         "logging": {"tensorboard": False, "progress": False, "plots": False},
@@ -169,6 +171,10 @@ def trl_fused(a) -> bool:
 
 
 def worker_trl(a) -> dict:
+    if a.trl_malloc == "tuned":  # masrl's glibc malloc settings for TRL's process too (masrl.runtime.malloc)
+        from masrl.runtime.malloc import tune_malloc
+
+        tune_malloc()
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -311,7 +317,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
     worker_args += ["--autocast", a.autocast] + \
         (["--rollout-autocast"] if a.rollout_autocast else []) + ["--fused-adamw", a.fused_adamw] + \
         (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
-        (["--trl-bf16"] if a.trl_bf16 else [])
+        (["--trl-bf16"] if a.trl_bf16 else []) + ["--masrl-malloc", a.masrl_malloc, "--trl-malloc", a.trl_malloc]
     runs = {"masrl": [], "trl": []}
     order = ["masrl", "trl"] if not a.trl_first else ["trl", "masrl"]
     print(f"\n## {model}: B={p['B']} G={p['G']} max_new_tokens={p['max_new_tokens']} lr={p['lr']} "
@@ -337,7 +343,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
         table[key] = {"masrl": spread(m), "trl": spread(t), "ratio": spread(ratios)}
     settings = {"masrl_autocast": a.autocast, "masrl_rollout_autocast": a.rollout_autocast,
                 "masrl_fused_adamw": a.fused_adamw, "masrl_micro_batch_tokens": a.micro_batch_tokens,
-                "trl_bf16": a.trl_bf16}
+                "trl_bf16": a.trl_bf16, "masrl_malloc": a.masrl_malloc, "trl_malloc": a.trl_malloc}
     return {"model": model, "model_path": str(folder) if model != "tiny" else "tiny (quickstart size, seed 0)",
             "params": p, "settings": settings, "threads": a.threads, "runs": runs, "table": table}
 
@@ -378,6 +384,10 @@ def main(argv=None) -> None:
                          "(adamw_torch_fused, its own default, or adamw_torch)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="masrl trainer.micro_batch_tokens")
     ap.add_argument("--trl-bf16", action="store_true", help="TRL GRPOConfig(bf16=True) (CPU autocast)")
+    ap.add_argument("--masrl-malloc", choices=["tuned", "default"], default="tuned",
+                    help="masrl trainer.tune_malloc (tuned: the shipped default; masrl.runtime.malloc)")
+    ap.add_argument("--trl-malloc", choices=["default", "tuned"], default="default",
+                    help="TRL's process with glibc's malloc defaults, or with masrl's settings (masrl.runtime.malloc)")
     # internal: one measured run
     ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)

@@ -34,6 +34,7 @@ from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_bench_tasks
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError, make_runtime
+from masrl.runtime.malloc import tune_malloc
 from masrl.training.conversation import merge_extending_rows
 from masrl.training.policy import Policy
 from masrl.training.sft import collect_demonstrations
@@ -53,6 +54,8 @@ class Trainer:
         self.show_progress = cfg.logging.progress if progress is None else progress
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        if cfg.trainer.tune_malloc:  # before any model is built (masrl.runtime.malloc)
+            tune_malloc()
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         # registry names, agents, prompt templates and the task's data, before anything is built

@@ -213,7 +213,8 @@ class RayRuntime:
             ).remote(name, cfg.policies[name].model_dump(mode="json"), build, rank=rank, world=place.workers,
                      threads=threads, device=device, base_trained=base_trained(cfg, name), spike=spike,
                      offload=bool(place.offload and name in colocated and len(colocated) > 1),
-                     fsdp=rc.fsdp.model_dump(mode="json") if rc.strategy == "fsdp" else None)
+                     fsdp=rc.fsdp.model_dump(mode="json") if rc.strategy == "fsdp" else None,
+                     tune_malloc=cfg.trainer.tune_malloc)
                 for rank in range(place.workers)]
             group = _Group(self, name, actors, place)
             info = group.get([actors[0].info.remote()], "start-up")[0]

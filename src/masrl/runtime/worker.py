@@ -32,8 +32,13 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device
 
 class PolicyWorker:
     def __init__(self, name: str, policy_cfg: dict, build: dict, *, rank: int, world: int, threads: int,
-                 device: str, base_trained: bool, spike: dict, offload: bool, fsdp: dict | None = None):
+                 device: str, base_trained: bool, spike: dict, offload: bool, fsdp: dict | None = None,
+                 tune_malloc: bool = True):
         torch.set_num_threads(max(1, threads))
+        if tune_malloc:  # before the model is built (masrl.runtime.malloc)
+            from masrl.runtime.malloc import tune_malloc as tune
+
+            tune()
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
         self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **build)

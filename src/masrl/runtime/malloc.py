@@ -1,0 +1,79 @@
+"""glibc malloc settings for a training process on CPU: keep freed memory for the next tensor.
+
+PyTorch's CPU allocator asks ``malloc`` for every tensor. With glibc's defaults, a block above the mmap
+threshold (128 KiB at start, raised as mapped blocks are freed, never above 32 MiB) is a fresh ``mmap`` and goes
+back to the kernel on ``free``; the next tensor of that size is faulted in again, one zero-filled 4 KiB page at a
+time. A training step makes and drops thousands of such tensors (activations, autocast's casts, the LM head's
+logits and gradients), so it pays a page fault for most of the memory it touches. Measured on the 2-core
+development machine (``benchmarks/malloc_faults.py``):
+
+* ``y = x.pow(2); z = y * x`` on a ``[8, 132, 576]`` float32 activation (SmolLM2-135M, 2.4 MB): **1.3 ms per op
+  with ~580 page faults, 0.09 ms** with these settings (no faults);
+* one SmolLM2-135M update (8 rows x 132 tokens, bf16 autocast): ~200-400k minor faults and 6.0-8.9 CPU s with
+  glibc's defaults, ~0 faults and 5.3-5.5 CPU s with these settings.
+
+:func:`tune_malloc` sets, through ``mallopt``:
+
+* ``M_MMAP_MAX = 0``: no block is served by ``mmap``; every block comes from the heap and is reused after
+  ``free``;
+* ``M_TRIM_THRESHOLD`` = :data:`TRIM_THRESHOLD` (2 GiB, the largest ``mallopt`` takes): free memory at the top of the
+  heap is handed back to the kernel only above that (each hand-back is faulted in again by the next peak);
+* ``M_TOP_PAD`` = :data:`TOP_PAD` (64 MiB): the heap grows in steps of at least that much.
+
+Results are bitwise unchanged (only where memory comes from changes). The cost: the process keeps the memory
+of its highest peak (its resident set does not shrink after a peak; the peak itself is what it was), as
+PyTorch's CUDA caching allocator does on a GPU. ``trainer.tune_malloc: false`` leaves glibc's defaults.
+The settings are process-wide, applied once by the :class:`masrl.trainer.Trainer` (and each Ray policy worker)
+before the models are built. Linux with glibc only; elsewhere (macOS, musl, Windows) nothing changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4  # glibc's malloc.h
+TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt takes (an int): 2 GiB
+TOP_PAD = 64 << 20
+
+_lock = threading.Lock()
+_applied: dict | None = None
+
+
+def _glibc():
+    """glibc's handle, or None (not Linux, or another C library)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version
+        libc.mallopt  # noqa: B018 - present in glibc only (musl has no mallopt)
+    except (OSError, AttributeError):
+        return None
+    version.restype = ctypes.c_char_p
+    return libc
+
+
+def tune_malloc() -> dict | None:
+    """Apply the settings above to this process (idempotent); returns what was set (``{"glibc": version,
+    "M_MMAP_MAX": 0, ...}``) or None where there is no glibc. A setting glibc refuses is left at its default and
+    reported as ``False``."""
+    global _applied
+    with _lock:
+        if _applied is not None:
+            return dict(_applied)
+        libc = _glibc()
+        if libc is None:
+            return None
+        settings = {"M_MMAP_MAX": (M_MMAP_MAX, 0), "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+                    "M_TOP_PAD": (M_TOP_PAD, TOP_PAD)}
+        applied: dict = {"glibc": libc.gnu_get_libc_version().decode()}
+        for name, (param, value) in settings.items():
+            applied[name] = value if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 else False
+        _applied = applied
+        return dict(applied)
+
+
+def applied() -> dict | None:
+    """What :func:`tune_malloc` set in this process (None: not called, or no glibc)."""
+    return None if _applied is None else dict(_applied)
