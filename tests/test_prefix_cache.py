@@ -208,3 +208,55 @@ def test_finished_rows_leave_the_batch_without_changing_the_samples(tiny, lora):
     _same(outs[False], outs[True])
     assert set(sizes[False]) == {16}
     assert min(sizes[True]) < 8 and sizes[True][0] == 16  # the batch shrank as rows finished
+
+
+def test_fill_prefixes_gathers_each_rows_stored_slots_bitwise():
+    """The reused prefixes land in the new buffers exactly as the stored rows' slots hold them: rows from two
+    earlier calls (one covering a subset of the new rows), a prefix shorter than the width (its gap repeats a
+    slot), and a row with no hit (left zero)."""
+    from types import SimpleNamespace
+
+    from masrl.rollout.prefix_cache import StoredBatch
+
+    g = torch.Generator().manual_seed(0)
+    heads, cap, dim, layers, width = 3, 11, 4, 2, 6
+
+    def stored(rows):
+        keys = [torch.randn(rows, heads, cap, dim, generator=g) for _ in range(layers)]
+        values = [torch.randn(rows, heads, cap, dim + 1, generator=g) for _ in range(layers)]
+        slots = [torch.randperm(cap, generator=g)[:width] for _ in range(rows)]
+        return StoredBatch(keys, values, [()] * rows, slots, [None] * rows, 0)
+
+    a, b = stored(4), stored(2)
+    hits = [(a, 2, 6), None, (b, 1, 4), (a, 0, 5), (b, 0, 6)]
+    filled = {}
+
+    class Layer:
+        def __init__(self, li):
+            self.li = li
+
+        def prefill(self, k, v, n):
+            filled[self.li] = (k, v, n)
+
+    def check(hits):
+        cache = SimpleNamespace(layers=[Layer(li) for li in range(layers)])
+        TransformersEngine._fill_prefixes(cache, hits, None, width, 9, torch.device("cpu"))
+        for li in range(layers):
+            check_layer(li, hits)
+
+    def check_layer(li, hits):
+        k, v, n = filled[li]
+        assert n == width and k.shape == (len(hits), heads, 9, dim) and v.shape == (len(hits), heads, 9, dim + 1)
+        for u, hit in enumerate(hits):
+            if hit is None:
+                assert not k[u].any() and not v[u].any()
+                continue
+            src, row, m = hit
+            slots = src.slots[row][:m].tolist()
+            slots = [slots[0]] * (width - m) + slots
+            assert torch.equal(k[u, :, :width], src.keys[li][row][:, slots])
+            assert torch.equal(v[u, :, :width], src.values[li][row][:, slots])
+            assert not k[u, :, width:].any() and not v[u, :, width:].any()
+
+    check(hits)
+    check([(a, 3, 6), (a, 1, 2), (a, 1, 6), (a, 0, 3)])  # every row from one earlier call (one copy per layer)

@@ -603,17 +603,27 @@ class TransformersEngine(Engine):
             entry[2].append(row)
             entry[3].append([slots[0]] * (prefix_width - n) + slots)  # the gap repeats a slot (masked)
         n_uniq, first = len(hits), next(iter(sources.values()))[0]
+        # per source: a flat index into its buffers viewed as [rows * heads * capacity, dim], made once per buffer
+        # shape (every layer's, in practice), so that a layer's prefixes are one gather and one copy
+        plans = [(stored, None if us == list(range(n_uniq)) else torch.tensor(us, device=device),
+                  torch.tensor(rows)[:, None], torch.tensor(slots), {}) for stored, us, rows, slots in sources.values()]
         for li, layer in enumerate(cache.layers):
             k_src, v_src = first.keys[li], first.values[li]
             k = k_src.new_zeros((n_uniq, k_src.shape[1], capacity, k_src.shape[3]))
             v = v_src.new_zeros((n_uniq, v_src.shape[1], capacity, v_src.shape[3]))
-            for stored, us, rows, slots in sources.values():
-                dest = torch.tensor(us, device=device)
-                src_rows = torch.tensor(rows, device=device)[:, None]
-                src_slots = torch.tensor(slots, device=device)
-                # [rows, prefix, heads, dim] (advanced indices first) -> [rows, heads, prefix, dim]
-                k[dest, :, :prefix_width] = stored.keys[li][src_rows, :, src_slots].permute(0, 2, 1, 3)
-                v[dest, :, :prefix_width] = stored.values[li][src_rows, :, src_slots].permute(0, 2, 1, 3)
+            for stored, dest, src_rows, src_slots, flat in plans:
+                for buf, src in ((k, stored.keys[li]), (v, stored.values[li])):
+                    _, heads, cap, dim = src.shape
+                    if (heads, cap) not in flat:
+                        base = (src_rows * heads + torch.arange(heads)) * cap  # [rows, heads]
+                        flat[heads, cap] = (base[:, :, None] + src_slots[:, None, :]).flatten().to(device)
+                    # [rows * heads * prefix, dim] -> [rows, heads, prefix, dim]
+                    got = src.reshape(-1, dim).index_select(0, flat[heads, cap]).view(len(src_rows), heads,
+                                                                                       prefix_width, dim)
+                    if dest is None:
+                        buf[:, :, :prefix_width].copy_(got)
+                    else:
+                        buf[dest, :, :prefix_width] = got
             layer.prefill(k, v, prefix_width)
 
     @staticmethod
