@@ -319,9 +319,9 @@ class TrainerConfig(_Strict):
     threads: Optional[int] = Field(None, gt=0, le=4096, description="torch CPU threads (None: torch's default)")
     tune_malloc: bool = Field(True, description=(
         "glibc (Linux): serve every tensor from malloc's heap and keep freed memory (up to 2 GiB) for reuse, "
-        "instead of a fresh mmap per large tensor that is faulted in page by page (masrl.runtime.malloc; "
-        "SmolLM2-135M update ~0.1x the page faults, bitwise the same results). The process keeps its "
-        "peak memory after a peak. false: glibc's defaults"))
+        "instead of a fresh mmap per large tensor that is faulted in page by page (masrl.runtime.malloc; a "
+        "SmolLM2-135M update: ~360k -> ~3.5k page faults, 8.1 -> 5.6 CPU s; bitwise the same results). The "
+        "process keeps up to 2 GiB of freed memory. false: glibc's defaults"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

@@ -4,13 +4,12 @@ PyTorch's CPU allocator asks ``malloc`` for every tensor. With glibc's defaults,
 threshold (128 KiB at start, raised as mapped blocks are freed, never above 32 MiB) is a fresh ``mmap`` and goes
 back to the kernel on ``free``; the next tensor of that size is faulted in again, one zero-filled 4 KiB page at a
 time. A training step makes and drops thousands of such tensors (activations, autocast's casts, the LM head's
-logits and gradients), so it pays a page fault for most of the memory it touches. Measured on the 2-core
-development machine (``benchmarks/malloc_faults.py``):
+logits and gradients), so it pays a page fault for much of the memory it touches. Measured on the 2-core
+development machine (``python benchmarks/malloc_faults.py --update``, benchmarks/RESULTS.md "Session 11"):
 
-* ``y = x.pow(2); z = y * x`` on a ``[8, 132, 576]`` float32 activation (SmolLM2-135M, 2.4 MB): **1.3 ms per op
-  with ~580 page faults, 0.09 ms** with these settings (no faults);
-* one SmolLM2-135M update (8 rows x 132 tokens, bf16 autocast): ~200-400k minor faults and 6.0-8.9 CPU s with
-  glibc's defaults, ~0 faults and 5.3-5.5 CPU s with these settings.
+* one SmolLM2-135M update (8 rows x 132 tokens, bf16 autocast): ~360k minor faults and 8.1 CPU s (7.5-8.7) with
+  glibc's defaults, ~3.5k faults and 5.6 CPU s with these settings;
+* a float32 ``[49152, 576]`` clone (SmolLM2's LM head, 113 MB): 57 ms and 27,649 faults, 12 ms and none.
 
 :func:`tune_malloc` sets, through ``mallopt``:
 
@@ -20,9 +19,10 @@ development machine (``benchmarks/malloc_faults.py``):
   heap is handed back to the kernel only above that (each hand-back is faulted in again by the next peak);
 * ``M_TOP_PAD`` = :data:`TOP_PAD` (64 MiB): the heap grows in steps of at least that much.
 
-Results are bitwise unchanged (only where memory comes from changes). The cost: the process keeps the memory
-of its highest peak (its resident set does not shrink after a peak; the peak itself is what it was), as
-PyTorch's CUDA caching allocator does on a GPU. ``trainer.tune_malloc: false`` leaves glibc's defaults.
+Results are bitwise unchanged (only where memory comes from changes). The cost: the process keeps up to 2 GiB of
+freed memory instead of handing it back (its resident set stays near its peak after one), as PyTorch's CUDA
+caching allocator does on a GPU; peaks measured +2-3 % (vs_trl SmolLM2: 4.43 vs 4.33 GB) and +7 % (the
+SmolLM2 team example: 9.14 vs 8.56 GB). ``trainer.tune_malloc: false`` leaves glibc's defaults.
 The settings are process-wide, applied once by the :class:`masrl.trainer.Trainer` (and each Ray policy worker)
 before the models are built. Linux with glibc only; elsewhere (macOS, musl, Windows) nothing changes.
 """
@@ -67,11 +67,11 @@ def tune_malloc() -> dict | None:
             return None
         settings = {"M_MMAP_MAX": (M_MMAP_MAX, 0), "M_TRIM_THRESHOLD": (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
                     "M_TOP_PAD": (M_TOP_PAD, TOP_PAD)}
-        applied: dict = {"glibc": libc.gnu_get_libc_version().decode()}
+        done: dict = {"glibc": libc.gnu_get_libc_version().decode()}
         for name, (param, value) in settings.items():
-            applied[name] = value if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 else False
-        _applied = applied
-        return dict(applied)
+            done[name] = value if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1 else False
+        _applied = done
+        return dict(done)
 
 
 def applied() -> dict | None:
