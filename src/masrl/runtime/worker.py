@@ -16,6 +16,7 @@ import torch
 
 from masrl.config import AlgorithmConfig, PolicyConfig, RolloutConfig, SFTConfig, TrainerConfig
 from masrl.monitoring.spike import SpikeDetector
+from masrl.runtime import malloc
 from masrl.rollout.base import GenRequest
 from masrl.training.distributed import DataParallel, init_process_group
 from masrl.training.policy import after_update, before_update, build_policy
@@ -36,9 +37,7 @@ class PolicyWorker:
                  tune_malloc: bool = True):
         torch.set_num_threads(max(1, threads))
         if tune_malloc:  # before the model is built (masrl.runtime.malloc)
-            from masrl.runtime.malloc import tune_malloc as tune
-
-            tune()
+            malloc.tune_malloc()
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
         self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **build)
