@@ -12,12 +12,40 @@ from masrl.models.packed_linear import MIN_WEIGHT, PackedLinears, available
 from masrl.models.tiny import build_char_tokenizer, build_tiny_model
 from masrl.rollout.engine import GenRequest, TransformersEngine
 
-pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN prepacked linear")
+needs_packing = pytest.mark.skipif(not available(), reason="no oneDNN prepacked bf16 linear here (torch build or "
+                                                           "an AVX2-only CPU)")
+
+
+def test_available_probes_the_cpu_and_the_engine_decodes_without_packing(monkeypatch):
+    """On a CPU without AVX-512 / AVX-NE-CONVERT oneDNN raises when packing a bf16 weight: ``available()`` says
+    no and a bf16 engine decodes with autocast's F.linear instead of failing."""
+    import masrl.models.packed_linear as packed_linear
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or "
+                           "avx512bw, avx512vl and avx512dq")
+
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    packed_linear.available.cache_clear()
+    try:
+        assert not packed_linear.available()
+        tok = build_char_tokenizer()
+        model = build_tiny_model(tok, WIDE, seed=0).eval()
+        engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                    autocast="bfloat16")
+        assert engine.packed_linears is None
+        assert sum(len(r.response_ids) for r in engine.generate(_requests(tok))) > 40
+    finally:
+        monkeypatch.undo()
+        packed_linear.available.cache_clear()
 
 WIDE = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 384, "max_position_embeddings": 128}
 
 
+@needs_packing
 def test_packed_layer_is_bitwise_autocast_linear():
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(512, 256, bias=False)
@@ -47,6 +75,7 @@ def test_packed_layer_is_bitwise_autocast_linear():
     assert packs.packs == 2 and torch.equal(got, expected)
 
 
+@needs_packing
 def test_no_packing_outside_bf16_autocast_inference():
     layer = torch.nn.Linear(512, 256, bias=False)
     x = torch.randn(4, 512)
@@ -77,6 +106,7 @@ def _run(engine, requests, adapters=None):
     return [(r.response_ids, r.logprobs) for r in engine.generate(requests)]
 
 
+@needs_packing
 @pytest.mark.parametrize("lora", [False, True])
 def test_engine_decodes_bitwise_with_packed_weights(lora):
     tok = build_char_tokenizer()

@@ -21,6 +21,7 @@ their base ``nn.Linear``, which is packed); a bf16 copy of those weights stays i
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -28,11 +29,22 @@ import torch
 MIN_WEIGHT = 1 << 16  # smaller weights (LoRA adapters, tiny models) gain nothing from packing
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether this torch build has oneDNN's prepacked linear (x86 and Arm CPU builds do)."""
+    """Whether this torch build has oneDNN's prepacked linear (x86 and Arm CPU builds do) and this CPU runs its bf16
+    path: oneDNN packs bf16 weights only with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises on an AVX2-only
+    CPU, so a tiny weight is packed and used once to find out (cached for the process)."""
     mkldnn = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and mkldnn is not None
-            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise"))
+    if not (torch.backends.mkldnn.is_available() and mkldnn is not None
+            and hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        with torch.no_grad():
+            packed = mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+            mkldnn._linear_pointwise(torch.ones(1, 16, dtype=torch.bfloat16), packed, None, "none", [], "")
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return False
+    return True
 
 
 def _packable(module: torch.nn.Module) -> bool:
