@@ -30,6 +30,9 @@ built here, outside masrl):
 * ``packed_linear``: (session 10) bf16 engine calls with autocast's ``F.linear`` vs oneDNN-prepacked weights
                  (``masrl.models.packed_linear``), SmolLM2 with the packs reused and repacked every call (full
                  fine-tuning changes the weights every step), and the tiny model;
+* ``fast_decode``: (session 12) float32 engine calls with transformers' forward vs the lean decode step
+                 (``masrl.models.fast_decode``): the tiny model at a team's and a single agent's batch shapes,
+                 and SmolLM2 (its projections one by one: stacking them would exceed the memory limit);
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
                  slow (~40 s of compilation), only with ``--levers compile``.
 
@@ -39,6 +42,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
     python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # round 4
     python benchmarks/profile_step.py --section levers --levers train_attention packed_linear --reps 5   # session 10
+    python benchmarks/profile_step.py --section levers --levers fast_decode --reps 5   # session 12
 """
 from __future__ import annotations
 
@@ -528,6 +532,46 @@ def lever_packed_linear(a):
                     "prefill included)", "results": results}
 
 
+def lever_fast_decode(a):
+    """float32 engine calls (autocast off) with transformers' forward per decode step vs
+    ``masrl.models.fast_decode`` (the same arithmetic in about half the operator calls): the tiny model with 16
+    rows (per-step overhead), 128 rows of long prompts (a team's later turns), 304 rows of short prompts (the
+    single agent of ``multiagent_overhead.py``), and SmolLM2; process CPU per decode step, prefill included. The
+    two variants' tokens and log-probs are checked equal first."""
+    import torch
+
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    g = torch.Generator().manual_seed(0)
+    tok = build_char_tokenizer()
+    tiny = build_tiny_model(tok, {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                  "intermediate_size": 384}, seed=0).eval()
+    workloads = [("tiny, 16 rows, prompts 10", tiny, 16, (10,), 40, 100),
+                 ("tiny, 128 rows, prompts 60/90 (a team's later turns)", tiny, 128, (60, 90), 40, 100),
+                 ("tiny, 304 rows, prompts 10/20 (the single agent)", tiny, 304, (10, 20), 40, 100)]
+    if not a.no_smollm2:
+        workloads.append((f"SmolLM2, {a.rows} rows, prompts {a.prompt_len}/{a.prompt_len - 20}", load_smollm2().eval(),
+                          a.rows, (a.prompt_len, a.prompt_len - 20), a.response_len, 40000))
+    results = {}
+    for name, model, rows, lengths, new, vocab in workloads:
+        reqs = [GenRequest(torch.randint(10, vocab, (lengths[i % len(lengths)],), generator=g).tolist(), 1.0, 1.0, new)
+                for i in range(rows)]
+        engines = {fast: TransformersEngine(model, eos_token_ids=[10**6], pad_token_id=2, autocast=None,
+                                            fast_decode=fast, seed=0) for fast in (False, True)}
+        outs = {fast: [(r.response_ids, r.logprobs) for r in engines[fast].generate(reqs)] for fast in (False, True)}
+        assert outs[False] == outs[True], f"{name}: fast decode changed the results"
+        for e in engines.values():
+            e.reseed(0)
+        res = ab({"transformers forward": lambda: engines[False].generate(reqs),
+                  "fast decode": lambda: engines[True].generate(reqs)}, a.reps, clock=time.process_time)
+        for k, v in res.items():
+            v["ms_per_step"] = 1000 * v["median_s"] / new
+            results[f"{name}: {k}"] = v
+    return {"what": "float32 engine calls, transformers' forward vs fast decode (process CPU; ms per decode step, "
+                    "prefill included; results checked equal)", "results": results}
+
+
 def lever_prealloc(a):
     """Decode with the engine's preallocated KV cache (written in place) vs transformers' growing cache
     (``torch.cat`` per layer per step); tiny model, 128 rows, short and long generations. Same outputs."""
@@ -708,6 +752,8 @@ def run_levers(a) -> dict:
             out[name] = lever_train_attention(a)
         elif name == "packed_linear":
             out[name] = lever_packed_linear(a)
+        elif name == "fast_decode":
+            out[name] = lever_fast_decode(a)
         elif name == "prefix":
             out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
@@ -717,7 +763,8 @@ def run_levers(a) -> dict:
         print(f"\n#### {name}: {out[name]['what']}  [{time.perf_counter() - t:.0f}s]\n")
         extra = {"decode": ("ms_per_step", "ms / decode step"), "sampler": ("ms_per_step", "ms / decode step"),
                  "decode_attention": ("ms_per_step", "ms / decode step"),
-                 "packed_linear": ("ms_per_step", "ms / decode step"), "bucketing": ("padding_overhead", "padding / real tokens"),
+                 "packed_linear": ("ms_per_step", "ms / decode step"), "fast_decode": ("ms_per_step", "ms / decode step"),
+                 "bucketing": ("padding_overhead", "padding / real tokens"),
                  "prefix": ("prefill_tokens_per_call", "prefill tokens / call")}
         rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
                 ([fmt(v[extra[name][0]])] if name in extra else [])
@@ -736,8 +783,9 @@ def main(argv=None) -> None:
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
                              "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention",
-                             "train_attention", "packed_linear"])
-    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention, packed_linear levers: tiny workloads only")
+                             "train_attention", "packed_linear", "fast_decode"])
+    ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention, packed_linear, "
+                                                              "fast_decode levers: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)

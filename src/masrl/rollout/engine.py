@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, cpu_attention
+from masrl.models.fast_decode import FastDecode
 from masrl.models.packed_linear import PackedLinears, available as packed_linear_available
 from masrl.models.precision import resolve_autocast
 from masrl.rollout.base import Engine, GenRequest, GenResult
@@ -228,8 +229,10 @@ class _LiveRows:
     """The rows still in the model's batch (``live``: None = all) with their cache, mask and next positions.
     Finished rows may leave it (:meth:`keep`); sampling always covers every row."""
 
-    def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor, batch: int, device):
+    def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor, batch: int, device,
+                 fast: FastDecode | None = None):
         self.cache, self.mask, self.pos, self.batch, self.device = cache, mask, pos, batch, device
+        self.fast = fast  # decode steps without transformers' forward (masrl.models.fast_decode), or None
         self.live: torch.Tensor | None = None
         self.live_dev: torch.Tensor | None = None
 
@@ -249,10 +252,13 @@ class _LiveRows:
     def forward(self, model, feed: torch.Tensor, logits: torch.Tensor, mask_len: int) -> torch.Tensor:
         """One decode step on the rows in the batch; returns every row's next logits."""
         feed = (feed if self.live is None else feed.index_select(0, self.live)).to(self.device)
-        out = model(input_ids=feed[:, None], attention_mask=self.mask[:, :mask_len],
-                    position_ids=self.pos[:, None], use_cache=True, **with_cache(self.cache))
-        self.cache = output_cache(out)
-        logits = out.logits[:, -1, :] if self.live is None else logits.index_copy(0, self.live_dev, out.logits[:, -1, :])
+        if self.fast is not None:
+            new = self.fast.step(feed, self.mask[:, :mask_len], self.pos, self.cache)
+        else:
+            out = model(input_ids=feed[:, None], attention_mask=self.mask[:, :mask_len],
+                        position_ids=self.pos[:, None], use_cache=True, **with_cache(self.cache))
+            self.cache, new = output_cache(out), out.logits[:, -1, :]
+        logits = new if self.live is None else logits.index_copy(0, self.live_dev, new)
         self.pos = self.pos + 1
         return logits
 
@@ -302,8 +308,13 @@ class TransformersEngine(Engine):
                  max_batch_size: int = 256, seed: int = 0, preallocate_cache: bool = True,
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
                  prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
-                 max_running_tokens: int = 65536, decode_attention: bool = True, packed_linear: bool = True):
+                 max_running_tokens: int = 65536, decode_attention: bool = True, packed_linear: bool = True,
+                 fast_decode: bool = True):
         self.model = model
+        # decode steps of plain float32 Llama models computed from the weights, bitwise transformers' forward in
+        # about half the operator calls (masrl.models.fast_decode); others keep transformers' forward
+        self.fast_decode = fast_decode
+        self._fast: FastDecode | None = None  # the last one built (its stacked weights reused while unchanged)
         # CPU attention while decoding (masrl.models.cpu_attention): 1-token queries as float32 matmuls over the
         # cache, prompts under autocast in float32
         self.decode_attention = decode_attention
@@ -353,8 +364,10 @@ class TransformersEngine(Engine):
     def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
         """The engine decodes with the trainer's model, so it serves new weights as they are; the keys/values
         kept for prefix reuse belong to the old ones, and so do packed copies of changed base weights (dropped
-        before the update needs the memory; they would be repacked anyway)."""
+        before the update needs the memory; they would be repacked anyway), and the fast decoder's stacked
+        weights."""
         self.clear_prefix_cache()
+        self._fast = None
         if base_changed and self.packed_linears is not None:
             self.packed_linears.clear()
 
@@ -518,7 +531,15 @@ class TransformersEngine(Engine):
         next_pos = next_pos.to(device)
         # the mask for prompt + every decode step, allocated once (sliced per step)
         full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
-        return cache, logits, _LiveRows(cache, full_mask, next_pos, batch, device)
+        return cache, logits, _LiveRows(cache, full_mask, next_pos, batch, device, self._fast_decoder(model, cache))
+
+    def _fast_decoder(self, model, cache) -> FastDecode | None:
+        """The lean decode step for ``model`` writing into ``cache`` (:mod:`masrl.models.fast_decode`), or None
+        where it does not apply (transformers' forward then)."""
+        if not self.fast_decode or cache is None or not FastDecode.applies_to(cache):
+            return None
+        self._fast = FastDecode.for_model(model, self._fast)
+        return self._fast
 
     def _compact(self, model, rows: "_LiveRows", state: "DecodeState", layout: "_PromptLayout",
                  store: PrefixCache | None, routing: contextlib.ExitStack) -> None:
