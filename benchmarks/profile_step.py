@@ -537,11 +537,16 @@ def lever_fast_decode(a):
     ``masrl.models.fast_decode`` (the same arithmetic in about half the operator calls): the tiny model with 16
     rows (per-step overhead), 128 rows of long prompts (a team's later turns), 304 rows of short prompts (the
     single agent of ``multiagent_overhead.py``), and SmolLM2; process CPU per decode step, prefill included. The
-    two variants' tokens and log-probs are checked equal first."""
+    two variants' tokens and log-probs are checked equal first. With the trainer's allocator settings
+    (``masrl.runtime.malloc.tune_malloc``, on by default in training): with glibc's defaults every call maps its KV
+    cache afresh, and the page faults scatter these timings by up to 2x."""
     import torch
 
     from masrl.models.tiny import build_char_tokenizer, build_tiny_model
     from masrl.rollout.engine import GenRequest, TransformersEngine
+    from masrl.runtime.malloc import tune_malloc
+
+    tune_malloc()
 
     g = torch.Generator().manual_seed(0)
     tok = build_char_tokenizer()
