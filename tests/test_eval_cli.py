@@ -63,7 +63,8 @@ def test_eval_shows_progress_and_accuracy_so_far(tmp_path, tiny_cfg, capsys):
     assert main(["eval", str(cfg_path), "--n", "3", "--k", "1", "--limit", "5", "--out", str(out)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval test ")]
     assert lines, "no progress line"
-    assert re.fullmatch(r"\[eval test 0/15 +\d+s\] \d+ agent turns generated", lines[0]), lines[0]
+    assert re.fullmatch(r"\[eval test 0/15 +\d+s\] (1 agent turn|\d+ agent turns) generated", lines[0]), lines[0]
+    assert not re.search(r"\b1 agent turns\b", "\n".join(lines))  # singular for one turn
     last = re.fullmatch(r"\[eval test 15/15 eta +0s\] correct (\d+)/15", lines[-1])
     assert last, lines[-1]
     avg = json.loads((out / "eval.json").read_text())["results"]["test"]["avg@n"]

@@ -100,7 +100,8 @@ class Trainer:
 
         def on_turn(turn: Turn) -> None:
             count["turns"] += 1
-            progress.note(f"{count['turns']} agent turns generated")
+            n = count["turns"]
+            progress.note(f"{n} agent turn{'' if n == 1 else 's'} generated")
 
         try:
             return self.rollout(tasks, group_ids, temperature=temperature, seed=seed, score=score,
