@@ -180,3 +180,18 @@ def test_steps_aside_where_it_is_not_bitwise(tok):
                                          num_key_value_heads=2, intermediate_size=96)).eval()
     with cpu_attention(other):
         assert "LlamaForCausalLM" in unsupported(other)
+
+
+def test_engine_of_a_sharded_model_keeps_transformers_forward(tok, monkeypatch):
+    """FSDP2 (``model_sharded``): the engine never builds a fast decoder, even if the hooks were gone."""
+    model = _model(tok, "mha")
+    built = []
+    for_model = FastDecode.for_model.__func__
+    monkeypatch.setattr(FastDecode, "for_model", classmethod(lambda cls, *a: built.append(1) or for_model(cls, *a)))
+    engine = _engine(model, tok, True)
+    engine.model_sharded()
+    assert sum(len(r.response_ids) for r in engine.generate(_requests(tok))) > 50
+    assert not built and engine._fast is None
+    plain = _engine(model, tok, True)
+    plain.generate(_requests(tok))
+    assert built  # the same engine unsharded does build one

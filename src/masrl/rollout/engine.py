@@ -536,8 +536,8 @@ class TransformersEngine(Engine):
     def _fast_decoder(self, model, cache) -> FastDecode | None:
         """The lean decode step for ``model`` writing into ``cache`` (:mod:`masrl.models.fast_decode`), or None
         where it does not apply (transformers' forward then)."""
-        if not self.fast_decode or cache is None or not FastDecode.applies_to(cache):
-            return None
+        if not self.fast_decode or self.sharded_model or cache is None or not FastDecode.applies_to(cache):
+            return None  # (FSDP2 shards also carry hooks, which FastDecode.for_model refuses on its own)
         self._fast = FastDecode.for_model(model, self._fast)
         return self._fast
 
