@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from masrl.models.cpu_attention import NAME as CPU_ATTENTION, _fold
+from masrl.models.cpu_attention import NAME as CPU_ATTENTION, grouped_decode_attention
 
 # stacked q/k/v and gate/up weights are a copy of most of the model: above this many bytes the projections run
 # one by one instead (still lean, no copy)
@@ -144,12 +144,6 @@ class FastDecode:
         return cls(model)
 
     @staticmethod
-    def applies_to(cache) -> bool:
-        """Whether ``cache`` is the engine's preallocated cache (its layers write in place)."""
-        layers = getattr(cache, "layers", None)
-        return bool(layers) and all(type(layer).__name__ == "PreallocatedLayer" for layer in layers)
-
-    @staticmethod
     def _project(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         if isinstance(weights, torch.Tensor):
             return F.linear(x, weights)
@@ -162,9 +156,10 @@ class FastDecode:
         batch, hidden = ids.shape[0], self.hidden
         h = F.embedding(ids, self.embed)
         cos, sin = self.model.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim]
-        masked = mask[:, None, :] == 0  # [batch, 1, length]
-        if not bool(masked.any()):
-            masked = None
+        # padding as an additive mask, made once per step: adding 0 / -inf is what masked_fill does, bitwise
+        padded = mask == 0
+        additive = (torch.zeros(padded.shape, dtype=h.dtype).masked_fill_(padded, float("-inf"))[:, None, None, :]
+                    if bool(padded.any()) else None)
         for layer, cache_layer in zip(self.layers, cache.layers):
             dim, n_q, n_kv = layer["head_dim"], layer["n_q"], layer["n_kv"]
             q_heads, kv_heads = n_q // dim, n_kv // dim
@@ -174,15 +169,8 @@ class FastDecode:
             half = dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotate_half
             keys, values = cache_layer.update(qk[:, q_heads:, None, :], qkv[:, n_q + n_kv:].view(batch, kv_heads, 1, dim))
-            length = keys.shape[2]
-            scores = torch.bmm(qk[:, :q_heads].reshape(batch * kv_heads, q_heads // kv_heads, dim),
-                               _fold(keys).transpose(1, 2)).view(batch, q_heads, length)
-            scores.mul_(layer["scaling"])
-            if masked is not None:
-                scores.masked_fill_(masked, float("-inf"))
-            probs = torch.softmax(scores, -1).view(batch * kv_heads, q_heads // kv_heads, length)
-            attn = torch.bmm(probs, _fold(values)).view(batch, n_q)
-            h = h + F.linear(attn, layer["o"])
+            attn = grouped_decode_attention(qk[:, :q_heads, None, :], keys, values, additive, layer["scaling"])
+            h = h + F.linear(attn.view(batch, n_q), layer["o"])
             x = F.rms_norm(h, (hidden,), *layer["norm2"])
             gate_up = self._project(x, layer["gate_up"])
             n = layer["n_inner"]

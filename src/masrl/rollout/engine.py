@@ -536,8 +536,11 @@ class TransformersEngine(Engine):
     def _fast_decoder(self, model, cache) -> FastDecode | None:
         """The lean decode step for ``model`` writing into ``cache`` (:mod:`masrl.models.fast_decode`), or None
         where it does not apply (transformers' forward then)."""
-        if not self.fast_decode or self.sharded_model or cache is None or not FastDecode.applies_to(cache):
-            return None  # (FSDP2 shards also carry hooks, which FastDecode.for_model refuses on its own)
+        # the fast step writes through the preallocated cache's layers (FSDP2 shards also carry hooks, which
+        # FastDecode.for_model refuses on its own)
+        if (not self.fast_decode or self.sharded_model or cache is None or not self.preallocate_cache
+                or not self._preallocatable(model)):
+            return None
         self._fast = FastDecode.for_model(model, self._fast)
         return self._fast
 
