@@ -376,16 +376,18 @@ def _extras(rows: list[dict]) -> dict[str, np.ndarray]:
 
 
 def resolve_data_path(path: str | Path) -> Path:
-    """``path`` if it exists, else the same relative path under ``data_dir()/ensembles``."""
+    """``path`` if it exists, else the same relative path under ``ensembles/`` of a data folder (or the folder)."""
     p = Path(path).expanduser()
     if p.exists():
         return p
-    from masrl.paths import data_dir
+    from masrl.catalog import DataNotFoundError, get_hint
+    from masrl.paths import data_file
 
-    for cand in (data_dir() / "ensembles" / p, data_dir() / p):
+    for cand in (data_file(Path("ensembles") / p), data_file(p)):
         if cand.exists():
             return cand
-    raise FileNotFoundError(f"data file not found: {path} (also looked under {data_dir() / 'ensembles'})")
+    raise DataNotFoundError(f"data file not found: {path} (also under ensembles/ of the data folders: "
+                            f"{get_hint(str(Path('ensembles') / p))})")
 
 
 def load_jsonl(path: str | Path, *, label_field: str = "label", strict: bool = True,

@@ -1,6 +1,6 @@
 r"""Math benchmark loaders: one JSON Lines format per benchmark -> ``list[Task]``.
 
-Files live under ``masrl.paths.data_dir() / "math"`` (see ``/work/shared/data/README.md``):
+Files live under ``math/`` of a data folder (``masrl.paths.data_roots()``; ``masrl data list``):
 
 =================  ==========================  ===============================================
 name               file                        gold answer
@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from masrl.errors import ConfigError, UserInputError
-from masrl.paths import data_dir
+from masrl.catalog import DataNotFoundError, get_hint
+from masrl.paths import data_file
 from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
 from masrl.types import Task
 from masrl.tasks.parsing import extract_boxed
@@ -126,8 +127,7 @@ RowFn = Callable[[dict], tuple[str, str, dict]]
 def _load_jsonl(path: str | Path, bench: str, row_fn: RowFn, limit: int | None, strict: bool) -> list[Task]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"benchmark file {path} not found (data folder: $MASRL_DATA_DIR or ../shared/data beside the repo)")
+        raise FileNotFoundError(f"benchmark file {path} not found")
 
     def parse(obj: dict, pos: RowPos) -> Task:
         question, answer, meta = row_fn(obj)
@@ -242,7 +242,7 @@ def load_minerva(path: str | Path, bench: str = "minerva", limit: int | None = N
 
 Loader = Callable[..., list[Task]]
 
-# name -> (file relative to data_dir(), loader)
+# name -> (file relative to a data folder, loader)
 BENCHMARKS: dict[str, tuple[str, Loader]] = {
     "gsm8k": ("math/gsm8k_test.jsonl", load_gsm8k),
     "gsm8k_train": ("math/gsm8k_train.jsonl", load_gsm8k),
@@ -259,13 +259,15 @@ def load_benchmark(name: str, limit: int | None = None, strict: bool = False,
                    root: str | Path | None = None) -> list[Task]:
     """Tasks of a registered benchmark (see ``BENCHMARKS``), the first ``limit`` when given.
 
-    ``root`` overrides the data folder (default ``masrl.paths.data_dir()``).
+    ``root`` overrides the data folders (default: the first of ``masrl.paths.data_roots()`` that holds the file).
     """
     if name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {name!r}; known: {', '.join(sorted(BENCHMARKS))}")
     rel, loader = BENCHMARKS[name]
-    base = Path(root) if root is not None else data_dir()
-    return loader(base / rel, bench=name, limit=limit, strict=strict)
+    path = Path(root) / rel if root is not None else data_file(rel)
+    if root is None and not path.is_file():
+        raise DataNotFoundError(f"benchmark {name!r}: file {rel} not found: {get_hint(rel)}")
+    return loader(path, bench=name, limit=limit, strict=strict)
 
 
 def load_hf_dataset(

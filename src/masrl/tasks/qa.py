@@ -10,7 +10,7 @@ Loaders return ``list[Task]`` with ``answer`` = list of gold strings and
 Search-R1 parquet (``prompt``/``question``, ``reward_model.ground_truth.target``),
 ``[{question, answer}]`` JSON, raw HotpotQA JSON (``_id``, ``question``, ``answer``,
 ``supporting_facts``, ``context``). :func:`load_qa` picks the reader from the file, or takes a
-dataset name (see ``QA_DATASETS``) resolved under ``masrl.paths.data_dir()``.
+dataset name (see ``QA_DATASETS``) resolved in the data folders (``masrl.paths.data_roots()``).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from masrl.errors import ConfigError, UserInputError
-from masrl.paths import data_dir
+from masrl.catalog import get_hint
+from masrl.paths import data_file
 from masrl.tasks.lines import open_binary
 from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, read_rows
 from masrl.types import Task
@@ -226,7 +227,7 @@ def _question_from_prompt(prompt: Any) -> str | None:
 # ----------------------------------------------------------------------------------------------
 # dispatcher
 
-# name -> path under data_dir() (see ../shared/data/README.md)
+# name -> path under a data folder (masrl.paths.data_roots(); `masrl data list`)
 QA_DATASETS = {
     "bamboogle": "qa/bamboogle_test.jsonl",
     "nq": "qa/nq_test_sub1000.jsonl",
@@ -276,9 +277,9 @@ def load_qa(path_or_name: str | Path, limit: int | None = None, strict: bool = F
         tasks, _ = synthetic_kb(split=split)
         return tasks[:limit] if limit is not None else tasks
     if text in QA_DATASETS:
-        path = data_dir() / QA_DATASETS[text]
+        path = data_file(QA_DATASETS[text])
         if not path.is_file():
-            raise QADataError(f"dataset {text!r} not found at {path} (set MASRL_DATA_DIR to the benchmark data folder)")
+            raise QADataError(f"dataset {text!r}: file {QA_DATASETS[text]} not found: {get_hint(QA_DATASETS[text])}")
     else:
         path = Path(text).expanduser()
         if not path.is_file():

@@ -1,7 +1,7 @@
 """MBPP and HumanEval loaders.
 
 =========  ===============================  ===========================================
-loader     default file (under data_dir())  splits
+loader     default file (under a data folder)  splits
 =========  ===============================  ===========================================
 MBPP       code/mbpp.jsonl                  prompt 1-10, test 11-510, validation 511-600,
                                             train 601-974 (by ``task_id``), or ``all``
@@ -29,7 +29,8 @@ import ast
 import warnings
 from pathlib import Path
 
-from masrl.paths import data_dir
+from masrl.catalog import DataNotFoundError, get_hint
+from masrl.paths import data_file
 from masrl.tasks.rows import MalformedRowWarning  # noqa: F401 - re-exported (the one warning class)
 from masrl.tasks.rows import BadRow, RowPos, read_rows
 from masrl.types import Task
@@ -43,12 +44,10 @@ def _find(path: str | Path | None, *names: str) -> Path:
         if not p.is_file():
             raise FileNotFoundError(f"code benchmark file {p} not found")
         return p
-    base = data_dir() / "code"
     for name in names:
-        if (base / name).is_file():
-            return base / name
-    raise FileNotFoundError(f"none of {', '.join(names)} in {base} "
-                            "(data folder: $MASRL_DATA_DIR or ../shared/data beside the repo)")
+        if data_file(f"code/{name}").is_file():
+            return data_file(f"code/{name}")
+    raise DataNotFoundError(f"none of {', '.join(names)} found under code/: {get_hint('code/' + names[0])}")
 
 
 def _str_field(obj: dict, key: str, *, allow_empty: bool = False) -> str:

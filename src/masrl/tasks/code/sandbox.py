@@ -194,9 +194,9 @@ def default_hide_paths() -> list[str]:
              "/var/log", "/var/mail", "/var/spool", "/var/cache", "/var/backups", tempfile.gettempdir(),
              os.path.expanduser("~")]
     try:
-        from masrl.paths import REPO_ROOT, data_dir
+        from masrl.paths import REPO_ROOT, data_roots
 
-        paths += [str(REPO_ROOT), str(data_dir())]
+        paths += [str(REPO_ROOT)] + [str(root) for root in data_roots()]
     except Exception:  # pragma: no cover - masrl.paths always importable in the package
         pass
     return paths

@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
+from masrl.catalog import CATALOG, get_hint, resolve
 from masrl.errors import UserInputError
 from masrl.tasks.lines import open_binary
 from masrl.tasks.retrieval.base import Passage, split_contents
@@ -35,10 +36,13 @@ CorpusWarning = MalformedRowWarning  # the one warning for a skipped row (masrl.
 
 def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
                 limit: int | None = None) -> list[Passage]:
-    """Read a passage corpus; see the module docstring for the formats."""
-    path = Path(path).expanduser()
+    """Read a passage corpus (a path, a catalogue name such as ``wiki18_sample1000``, or a path under a data
+    folder such as ``corpus/x.jsonl``); see the module docstring for the formats."""
+    named = str(path)
+    path = resolve(path)
     if not path.is_file():
-        raise CorpusError(f"corpus file not found: {path}" + (" (a folder)" if path.is_dir() else ""))
+        hint = f": {get_hint(CATALOG[named].files[0].rel)}" if named in CATALOG else ""
+        raise CorpusError(f"corpus file not found: {path}" + (" (a folder)" if path.is_dir() else hint))
     fmt = detect_corpus_format(path) if format == "auto" else format
     if fmt not in CORPUS_FORMATS:
         raise CorpusError(f"{path}: unknown corpus format {format!r}; expected one of {CORPUS_FORMATS} or 'auto'")
