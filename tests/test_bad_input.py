@@ -99,7 +99,7 @@ def test_missing_benchmark_file(write_cfg, tmp_path, monkeypatch, capsys):
     empty.mkdir()
     monkeypatch.setenv("MASRL_DATA_DIR", str(empty))
     path = write_cfg(**{"task.name": "gsm8k", "task.params": {}})
-    _fails_clearly(["train", path], capsys, str(empty / "math" / "gsm8k_test.jsonl"), "MASRL_DATA_DIR")
+    _fails_clearly(["train", path], capsys, "math/gsm8k_test.jsonl", str(empty), "masrl data get gsm8k")
 
 
 def test_missing_qa_dataset(write_cfg, tmp_path, monkeypatch, capsys):

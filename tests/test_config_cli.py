@@ -50,7 +50,11 @@ def test_config_show_prints_the_resolved_config(tmp_path, tiny_cfg, capsys):
     assert shown["trainer"]["total_steps"] == 7 and shown["algorithm"]["estimator"] == "grpo"
     assert shown["trainer"]["group_size"] == 4  # from the file
     assert shown["algorithm"]["eps"] == 1e-6  # a default filled in
-    assert config_from_dict(shown) == load_config(path, ["trainer.total_steps=7", "algorithm.estimator=grpo"])
+    from masrl.cli import _resolved_view
+
+    loaded = load_config(path, ["trainer.total_steps=7", "algorithm.estimator=grpo"])
+    assert config_from_dict(shown) == _resolved_view(loaded)  # defaults in effect spelled out
+    assert _resolved_view(config_from_dict(shown)) == config_from_dict(shown)  # and nothing else changes
 
 
 def test_version(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from masrl.config import load_config
@@ -51,8 +52,19 @@ def _cmd_config_show(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_run(cfg)
-    print(dump_config(cfg), end="")
+    print(dump_config(_resolved_view(cfg)), end="")
     return 0
+
+
+def _resolved_view(cfg):
+    """The config as the run will use it: the workflow's default prompt templates under the ones the config
+    gives, and the trackers in effect in ``logging.report_to``."""
+    from masrl.workflows.base import get_workflow
+
+    shown = cfg.model_copy(deep=True)
+    shown.workflow.prompts = {**get_workflow(cfg.workflow.name).prompts, **cfg.workflow.prompts}
+    shown.logging.report_to = shown.logging.sinks
+    return shown
 
 
 def _cmd_export(args) -> int:
@@ -224,13 +236,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; dotted overrides (``key=value``) may stand anywhere, before or after options."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    rest = [a for a in extra if a not in overrides]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if overrides:
+        if not hasattr(args, "overrides"):
+            parser.error(f"masrl {args.command} takes no key=value overrides: {' '.join(overrides)}")
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
+def _format_warning(message, category, filename, lineno, line=None, _library=warnings.formatwarning) -> str:
+    """masrl's own warnings (a skipped data row, a deprecated key) as one line for the user, without the
+    source line of masrl that raised them; other libraries' warnings keep Python's format."""
+    if getattr(category, "__module__", "").startswith("masrl"):
+        return f"masrl: warning: {message}\n"
+    return _library(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _format_warning
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sweep"]:  # its own parsers (masrl.sweep): `masrl sweep SPEC` and `masrl sweep report DIR`
         args = argparse.Namespace(func=_cmd_sweep, argv=argv[1:])
     else:
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:

@@ -25,8 +25,15 @@ _HEADER = """# Config reference
 
 Generated from `src/masrl/config.py` by `python -m masrl.config_docs` (do not edit by hand; a test
 fails when this file is stale). A run's config is YAML; every key below can be overridden on the
-command line (`masrl train CONFIG trainer.total_steps=50`), and `masrl config show CONFIG [overrides]`
-prints the resolved config. `<name>` stands for a key you choose (an agent, a policy).
+command line (`masrl train CONFIG trainer.total_steps=50`, before or after the options), and
+`masrl config show CONFIG [overrides]` prints the resolved config: every default spelled out, the
+workflow's default prompt templates and the trackers in effect included. `<name>` stands for a key you
+choose (an agent, a policy).
+
+Relative paths in a config (data files, reward and tool modules, corpora, `output_dir`) start at the
+folder you run masrl from, not at the config file's folder, as in TRL and verl scripts: run the shipped
+examples from the repository root. Benchmarks and corpora can also be named (`gsm8k`, `wiki18_sample1000`):
+names are looked up in the data folders ([data.md](data.md)).
 """
 
 

@@ -23,6 +23,7 @@ from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
 from masrl.paths import write_text_atomic
+from masrl.evaluation.metrics import stage_name
 from masrl.evaluation.runner import agent_facts, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
@@ -454,13 +455,13 @@ def write_report(trainer: Trainer) -> dict:
               "versions": trainer.versions}
     lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
              f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
-             f"{trainer.step} RL steps, eval n={cfg.eval.n} on {len(trainer.source.test)} held-out tasks", ""]
+             f"{trainer.step} RL steps, {_eval_size(rows, cfg)}", ""]
     if rows:
         keys = [k for k in rows[0][1] if k.startswith(("avg@", "pass@", "maj@"))]
         lines.append("| stage | " + " | ".join(keys) + " |")
         lines.append("|---|" + "---|" * len(keys))
         for label, summary in rows:
-            stage = {"sft": _start_label(cfg), "final": "after RL"}.get(label, label)
+            stage = stage_name(label, cfg.sft.steps)
             lines.append(f"| {stage} | " + " | ".join(f"{100 * summary.get(k, float('nan')):.1f}%" for k in keys) + " |")
     write_text_atomic(run_dir / "report.json", json.dumps(report, indent=1, default=float))
     write_text_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
@@ -472,8 +473,13 @@ def write_report(trainer: Trainer) -> dict:
     return report
 
 
-def _start_label(cfg: RunConfig) -> str:
-    return "after SFT" if cfg.sft.steps else "before RL"
+def _eval_size(rows: list, cfg: RunConfig) -> str:
+    """What the held-out evaluation measured, from its own summary (tasks evaluated, samples per task)."""
+    if not rows:
+        return "no held-out evaluation"
+    summary = rows[-1][1]
+    n_tasks, n = summary.get("n_tasks"), summary.get("n", cfg.eval.n)
+    return f"eval n={n} on {n_tasks} held-out tasks" if n_tasks is not None else f"eval n={n}"
 
 
 def format_before_after(history: dict, cfg: RunConfig) -> str:
@@ -481,7 +487,7 @@ def format_before_after(history: dict, cfg: RunConfig) -> str:
         return ""
     keys = [k for k in history["final"] if k.startswith(("avg@", "pass@"))]
     out = ["held-out team accuracy:", f"{'stage':<10}" + "".join(f"{k:>10}" for k in keys)]
-    for label, name in (("sft", _start_label(cfg)), ("final", "after RL")):
+    for label, name in (("sft", stage_name("sft", cfg.sft.steps)), ("final", stage_name("final", cfg.sft.steps))):
         out.append(f"{name:<10}" + "".join(f"{100 * history[label][k]:>9.1f}%" for k in keys))
     return "\n".join(out)
 

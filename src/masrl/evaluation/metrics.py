@@ -34,6 +34,12 @@ __all__ = [
 ]
 
 
+def stage_name(label: str, sft_steps: int) -> str:
+    """The name every report gives an evaluation stage: ``sft`` is "after SFT" (or "before RL" when the run
+    had no SFT cold start), ``final`` is "after RL", a step label is kept as it is."""
+    return {"sft": "after SFT" if sft_steps else "before RL", "final": "after RL"}.get(label, label)
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one task with ``n`` samples of which ``c`` are correct.
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from masrl.config import RunConfig
 
-STAGES = {"sft": "start of RL", "final": "after RL"}
+from masrl.evaluation.metrics import stage_name
 
 
 def model_card(cfg: RunConfig, report: dict, manifest: dict, library: str = "transformers") -> str:
@@ -19,7 +19,7 @@ def model_card(cfg: RunConfig, report: dict, manifest: dict, library: str = "tra
         pcfg = cfg.policies[acfg.policy]
         info = manifest["policies"].get(acfg.policy)
         lines.append(f"| {agent} | {acfg.policy} | `{pcfg.model}` | {_where(agent, acfg.policy, info)} |")
-    lines += ["", *_results(report), "", "## Loading", "", "```python",
+    lines += ["", *_results(report, cfg.sft.steps), "", "## Loading", "", "```python",
               "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(FOLDER)   # a full or merged policy folder",
               "tokenizer = AutoTokenizer.from_pretrained(FOLDER)",
@@ -43,9 +43,9 @@ def _where(agent: str, policy: str, info: dict | None) -> str:
     return f"`{folders['base']}/` + adapter `{folders[key]}/`"
 
 
-def _results(report: dict) -> list[str]:
+def _results(report: dict, sft_steps: int) -> list[str]:
     history = report.get("eval") or {}
-    rows = [(STAGES.get(label, label), s) for label, s in history.items() if isinstance(s, dict)]
+    rows = [(stage_name(label, sft_steps), s) for label, s in history.items() if isinstance(s, dict)]
     if not rows:
         return ["## Held-out results", "", "No held-out evaluation in this run's report.json."]
     keys = [k for k in rows[0][1] if k.startswith(("avg@", "pass@", "maj@"))]

@@ -18,6 +18,7 @@ the file and line (row for parquet/hf, index for JSON), or stop the run with ``t
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -124,6 +125,27 @@ def _gold(value: Any, reward: str, setup: str | None) -> Any:
     return value  # a user's reward reads the raw value
 
 
+def _has(row: Any, path: str) -> bool:
+    try:
+        _get(row, path)
+    except BadRow:
+        return False
+    return True
+
+
+def _check_fields(records, where: str, keys: dict[str, str], peek: int = 20):
+    """``records`` ((position, row) pairs) unchanged, after one clear error when none of the first ``peek``
+    rows has a field the config maps (a misspelt field name would otherwise skip every row, a warning each)."""
+    head = list(itertools.islice(records, peek))
+    rows = [row for _, row in head if isinstance(row, dict)]
+    for role, key in keys.items():
+        if rows and not any(_has(r, key) for r in rows):
+            seen = sorted({k for r in rows for k in r})
+            raise DatasetLoadError(f"{where}: no row has the {role} field {key!r} (task.params.fields.{role}); "
+                                   f"the rows have fields: {', '.join(map(str, seen[:20]))}")
+    return itertools.chain(head, records)
+
+
 def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | None = None,
                        limit: int | None = None, strict: bool = False) -> list[Task]:
     """Tasks from ``source`` (a file or ``hf:ID[:split]``); malformed rows warned and skipped (or raised)."""
@@ -131,6 +153,7 @@ def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | Non
     idkey, setupkey = fields.get("id"), fields.get("setup")
     name = source[3:].split(":")[0].split("/")[-1] if source.startswith("hf:") else Path(source).name.split(".")[0]
     where, records = _records(source, fmt or detect_format(source))
+    records = _check_fields(records, where, {"question": qkey, "answer": akey})
 
     def parse(row: dict, pos: RowPos) -> Task:
         question = _get(row, qkey)

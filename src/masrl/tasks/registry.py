@@ -127,6 +127,7 @@ def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSo
         source.test = source.test[:cfg.test_limit]
     if not source.train:
         why = ("task.train_limit is 0" if cfg.train_limit == 0 else
+               "check task.params.train and the data file" if cfg.name == "dataset" else
                "check task.params (e.g. train_size) or the data file")
         raise ConfigError(f"task {cfg.name!r}: the training split is empty ({why})")
     return source
