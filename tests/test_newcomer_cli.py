@@ -95,3 +95,19 @@ def test_stage_names_agree():
 
     assert [stage_name(s, 10) for s in ("sft", "final", "step_10")] == ["after SFT", "after RL", "step_10"]
     assert stage_name("sft", 0) == "before RL"
+
+
+def test_progress_eta():
+    from masrl.trainer import _Progress
+
+    rl = _Progress(False, "RL", 100, completed=60)  # a resumed run: 60 steps done before this process
+    rl.done = 70
+    assert rl.eta(rl.start + 50.0) == 150.0  # 10 steps in 50 s -> 30 left take 150 s (not 60/70 of the time)
+    ev = _Progress(False, "eval test", 200)
+    ev.done = 150
+    assert ev.eta(ev.start + 10.0) is None  # episodes finish in bursts: no linear guess
+    again = _Progress(False, "eval test", 200, expected_s=80.0)
+    again.done = 150
+    assert again.eta(again.start + 30.0) == 50.0
+    again.done = 200
+    assert again.eta(again.start + 99.0) == 0.0

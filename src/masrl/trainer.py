@@ -92,7 +92,9 @@ class Trainer:
                      show: bool | None = None) -> list[Episode]:
         """:meth:`rollout` of an evaluation, with progress: episodes done, accuracy so far, ETA, and the agent
         turns generated (a workflow's episodes finish together in its last round; its turns once per round)."""
-        progress = _Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks))
+        durations = self.__dict__.setdefault("_eval_seconds", {})
+        progress = _Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks),
+                             expected_s=durations.get((bench, len(tasks))))
         count = {"correct": 0, "turns": 0}
 
         def on_episode(episode: Episode) -> None:
@@ -109,6 +111,7 @@ class Trainer:
                                 on_episode=on_episode, on_turn=on_turn)
         finally:
             progress.close()
+            durations[(bench, len(tasks))] = progress.elapsed()
 
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
         """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
@@ -375,10 +378,19 @@ def _progress_text(m: dict, agents) -> str:
 
 
 class _Progress:
-    """A rich progress bar with ETA when interactive; otherwise a line every 5% of the total (at most one a second)."""
+    """A rich progress bar with ETA when interactive; otherwise a line every 5% of the total (at most one a second).
 
-    def __init__(self, enabled: bool, label: str, total: int, completed: int = 0):
+    The ETA is linear in the items done since this bar started (a resumed run's earlier steps do not count),
+    unless ``expected_s`` is given: then it is what is left of that duration (an evaluation's episodes finish
+    together in its workflow's last round, so a linear ETA would say "almost done" long before it is; the
+    trainer passes the duration of the previous evaluation of the same benchmark, and none the first time).
+    """
+
+    def __init__(self, enabled: bool, label: str, total: int, completed: int = 0, *,
+                 expected_s: float | None = None):
         self.enabled, self.label, self.total, self.done = enabled, label, total, completed
+        self.completed_before, self.expected_s = completed, expected_s
+        self.linear = not label.startswith("eval")
         self.start = time.perf_counter()
         self._printed = -float("inf")
         self._bar = None
@@ -405,9 +417,24 @@ class _Progress:
         # episodes of an evaluation finish in bursts (one per workflow round): at most one line a second
         if (self.done % every == 0 and now - self._printed >= 1.0) or self.done == self.total:
             self._printed = now
-            elapsed = now - self.start
-            eta = elapsed / max(self.done, 1) * (self.total - self.done)
-            print(f"[{self.label} {self.done}/{self.total} eta {eta:5.0f}s] {text}", flush=True)
+            eta = self.eta(now)
+            when = f"eta {eta:5.0f}s" if eta is not None else f"{now - self.start:5.0f}s"
+            print(f"[{self.label} {self.done}/{self.total} {when}] {text}", flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def eta(self, now: float) -> float | None:
+        """Seconds left (None when there is nothing to base it on)."""
+        elapsed = now - self.start
+        if self.done >= self.total:
+            return 0.0
+        if self.expected_s is not None:
+            return max(self.expected_s - elapsed, 0.0)
+        since = self.done - self.completed_before
+        if not self.linear or since <= 0:
+            return None
+        return elapsed / since * (self.total - self.done)
 
     def note(self, text: str) -> None:
         """Show that work goes on between advances (at most one line every 10 s when not a terminal)."""
