@@ -40,7 +40,10 @@ def test_chunked_equals_plain_with_gradients(chunk):
         ((logp * w_lp).sum() + (ent * w_h).sum()).backward()
         results.append([logp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone(), bias.grad.clone()])
     for name, a, b in zip(["logp", "entropy", "d_hidden", "d_weight", "d_bias"], *results):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
+        # 1e-5 of the tensor's largest entry: float32 summation order differs by CPU (one chunk per
+        # token sums 48 outer products one by one where the plain path makes one matmul)
+        scale = max(1.0, a.abs().max().item())
+        torch.testing.assert_close(b, a, atol=1e-5 * scale, rtol=1e-5, msg=name)
 
 
 def test_chunked_without_entropy_and_logprob_only_gradient():
