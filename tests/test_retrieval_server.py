@@ -147,7 +147,7 @@ def test_cli_serve_retriever_subprocess(tmp_path):
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "-c", code, "serve-retriever", "--corpus", str(corpus),
-                             "--port", str(port), "--log-level", "warning"],
+                             "--port", str(port), "--log-level", "warning", "--header-timeout", "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -162,6 +162,9 @@ def test_cli_serve_retriever_subprocess(tmp_path):
                 time.sleep(0.05)
         [top] = HttpRetriever(url, retries=0).search(["Topic foxtrot"], 1)
         assert top[0].id == "5"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as stalled:  # --header-timeout reaches the server
+            stalled.sendall(b"GET /hea")
+            assert b"did not arrive within 1 s" in stalled.recv(65536)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -338,7 +341,147 @@ def test_slow_clients_time_out_and_do_not_block_others(small_server):
 
 
 @pytest.mark.parametrize("field,value", [("max_topk", 0), ("max_queries", -1), ("max_body_bytes", 1.5),
-                                         ("body_timeout_s", float("nan")), ("max_connections", True)])
+                                         ("body_timeout_s", float("nan")), ("max_connections", True),
+                                         ("max_connections_per_client", 0), ("header_timeout_s", 0),
+                                         ("header_timeout_s", float("inf"))])
 def test_server_limits_refuse_nonsense(field, value):
     with pytest.raises(ValueError, match=field):
         ServerLimits(**{field: value})
+
+
+# Below the app: request-head timeout, connection limits, JSON errors for malformed HTTP.
+
+HEAD_LIMITS = ServerLimits(header_timeout_s=1.0, body_timeout_s=1.0)  # default connection limits (256, 128 per client)
+
+
+@pytest.fixture(scope="module")
+def head_server():
+    with BackgroundServer(BM25Retriever(PASSAGES), HEAD_LIMITS) as srv:
+        wait_until_answers(srv.url)
+        yield srv
+
+
+def _stall(server, data: bytes = b"GET /hea") -> socket.socket:
+    s = socket.create_connection((server.host, server.port))
+    s.sendall(data)
+    return s
+
+
+def _until_closed(socks: list[socket.socket], timeout: float) -> dict[socket.socket, tuple[float, bytes]]:
+    """Read every socket until the server closes it (or ``timeout`` passes): {socket: (monotonic close time, reply)}."""
+    import selectors
+
+    replies, closed = {s: b"" for s in socks}, {}
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while len(closed) < len(socks) and time.monotonic() < deadline:
+            for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    chunk = key.fileobj.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                replies[key.fileobj] += chunk
+                if not chunk:
+                    closed[key.fileobj] = (time.monotonic(), replies[key.fileobj])
+                    sel.unregister(key.fileobj)
+    return closed
+
+
+def _status_and_error(reply: bytes) -> tuple[int, str]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), reply
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+def test_half_sent_request_lines_cannot_hold_health(head_server):
+    start = time.monotonic()
+    stalled = [_stall(head_server) for _ in range(300)]  # more than max_connections, all from 127.0.0.1
+    try:
+        asked = time.monotonic()
+        health = httpx.get(head_server.url + "/health", timeout=5.0)
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+        assert time.monotonic() - asked < 0.9  # served at once, not after the stalled heads time out
+        closed = _until_closed(stalled, timeout=5.0)
+        assert len(closed) == len(stalled)  # every stalled connection is closed by the server
+        statuses = {}
+        for at, reply in closed.values():
+            status, error = _status_and_error(reply)
+            statuses[status] = statuses.get(status, 0) + 1
+            if status == 408:  # kept until the head timeout, then closed
+                assert at - start >= 0.95 and "did not arrive within 1 s" in error
+            else:  # closed to make room for newer connections
+                assert status == 503 and "closed to make room" in error and "limit of 128" in error
+        assert statuses.get(408, 0) >= 100 and statuses.get(503, 0) >= 100, statuses
+    finally:
+        for s in stalled:
+            s.close()
+    assert httpx.get(head_server.url + "/health", timeout=5.0).status_code == 200
+
+
+def test_a_dripping_head_times_out_from_its_start(head_server):
+    s = _stall(head_server, b"G")
+    try:
+        start = time.monotonic()
+        s.settimeout(0.25)
+        reply = b""
+        for byte in b"ET /health HTTP/1.1\r\n":  # one byte every 0.25 s: never a whole head within 1 s
+            try:
+                s.sendall(bytes([byte]))
+                reply += s.recv(65536)
+            except socket.timeout:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if reply:
+                break
+        assert 0.9 <= time.monotonic() - start < 1.6
+        assert _status_and_error(reply)[0] == 408
+    finally:
+        s.close()
+
+
+def test_a_keep_alive_connection_with_half_a_second_request_is_closed(head_server):
+    s = _stall(head_server, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        s.settimeout(5)
+        first = s.recv(65536)
+        assert b" 200 " in first.split(b"\r\n")[0]
+        s.sendall(b"GET /hea")  # the next request head never completes
+        start = time.monotonic()
+        closed = _until_closed([s], timeout=4.0)
+        assert s in closed, "the stalled keep-alive connection stayed open"
+        at, reply = closed[s]
+        assert 0.9 <= at - start < 2.0 and _status_and_error(reply)[0] == 408
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("limits,needle", [
+    (ServerLimits(max_connections_per_client=2, body_timeout_s=1.0), "the limit per client is 2"),
+    (ServerLimits(max_connections=2, body_timeout_s=1.0), "the server limit is 2")])
+def test_connections_over_the_limit_while_all_serve_are_refused(limits, needle):
+    with BackgroundServer(BM25Retriever(PASSAGES), limits) as srv:
+        wait_until_answers(srv.url)
+        busy = [_stall(srv, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{") for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both heads are in: these two are serving (their bodies are awaited)
+            extra = _stall(srv, b"")
+            closed = _until_closed([extra], timeout=0.8)  # refused at once, before the body timeout frees one
+            extra.close()
+            assert extra in closed
+            status, error = _status_and_error(closed[extra][1])
+            assert status == 503 and needle in error and "retry when one finishes" in error
+        finally:
+            for s in busy:
+                s.close()
+        deadline = time.monotonic() + 5
+        while (r := httpx.get(srv.url + "/health", timeout=5.0)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server notices the closed connections
+        assert r.status_code == 200
+
+
+def test_malformed_http_is_a_json_400(head_server):
+    code, body = _raw(head_server, b"NOT HTTP AT ALL\x00\r\n\r\n", timeout=5)
+    assert code == 400 and body["error"].startswith("malformed HTTP request") and "POST /retrieve" in body["error"]

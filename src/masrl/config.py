@@ -459,7 +459,8 @@ class LoggingConfig(_Strict):
                                                  "report_to replaces it when set)")
     project: Optional[str] = Field(None, description="W&B / trackio project and MLflow experiment (None: masrl)")
     mlflow_tracking_uri: Optional[str] = Field(None, description=(
-        "MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else MLflow's default); e.g. file:///path/mlruns"))
+        "MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else a file store in RUN_DIR/mlruns); e.g. "
+        "http://host:5000, file:///path/mlruns, sqlite:///path/mlflow.db (full mlflow)"))
     init_kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
         "extra arguments of each tracker's init call, by tracker: {wandb: {entity: ..., mode: offline}}"))
     progress: bool = Field(True, description=(

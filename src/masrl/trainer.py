@@ -318,7 +318,7 @@ class Trainer:
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",
-               "trackers.json", "wandb", "versions.json")
+               "trackers.json", "wandb", "mlruns", "versions.json")
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:

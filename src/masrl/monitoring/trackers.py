@@ -5,15 +5,23 @@ are logged under ``sft/<metric>`` against their own ``sft/step`` axis (W&B) or t
 trackio), so that SFT and RL never fight over one monotonic step. A resumed run continues the
 tracker run it started (its id is kept in ``RUN_DIR/trackers.json``). TensorBoard stays in
 :mod:`masrl.monitoring.logger`.
+
+MLflow's store is ``logging.mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else a file store in
+``RUN_DIR/mlruns`` (MLflow's own default, ``sqlite:///mlflow.db``, needs SQLAlchemy, which mlflow-skinny
+lacks). A store that cannot be opened stops the run at its start with one line saying what to set.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlparse
+
+from masrl.errors import UserInputError
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
@@ -58,6 +66,45 @@ class WandbTracker:
 
 
 _MLFLOW_BAD = re.compile(r"[^/\w.\- :]")
+_SET_STORE = ("set logging.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to a writable folder or file:///path "
+              "(a file store) or http(s)://host:port (a tracking server)")
+
+
+def mlflow_store(configured: str | None, run_dir: Path) -> tuple[str, str]:
+    """The tracking URI MLflow gets, and where it comes from (named in errors)."""
+    if configured:
+        return configured, "logging.mlflow_tracking_uri"
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"], "MLFLOW_TRACKING_URI"
+    return (Path(run_dir) / "mlruns").resolve().as_uri(), "the default store RUN_DIR/mlruns"
+
+
+def _prepare_mlflow_store(uri: str, source: str) -> None:
+    """What MLflow needs for ``uri`` before it opens it: a file store is opted into (MLflow 3 refuses one unless
+    ``MLFLOW_ALLOW_FILE_STORE`` is true; an explicit false is kept); sqlite needs SQLAlchemy."""
+    scheme = urlparse(uri).scheme.lower()
+    if scheme in ("", "file") or len(scheme) == 1:  # a path, file://, or a Windows drive letter
+        allowed = os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        if allowed.strip().lower() not in ("true", "1"):
+            raise UserInputError(f"MLflow tracking store {uri} ({source}) is a file store, which "
+                                 f"MLFLOW_ALLOW_FILE_STORE={allowed} refuses: set MLFLOW_ALLOW_FILE_STORE=true (or unset "
+                                 "it), or set logging.mlflow_tracking_uri (or MLFLOW_TRACKING_URI) to "
+                                 "http(s)://host:port or sqlite:///path.db (full mlflow)")
+    elif scheme == "sqlite":
+        try:
+            import sqlalchemy  # noqa: F401
+        except ImportError:
+            raise UserInputError(f"MLflow tracking store {uri} ({source}) is a SQLite database, which needs "
+                                 f"SQLAlchemy: pip install mlflow (not mlflow-skinny), or {_SET_STORE}") from None
+
+
+def _mlflow_error(uri: str, source: str, error: Exception) -> UserInputError:
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if len(detail) > 240:
+        detail = detail[:240].rsplit(" ", 1)[0] + " ..."
+    return UserInputError(f"MLflow cannot use the tracking store {uri} ({source}): {type(error).__name__}"
+                          f"{': ' + detail if detail else ''}; {_SET_STORE}, or sqlite:///path.db with the full "
+                          "mlflow package")
 
 
 class MlflowTracker:
@@ -69,15 +116,29 @@ class MlflowTracker:
         _require("mlflow", "mlflow")
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        if run_id:
-            self.client.update_run(run_id, status="RUNNING")
-        else:
-            exp = self.client.get_experiment_by_name(project)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
-            run_id = self.client.create_run(exp_id, run_name=name, **init_kwargs).info.run_id
-            self.client.log_dict(run_id, config, "config.json")
-        self.run_id = run_id
+        uri, source = mlflow_store(tracking_uri, run_dir)
+        _prepare_mlflow_store(uri, source)
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            if run_id:
+                self.client.update_run(run_id, status="RUNNING")
+            else:
+                exp = self.client.get_experiment_by_name(project)
+                exp_id = exp.experiment_id if exp else self.client.create_experiment(project)
+                run_id = self._create_run(exp_id, name, init_kwargs)
+                self.client.log_dict(run_id, config, "config.json")
+        except UserInputError:
+            raise
+        except Exception as e:  # MlflowException, a missing backend, OSError: the store, not masrl
+            raise _mlflow_error(uri, source, e) from None
+        self.tracking_uri, self.run_id = uri, run_id
+
+    def _create_run(self, exp_id: str, name: str, init_kwargs: dict) -> str:
+        try:
+            return self.client.create_run(exp_id, run_name=name, **init_kwargs).info.run_id
+        except TypeError as e:  # a key create_run does not take
+            raise UserInputError(f"logging.init_kwargs.mlflow: {e} (MlflowClient.create_run takes experiment_id, "
+                                 "start_time, tags, run_name)") from None
 
     @staticmethod
     def key(name: str) -> str:

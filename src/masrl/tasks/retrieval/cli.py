@@ -24,6 +24,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-topk", type=int, default=50, help="larger topk requests are capped to this")
     p.add_argument("--max-queries", type=int, default=512, help="most queries per request")
     p.add_argument("--max-query-chars", type=int, default=2000, help="longer queries are truncated")
+    p.add_argument("--max-connections", type=int, default=256, help="most open connections")
+    p.add_argument("--max-connections-per-client", type=int, default=128, help="most open connections from one address")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a whole request head before it is closed")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk index cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve_retriever)
@@ -43,8 +47,14 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
-    if args.topk < 1 or args.max_topk < 1 or args.max_queries < 1 or args.max_query_chars < 1:
-        print("error: --topk, --max-topk, --max-queries and --max-query-chars must be >= 1", file=sys.stderr)
+    counts = (args.topk, args.max_topk, args.max_queries, args.max_query_chars, args.max_connections,
+              args.max_connections_per_client)
+    if min(counts) < 1:
+        print("error: --topk, --max-topk, --max-queries, --max-query-chars, --max-connections and "
+              "--max-connections-per-client must be >= 1", file=sys.stderr)
+        return 2
+    if not 0 < args.header_timeout < float("inf"):
+        print(f"error: --header-timeout must be a number of seconds > 0, got {args.header_timeout}", file=sys.stderr)
         return 2
     spec = ("synthetic_kb" if args.corpus == "synthetic_kb" else
             {"type": args.retriever, "corpus": args.corpus, "format": args.format, "cache": not args.no_cache})
@@ -60,7 +70,9 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host} exposes the retriever beyond this machine", file=sys.stderr)
     limits = ServerLimits(default_topk=args.topk, max_topk=args.max_topk, max_queries=args.max_queries,
-                          max_query_chars=args.max_query_chars)
+                          max_query_chars=args.max_query_chars, max_connections=args.max_connections,
+                          max_connections_per_client=args.max_connections_per_client,
+                          header_timeout_s=args.header_timeout)
     try:
         serve(retriever, host=args.host, port=args.port, limits=limits, log_level=args.log_level)
     except OSError as e:

@@ -9,8 +9,12 @@
 Limits: ``topk`` above ``max_topk`` is capped; queries longer than ``max_query_chars`` are
 truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes`` (refused from its
 ``Content-Length`` before it is read, or as soon as a chunked body passes the limit), is refused
-with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408; at most
-``max_connections`` connections are served at once (uvicorn answers 503 beyond). Malformed JSON
+with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408. Below the app
+(:mod:`masrl.tasks.retrieval.guard`): a connection that has not sent a whole request head within
+``header_timeout_s`` is closed (408); at most ``max_connections`` connections are open, at most
+``max_connections_per_client`` from one address -- a new one closes the oldest connection still
+waiting for its head, or is refused with a 503 when all are serving requests; malformed HTTP is a
+400. So half-sent requests cannot hold ``/health`` or anything else. Malformed JSON
 (not JSON, not UTF-8, nested too deep, a number too long to convert) is a 400, missing or mistyped
 fields a 422, a wrong path or method a 404 / 405, a failure of the retriever a 500. Every error
 body is ``{"error": message}``; a client that disconnects mid-request is dropped without a log
@@ -19,6 +23,7 @@ traceback.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -34,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from masrl.tasks.retrieval.base import Retriever
+from masrl.tasks.retrieval.guard import API, ConnectionGuard, GuardedH11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +53,22 @@ class ServerLimits:
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout_s: float = 30.0
     max_connections: int = 256
+    max_connections_per_client: int = 128
+    header_timeout_s: float = 10.0
 
     def __post_init__(self):
         for name in ("default_topk", "max_topk", "max_queries", "max_query_chars", "max_body_bytes",
-                     "max_connections"):
+                     "max_connections", "max_connections_per_client"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= 1, got {value!r}")
-        if not 0 < self.body_timeout_s < float("inf"):
-            raise ValueError(f"ServerLimits.body_timeout_s must be a finite number > 0, got {self.body_timeout_s!r}")
+        for name in ("body_timeout_s", "header_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"ServerLimits.{name} must be a finite number > 0, got {value!r}")
 
 
-ROUTES = "the API is POST /retrieve and GET /health"
+ROUTES = API
 
 
 class _BadRequest(Exception):
@@ -166,14 +176,21 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None):
     return app
 
 
+def uvicorn_options(retriever: Retriever, limits: ServerLimits) -> dict:
+    """uvicorn settings serving ``retriever``: the app behind :class:`GuardedH11Protocol`, which limits connections
+    itself (uvicorn's ``limit_concurrency`` would count connections still waiting for a request head)."""
+    guard = ConnectionGuard(max_connections=limits.max_connections, max_per_client=limits.max_connections_per_client,
+                            head_timeout_s=limits.header_timeout_s)
+    return {"app": create_app(retriever, limits), "http": functools.partial(GuardedH11Protocol, guard=guard),
+            "limit_concurrency": None}
+
+
 def serve(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, limits: ServerLimits | None = None,
           log_level: str = "info") -> None:
     """Run the server in the foreground until interrupted."""
     import uvicorn
 
-    limits = limits or ServerLimits()
-    uvicorn.run(create_app(retriever, limits), host=host, port=port, log_level=log_level,
-                limit_concurrency=limits.max_connections)
+    uvicorn.run(**uvicorn_options(retriever, limits or ServerLimits()), host=host, port=port, log_level=log_level)
 
 
 class BackgroundServer:
@@ -191,9 +208,8 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        limits = limits or ServerLimits()
-        config = uvicorn.Config(create_app(retriever, limits), log_level="warning", lifespan="off",
-                                limit_concurrency=limits.max_connections)
+        config = uvicorn.Config(**uvicorn_options(retriever, limits or ServerLimits()), log_level="warning",
+                                lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._startup_timeout = startup_timeout
