@@ -91,6 +91,24 @@ def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return TaskSource(cfg.name, train, test, make_code_score(mode))
 
 
+def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """Synthetic ``def f(xs)`` tasks with hidden tests (masrl.tasks.code.synthetic), sandboxed reward."""
+    from masrl.tasks.code.synthetic import CodeSynthConfig, CodeSynthTeacher, code_synth_score, make_code_synth_tasks
+
+    params = {k: v for k, v in cfg.params.items() if k not in ("reward_mode", "timeout_s")}
+    try:
+        train, test = make_code_synth_tasks(CodeSynthConfig(**params))
+    except TypeError as e:
+        raise ConfigError(f"task.params for code_synth: {e}; known: "
+                          f"{sorted(CodeSynthConfig.__dataclass_fields__) + ['reward_mode', 'timeout_s']}") from None
+    try:
+        teacher = CodeSynthTeacher(**sft_teacher)
+    except TypeError as e:
+        raise ConfigError(f"sft.teacher for code_synth: {e}; known: slip_rate, verifier_noise, seed") from None
+    score = code_synth_score(cfg.params.get("reward_mode", "fraction"), cfg.params.get("timeout_s", 1.0))
+    return TaskSource("code_synth", train, test, score, teacher.reply)
+
+
 def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.dataset import dataset_source
 
@@ -100,6 +118,7 @@ def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
                                                                 "synthetic_kb": _synthetic_kb,
                                                                 "mbpp": _code, "humaneval": _code,
+                                                                "code_synth": _code_synth,
                                                                 "dataset": _dataset}
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
-from masrl.workflows.common import check_params, numbered, parallel_calls, parse_subtasks, positive_int, require_box
+from masrl.workflows.common import check_params, numbered, parallel_calls, parse_subtasks, positive_int, require_answer
 
 ORCH_PROMPTS = {
     "Orchestrator": (
@@ -25,14 +25,15 @@ ORCH_PROMPTS = {
 
 
 @register_workflow("orch_workers", agents=("Orchestrator", "Worker", "Synthesizer"), prompts=ORCH_PROMPTS,
-                   params={"max_subtasks": 3, "workers_see_problem": False})
+                   params={"max_subtasks": 3, "workers_see_problem": False, "answer_format": "boxed"})
 async def orch_workers(task: Task, team: Team) -> Episode:
     """Orch-Workers: Orchestrator writes ``SUBTASK k: ...`` lines, Workers solve them in parallel,
     the Synthesizer combines their results into the final ``\\boxed{}``.
 
     No parsable subtask -> invalid Orchestrator turn, and one Worker gets the whole problem.
     Workers see only their subtask unless ``workers_see_problem: true``. Worker and Synthesizer
-    turns without ``\\boxed{}`` are invalid. Final answer: the Synthesizer text.
+    turns without ``\\boxed{}`` (with ``answer_format: code``, without a fenced code block) are invalid.
+    Final answer: the Synthesizer text.
     """
     check_params(team)
     max_subtasks = positive_int(team, "max_subtasks")
@@ -50,11 +51,11 @@ async def orch_workers(task: Task, team: Team) -> Episode:
     template = "Worker_with_problem" if see_problem and not fallback_used else "Worker"
     workers = await parallel_calls(team, "Worker", [team.render(template, subtask=s, question=task.question)
                                                for s in subtasks])
-    worker_answers = [require_box(t) for t in workers]
+    worker_answers = [require_answer(team, t) for t in workers]
     results = numbered(team, "result", [t.text for t in workers], subtask=subtasks)
     synthesizer = await team.call("Synthesizer", team.render("Synthesizer", results=results,
                                                              question=task.question))
     synthesizer.info["slot"] = 0
-    require_box(synthesizer)
+    require_answer(team, synthesizer)
     return team.finish(synthesizer.text, subtasks=subtasks, n_subtasks=len(subtasks),
                        subtask_fallback=fallback_used, worker_answers=worker_answers)

@@ -6,7 +6,7 @@ from typing import Any
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.common import (SOLVE_PROMPT, check_params, choice_param, judge_correct, majority_vote,
-                                    normalize_answer, numbered, parallel_calls, parse_index, positive_int, require_box)
+                                    normalize_answer, numbered, parallel_calls, parse_index, positive_int, require_answer)
 
 VOTING_PROMPTS = {
     "Generator": SOLVE_PROMPT,
@@ -20,11 +20,13 @@ VOTING_PROMPTS = {
 
 
 @register_workflow("voting", agents=("Generator", "Aggregator"), prompts=VOTING_PROMPTS,
-                   params={"n_generators": 3, "fallback": "majority", "score_candidates": False})
+                   params={"n_generators": 3, "fallback": "majority", "score_candidates": False,
+                           "answer_format": "boxed"})
 async def voting(task: Task, team: Team) -> Episode:
     """Voting: ``n_generators`` answer in parallel; the Aggregator picks one with ``\\boxed{i}`` (1-based).
 
-    Generator turns without ``\\boxed{}`` are invalid. An unparsable or out-of-range choice makes the
+    Generator turns without ``\\boxed{}`` (with ``answer_format: code``, without a fenced code block) are
+    invalid. An unparsable or out-of-range choice makes the
     Aggregator turn invalid and applies ``fallback``: ``majority`` (most common boxed answer among
     the generators, earliest on ties), ``first`` (generator 1) or ``none`` (no answer).
     Final answer: the chosen generator's text.
@@ -34,7 +36,7 @@ async def voting(task: Task, team: Team) -> Episode:
     fallback = choice_param(team, "fallback", ("majority", "first", "none"))
     prompt = team.render("Generator", question=task.question)
     generators = await parallel_calls(team, "Generator", [prompt] * n)
-    answers = [require_box(t) for t in generators]
+    answers = [require_answer(team, t) for t in generators]
     texts = [t.text for t in generators]
 
     aggregator = await team.call("Aggregator", team.render(
