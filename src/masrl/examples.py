@@ -1,0 +1,115 @@
+"""``masrl example``: the shipped example configs, wherever masrl is installed.
+
+In a source checkout they are the repository's ``examples/`` folder; a wheel carries a copy as
+``masrl/_examples`` (setup.py). ``masrl example get NAME`` writes ``examples/NAME.yaml`` under the
+working folder, with the files it names under ``examples/`` (a reward module, a data file), so the
+README's ``masrl train examples/quickstart.yaml`` runs the same after a wheel install as in a checkout.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from masrl.errors import UserInputError
+from masrl.paths import REPO_ROOT, in_checkout
+
+_REFERENCE = re.compile(r"examples/[\w./-]+\.(?:yaml|py|jsonl|json|txt)")
+
+
+def examples_root() -> Path:
+    """The folder the examples are read from: ``examples/`` in a checkout, ``masrl/_examples`` in a wheel."""
+    if in_checkout():
+        return REPO_ROOT / "examples"
+    return Path(__file__).resolve().parent / "_examples"
+
+
+def list_examples() -> list[tuple[str, str]]:
+    """``(name, first comment line)`` of every example config, ``gpu/...`` and ``sweeps/...`` included."""
+    root = examples_root()
+    out = []
+    for path in sorted(root.rglob("*.yaml")):
+        first = next((line.lstrip("# ").strip() for line in path.read_text(encoding="utf-8-sig").splitlines()
+                      if line.startswith("#") and line.strip("# ")), "")
+        out.append((path.relative_to(root).with_suffix("").as_posix(), first))
+    return out
+
+
+def example_files(name: str) -> list[Path]:
+    """The example config ``name`` (``quickstart``, ``gpu/math_drmas_qwen3_4b``) and the files under
+    ``examples/`` it names, relative to the examples folder."""
+    root = examples_root()
+    rel = Path(name.removeprefix("examples/")).with_suffix(".yaml")
+    if not root.is_dir():
+        raise UserInputError(f"this masrl install has no examples (looked in {root}); reinstall from a wheel or a "
+                             "checkout built with setup.py")
+    if ".." in rel.parts or not (root / rel).is_file():
+        known = ", ".join(n for n, _ in list_examples())
+        raise UserInputError(f"no example named {name!r}; known: {known} (masrl example list)")
+    files, todo = [], [rel]
+    while todo:
+        current = todo.pop()
+        if current in files:
+            continue
+        files.append(current)
+        if current.suffix == ".yaml":
+            for ref in _REFERENCE.findall((root / current).read_text(encoding="utf-8-sig")):
+                ref_rel = Path(ref.removeprefix("examples/"))
+                if (root / ref_rel).is_file() and ".." not in ref_rel.parts:
+                    todo.append(ref_rel)
+    return files
+
+
+def write_examples(names: list[str], dest: Path, force: bool = False) -> list[tuple[Path, str]]:
+    """Copy the examples ``names`` (or every one, for ``all``) to ``dest/examples/``; ``(path, status)`` per file.
+    An existing different file is kept unless ``force`` (nothing is written then: one error names it)."""
+    root = examples_root()
+    if names == ["all"]:
+        names = [n for n, _ in list_examples()]
+    rels = sorted({rel for name in names for rel in example_files(name)})
+    target_root = Path(dest).expanduser() / "examples"
+    plan = []
+    for rel in rels:
+        target = target_root / rel
+        if target.is_symlink() or (target.exists() and not target.is_file()):
+            raise UserInputError(f"{target} exists and is not a plain file; remove it or choose another --dir")
+        same = target.is_file() and target.read_bytes() == (root / rel).read_bytes()
+        if target.exists() and not same and not force:
+            raise UserInputError(f"{target} exists and differs from the shipped example; --force replaces it")
+        plan.append((rel, target, "unchanged" if same else ("replaced" if target.exists() else "written")))
+    for rel, target, status in plan:
+        if status != "unchanged":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / rel, target)
+    return [(target, status) for _, target, status in plan]
+
+
+def _cmd_list(args) -> int:
+    rows = list_examples()
+    width = max(len(n) for n, _ in rows)
+    for name, first in rows:
+        print(f"{name:<{width}}  {first[:100]}")
+    print(f"\n{len(rows)} examples in {examples_root()}; write one out with: masrl example get NAME")
+    return 0
+
+
+def _cmd_get(args) -> int:
+    for path, status in write_examples(args.names, Path(args.dir), force=args.force):
+        print(f"{status:<9} {path}")
+    first = args.names[0] if args.names != ["all"] else "quickstart"
+    print(f"run it with: masrl train examples/{Path(first.removeprefix('examples/')).with_suffix('.yaml').as_posix()}"
+          + (f"  (from {args.dir})" if args.dir != "." else ""))
+    return 0
+
+
+def register(sub) -> None:
+    """``masrl example list | get NAME [NAME ...] | get all [--dir DIR] [--force]``."""
+    ex = sub.add_parser("example", help="the shipped example configs: list them, write them to ./examples/")
+    ex_sub = ex.add_subparsers(dest="example_command", required=True)
+    ls = ex_sub.add_parser("list", help="every example config with its first comment line")
+    ls.set_defaults(func=_cmd_list)
+    get = ex_sub.add_parser("get", help="write examples/NAME.yaml (and the files it names) under --dir")
+    get.add_argument("names", nargs="+", metavar="NAME", help="example names (masrl example list), or all")
+    get.add_argument("--dir", default=".", help="folder to write examples/ into (default: the working folder)")
+    get.add_argument("--force", action="store_true", help="replace files that differ from the shipped ones")
+    get.set_defaults(func=_cmd_get)

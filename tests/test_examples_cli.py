@@ -1,0 +1,89 @@
+"""``masrl example``: the shipped configs listed and written out, in a checkout and from a wheel installed
+outside it (the README's quickstart line must run after a wheel install)."""
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from masrl.cli import main
+from masrl.examples import examples_root, list_examples
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_list_names_every_example_config(capsys):
+    names = [n for n, _ in list_examples()]
+    shipped = sorted(p.relative_to(REPO / "examples").with_suffix("").as_posix()
+                     for p in (REPO / "examples").rglob("*.yaml"))
+    assert names == shipped and "quickstart" in names and "gpu/math_drmas_qwen3_4b" in names
+    assert main(["example", "list"]) == 0
+    assert "quickstart" in capsys.readouterr().out
+
+
+def test_get_writes_the_config_and_the_files_it_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["example", "get", "dataset_jsonl"]) == 0
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["examples/data/arith_test.jsonl", "examples/data/arith_train.jsonl",
+                       "examples/dataset_jsonl.yaml", "examples/rewards.py"]
+    for rel in written:
+        assert (tmp_path / rel).read_bytes() == (REPO / rel).read_bytes()
+    # the written config is valid where it was written
+    assert main(["config", "show", "examples/dataset_jsonl.yaml"]) == 0
+    capsys.readouterr()
+    assert main(["example", "get", "dataset_jsonl"]) == 0
+    assert capsys.readouterr().out.count("unchanged") == 4
+
+
+def test_get_keeps_a_changed_file_unless_forced(tmp_path, capsys):
+    assert main(["example", "get", "quickstart", "--dir", str(tmp_path)]) == 0
+    mine = tmp_path / "examples" / "quickstart.yaml"
+    mine.write_text("# my edits\n")
+    assert main(["example", "get", "quickstart", "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "differs from the shipped example; --force replaces it" in err and "Traceback" not in err
+    assert mine.read_text() == "# my edits\n"
+    assert main(["example", "get", "quickstart", "--dir", str(tmp_path), "--force"]) == 0
+    assert mine.read_bytes() == (REPO / "examples" / "quickstart.yaml").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["nope", "../pyproject", "gpu/../../README"])
+def test_unknown_example_is_one_line(tmp_path, capsys, name):
+    assert main(["example", "get", name, "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no example named" in err[0] and "quickstart" in err[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_wheel_outside_the_checkout_ships_the_examples(tmp_path):
+    """Build the wheel, install it (no dependencies: they are this environment's) into a fresh virtualenv,
+    and run the README's first steps from a folder outside the checkout."""
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(wheel_dir), str(REPO)], check=True, capture_output=True, timeout=300)
+    (wheel,) = wheel_dir.glob("masrl-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=False)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def masrl(*args):
+        return subprocess.run([str(python), "-m", "masrl", *args], cwd=work, capture_output=True, text=True,
+                              timeout=300)
+
+    where = subprocess.run([str(python), "-c", "import masrl, masrl.paths as p; print(masrl.__file__, p.in_checkout())"],
+                           cwd=work, capture_output=True, text=True, check=True).stdout.split()
+    assert where[0].startswith(str(env_dir)) and where[1] == "False", where
+    got = masrl("example", "get", "quickstart")
+    assert got.returncode == 0, got.stderr
+    assert (work / "examples" / "quickstart.yaml").read_bytes() == (REPO / "examples" / "quickstart.yaml").read_bytes()
+    shown = masrl("config", "show", "examples/quickstart.yaml")
+    assert shown.returncode == 0 and "name: quickstart" in shown.stdout, shown.stderr
+    assert str(examples_root()) not in got.stdout  # listed from the wheel's copy, not the checkout
+    listed = masrl("example", "list")
+    assert str(env_dir) in listed.stdout and "gpu/search_drmas_hetero_7b_3b" in listed.stdout
