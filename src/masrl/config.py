@@ -374,6 +374,25 @@ class SpikeConfig(_Strict):
     min_history: int = Field(10, ge=1, description="steps before the detector acts")
 
 
+class CollapseConfig(_Strict):
+    """Collapse detector: team reward and each agent's length, entropy, invalid share against running baselines
+    (masrl.monitoring.collapse; docs/monitoring.md)."""
+
+    action: Literal["log", "stop", "rollback"] = Field("log", description=(
+        "on a collapse event: log it; stop RL after the step; or stop and restore the newest checkpoint saved "
+        "before the first breach (final evaluation, report and export are of those weights)"))
+    window: int = Field(10, ge=1, description="accepted steps in each signal's running median")
+    min_history: int = Field(2, ge=1, description="accepted steps before a signal is judged")
+    patience: int = Field(2, ge=1, description="consecutive breaching steps that raise an event")
+    reward_drop: float = Field(0.5, gt=0.0, lt=1.0, description="breach: team reward below this x its baseline")
+    reward_floor: float = Field(0.05, ge=0.0, description="the reward is judged only while its baseline is at "
+                                                          "least this")
+    length_ratio: float = Field(1.5, gt=1.0, description="breach: mean reply length beyond baseline x/÷ this")
+    entropy_ratio: float = Field(1.5, gt=1.0, description="breach: entropy above baseline x this ...")
+    entropy_floor: float = Field(0.05, ge=0.0, description="... and above baseline + this (nats)")
+    invalid_rise: float = Field(0.2, gt=0.0, le=1.0, description="breach: invalid-turn share above baseline + this")
+
+
 class MonitoringConfig(_Strict):
     """Per-role instruments (docs/monitoring.md)."""
 
@@ -382,6 +401,7 @@ class MonitoringConfig(_Strict):
         "log agent/<a>/kl_ref (k3 to the reference: the initial model, or the base without adapters) "
         "even when algorithm.loss.kl_coef is 0; costs one extra no-grad forward per micro-batch"))
     spike: SpikeConfig = Field(default_factory=SpikeConfig, description="gradient-spike detector")
+    collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="collapse detector")
     capture_threshold: float = Field(0.8, gt=0.0, lt=1.0, description="role-capture: grad-mass share")
     capture_patience: int = Field(10, ge=1, description="role-capture: consecutive steps")
 

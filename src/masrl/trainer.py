@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import sys
 import time
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +30,7 @@ from masrl.evaluation.runner import agent_facts, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.trackers import make_trackers
+from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.registry_names import check_run
 from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
@@ -70,6 +73,8 @@ class Trainer:
         self.spikes = SpikeDetector(window=mon.spike.window, threshold=mon.spike.threshold,
                                     min_history=mon.spike.min_history, action=mon.spike.action)
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
+        self.collapse = CollapseMonitor(list(cfg.agents), **mon.collapse.model_dump())
+        self.rolled_back_to: int | None = None  # monitoring.collapse.action: rollback
         self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
@@ -166,6 +171,8 @@ class Trainer:
                          if f"agent/{a}/grad_norm" in metrics}
                 for event in self.capture.update(self.step, norms):
                     metrics[f"agent/{event.role}/role_capture"] = 1.0
+        for collapse in self.collapse.update(self.step + 1, metrics):  # the step number metrics.jsonl gives it
+            metrics[f"collapse/{collapse.signal}"] = 1.0
 
     def evaluate(self, label: str) -> dict[str, float]:
         """The held-out split and every ``eval.benches`` benchmark (same code as ``masrl eval``).
@@ -252,6 +259,8 @@ class Trainer:
             if "spikes" in state:
                 self.spikes.load_state_dict(state["spikes"])
                 self.runtime.load_spike_state(state["spikes"])
+            if "collapse" in state:
+                self.collapse.load_state_dict(state["collapse"])
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
@@ -278,10 +287,13 @@ class Trainer:
                     self.logger.log(self.step, self.evaluate(f"step_{self.step}"), phase="eval")
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
                     self.save(self.step)
+                if self.collapse.stop_requested:
+                    self._end_on_collapse()
+                    break
             progress.close()
             if cfg.eval.before_after and self.source.test:
                 self.logger.log(self.step, self.evaluate("final"), phase="eval")
-            if not cfg.trainer.save_every or self.step % cfg.trainer.save_every:
+            if self.rolled_back_to is None and (not cfg.trainer.save_every or self.step % cfg.trainer.save_every):
                 self.save(self.step)
         except WorkerGroupError as e:
             raise WorkerGroupError(f"{e}; the run can go on from its last checkpoint: "
@@ -293,7 +305,8 @@ class Trainer:
             from masrl.export import ExportError, export_run
 
             try:
-                report["export"] = str(export_run(self.run_dir, self.run_dir / "export", overwrite=True))
+                report["export"] = str(export_run(self.run_dir, self.run_dir / "export", step=self.rolled_back_to,
+                                                  overwrite=True))
             except Exception as e:  # the run itself is complete: say so, and how to export it again
                 raise ExportError(f"the run finished and is saved in {self.run_dir}, but trainer.export failed "
                                   f"({type(e).__name__}: {e}); retry with `masrl export {self.run_dir} "
@@ -310,11 +323,41 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _end_on_collapse(self) -> None:
+        """``monitoring.collapse.action`` stop / rollback: RL ends after this step; rollback restores the
+        newest checkpoint saved before the first breach (its weights only: RL does not go on)."""
+        event, action = self.collapse.events[0], self.cfg.monitoring.collapse.action
+        print(f"[masrl] RL ends at step {self.step} of {self.cfg.trainer.total_steps}: {event.describe()} "
+              f"(monitoring.collapse.action: {action})", file=sys.stderr)
+        if action != "rollback":
+            return
+        first = self.collapse.first_breach()
+        for path in reversed([p for p in ckpt.list_checkpoints(self.run_dir) if int(p.name[5:]) < first]):
+            try:
+                ckpt.load_checkpoint(path, self.policies, load_optimizer=False)
+            except ckpt.CheckpointError as e:
+                print(f"[masrl] rollback: skipping checkpoint: {e}", file=sys.stderr)
+                continue
+            self.rolled_back_to = int(path.name[5:])
+            print(f"[masrl] rolled back to the weights of step {self.rolled_back_to} ({path}); the final "
+                  "evaluation, report and export are of those weights", file=sys.stderr)
+            return
+        print(f"[masrl] rollback: no loadable checkpoint before step {first}; keeping the weights of step "
+              f"{self.step}", file=sys.stderr)
+
     def save(self, step: int) -> Path:
         state = {"history": self.history, "spikes": self.runtime.spike_state(self.spikes.state_dict()),
+                 "collapse": self.collapse.state_dict(),
                  **({"drift": self.drift.state_dict()} if self.drift is not None else {})}
-        return ckpt.save_checkpoint(self.run_dir, step, self.policies, state,
-                                    keep=self.cfg.trainer.keep_checkpoints)
+        return ckpt.save_checkpoint(self.run_dir, step, self.policies, state, keep=self._keep_checkpoints())
+
+    def _keep_checkpoints(self) -> int:
+        """``trainer.keep_checkpoints``; under collapse rollback also enough to keep one saved before a run of
+        breaches (at most ``patience // save_every + 1`` checkpoints are saved during one)."""
+        keep, collapse = self.cfg.trainer.keep_checkpoints, self.cfg.monitoring.collapse
+        if collapse.action == "rollback":
+            keep = max(keep, collapse.patience // max(self.cfg.trainer.save_every, 1) + 2)
+        return keep
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",
@@ -479,10 +522,19 @@ def write_report(trainer: Trainer) -> dict:
             rows.append((label, trainer.history[label]))
     report = {"name": cfg.name, "seed": cfg.seed, "estimator": cfg.algorithm.estimator,
               "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history,
-              "versions": trainer.versions}
+              "versions": trainer.versions,
+              "collapse": {"action": cfg.monitoring.collapse.action, "rolled_back_to": trainer.rolled_back_to,
+                           "events": [asdict(e) for e in trainer.collapse.events]}}
     lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
              f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
              f"{trainer.step} RL steps, {_eval_size(rows, cfg)}", ""]
+    for event in trainer.collapse.events:
+        lines.append(f"- step {event.step}: {event.describe()}")
+    if trainer.rolled_back_to is not None:
+        lines.append(f"- RL stopped at step {trainer.step}; the weights are those of step {trainer.rolled_back_to} "
+                     "(monitoring.collapse.action: rollback)")
+    if trainer.collapse.events:
+        lines.append("")
     if rows:
         keys = [k for k in rows[0][1] if k.startswith(("avg@", "pass@", "maj@"))]
         lines.append("| stage | " + " | ".join(keys) + " |")
