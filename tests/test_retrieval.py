@@ -209,6 +209,20 @@ def test_build_retriever_specs(tmp_path, jsonl_corpus):
         build_retriever({"type": "http"})
 
 
+def test_build_retriever_takes_a_catalogue_name(tmp_path, jsonl_corpus, monkeypatch):
+    """A corpus by its `masrl data` name, found in the data folder; a missing one names the get line."""
+    data = tmp_path / "data"
+    (data / "corpus").mkdir(parents=True)
+    (data / "corpus" / "flashrag_wiki18_sample1000.jsonl").write_bytes(jsonl_corpus.read_bytes())
+    monkeypatch.setenv("MASRL_DATA_DIR", str(data))
+    bm25 = build_retriever("wiki18_sample1000")
+    assert isinstance(bm25, BM25Retriever) and bm25.search(["Amazon River"], 1)[0][0].title == "Amazon River"
+    assert isinstance(build_retriever({"type": "bm25", "corpus": "wiki18_sample1000"}), BM25Retriever)
+    monkeypatch.setenv("MASRL_DATA_DIR", str(tmp_path / "empty"))
+    with pytest.raises(CorpusError, match="masrl data get wiki18_sample1000"):
+        build_retriever("wiki18_sample1000")
+
+
 # ---- real corpora from ../shared/data (skipped when absent) ---------------------------------
 
 CORPUS_FILES = {

@@ -75,6 +75,10 @@ def build_retriever(spec: Any) -> Retriever:
     if "corpus" not in opts:
         raise ConfigError(f"retriever type {kind!r} needs 'corpus' (a corpus file path)")
     corpus = opts.pop("corpus")
+    if isinstance(corpus, (str, Path)):  # a catalogue name (wiki18_sample1000) or a path, checked before indexing
+        from masrl.tasks.retrieval.corpus import corpus_path
+
+        corpus = corpus_path(corpus)
     common = {k: opts.pop(k) for k in ("format", "cache", "cache_root", "strict") if k in opts}
     if kind == "bm25":
         return BM25Retriever.from_corpus(corpus, **common, **opts)

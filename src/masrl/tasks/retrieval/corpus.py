@@ -34,15 +34,22 @@ class CorpusError(UserInputError, ValueError):
 CorpusWarning = MalformedRowWarning  # the one warning for a skipped row (masrl.tasks.rows); old name kept
 
 
+def corpus_path(path: str | Path) -> Path:
+    """The corpus file ``path`` names (a path, a catalogue name, or a path under a data folder); one
+    CorpusError saying how to get it when there is none."""
+    named = str(path)
+    found = resolve(path)
+    if not found.is_file():
+        hint = f": {get_hint(CATALOG[named].files[0].rel)}" if named in CATALOG else ""
+        raise CorpusError(f"corpus file not found: {found}" + (" (a folder)" if found.is_dir() else hint))
+    return found
+
+
 def load_corpus(path: str | Path, format: str = "auto", *, strict: bool = False,
                 limit: int | None = None) -> list[Passage]:
     """Read a passage corpus (a path, a catalogue name such as ``wiki18_sample1000``, or a path under a data
     folder such as ``corpus/x.jsonl``); see the module docstring for the formats."""
-    named = str(path)
-    path = resolve(path)
-    if not path.is_file():
-        hint = f": {get_hint(CATALOG[named].files[0].rel)}" if named in CATALOG else ""
-        raise CorpusError(f"corpus file not found: {path}" + (" (a folder)" if path.is_dir() else hint))
+    path = corpus_path(path)
     fmt = detect_corpus_format(path) if format == "auto" else format
     if fmt not in CORPUS_FORMATS:
         raise CorpusError(f"{path}: unknown corpus format {format!r}; expected one of {CORPUS_FORMATS} or 'auto'")
