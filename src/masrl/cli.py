@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     exp.set_defaults(func=_cmd_export)
 
-    for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli", "masrl.catalog", "masrl.examples"):
+    for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli", "masrl.catalog", "masrl.examples", "masrl.serve"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:

@@ -7,6 +7,8 @@ the estimator and loss names are checked by the config models (``masrl.config``)
 """
 from __future__ import annotations
 
+import dataclasses
+
 from masrl.config import ConfigError, RunConfig
 
 
@@ -42,6 +44,11 @@ def check_run(cfg: RunConfig):
 
     check_names(cfg)
     spec = get_workflow(cfg.workflow.name)
+    if not spec.agents:  # a workflow open to any agents (external): the config's agents are its roles
+        if not cfg.agents:
+            raise ConfigError(f"workflow {spec.name!r} takes its agents from the config: name at least one "
+                              "under agents (the names the program puts in `model`)")
+        spec = dataclasses.replace(spec, agents=tuple(cfg.agents))
     missing = [a for a in spec.agents if a not in cfg.agents]
     extra = [a for a in cfg.agents if a not in spec.agents]
     if missing or extra:

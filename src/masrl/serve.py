@@ -1,0 +1,136 @@
+"""``masrl serve RUN_DIR|EXPORT_DIR``: the gateway's OpenAI-compatible endpoint for a trained team, outside
+training, so that the program the team was trained in (or any OpenAI client) can use what it learned.
+
+    masrl serve runs/my-team-seed0 --port 8000            # the run's newest checkpoint that loads
+    masrl serve exported/ --port 8000 --api-key secret     # a `masrl export` folder
+    # then: openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")  model = an agent's name
+
+Requests arriving within ``--batch-window-ms`` of each other are generated as one batch per policy; each agent
+samples with its configured settings and adapter, as in training (docs/gateway.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Mapping
+
+from masrl.config import load_config
+from masrl.errors import UserInputError
+
+
+class ServeBatcher:
+    """``scheduler.generate`` for a standing server: requests within ``window_s`` of the first pending one go to
+    their policy's engine together; one engine call at a time (engines are not thread-safe)."""
+
+    def __init__(self, engines: Mapping, window_s: float = 0.005):
+        self.engines, self.window_s = dict(engines), window_s
+        self.pending: list = []
+        self._scheduled = False
+        self._lock: asyncio.Lock | None = None
+        self.batches: list[int] = []
+
+    async def generate(self, policy: str, request):
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((policy, request, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_later(self.window_s, lambda: asyncio.ensure_future(self._flush()))
+        return await future
+
+    async def _flush(self) -> None:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            self._scheduled = False
+            batch, self.pending = self.pending, []
+            for policy in dict.fromkeys(p for p, _, _ in batch):
+                items = [(r, f) for p, r, f in batch if p == policy]
+                self.batches.append(len(items))
+                try:
+                    results = await asyncio.to_thread(self.engines[policy].generate, [r for r, _ in items])
+                except Exception as e:  # noqa: BLE001 - each waiting request gets the error
+                    for _, future in items:
+                        if not future.done():
+                            future.set_exception(e)
+                    continue
+                for (_, future), result in zip(items, results):
+                    if not future.done():
+                        future.set_result(result)
+
+
+class _StandingTeam:
+    """What the gateway needs of a team: its agents and ``call``."""
+
+    def __init__(self, agents, call):
+        self.agents, self._call = tuple(agents), call
+
+    async def call(self, agent: str, prompt):
+        return await self._call(agent, prompt)
+
+
+def _load(path: Path, overrides: list[str]):
+    if (path / "export.json").is_file():
+        return load_config(path / "config.yaml", overrides), None
+    if (path / "config.yaml").is_file():
+        return load_config(path / "config.yaml", overrides), path
+    raise UserInputError(f"masrl serve {path}: not a run folder (config.yaml + checkpoints/) or a masrl export "
+                         "(export.json + config.yaml)")
+
+
+def run_serve(args) -> int:
+    from masrl.gateway import EpisodeSession, Gateway
+    from masrl.rollout.runner import make_call
+    from masrl.trainer import Trainer
+    from masrl.training.checkpoint import load_eval_checkpoint
+
+    cfg, checkpoint = _load(Path(args.path), args.overrides)
+    with Trainer(cfg, progress=False) as trainer:
+        where = load_eval_checkpoint(checkpoint, trainer.policies) if checkpoint is not None else Path(args.path)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
+        batcher = ServeBatcher({n: p.engine for n, p in trainer.policies.items()}, args.batch_window_ms / 1000)
+        team = _StandingTeam(cfg.agents, make_call(trainer.policies, cfg.agents, batcher))
+        gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout)
+        gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1")
+        gateway.default_key = args.api_key
+        print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
+        try:
+            while args.max_seconds is None or time.monotonic() < args.max_seconds:
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            gateway.shutdown()
+            loop.call_soon_threadsafe(loop.stop)
+    print(f"masrl serve: stopped after {gateway.default.calls} calls", file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a trained team (a run folder or an export) as an OpenAI-compatible "
+                                     "endpoint: model = an agent's name")
+    p.add_argument("path", help="a run folder (its newest checkpoint that loads) or a masrl export folder; "
+                                "key=value overrides may follow (agents.Solver.temperature=0)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--api-key", default=None, help="the key clients must send (default: any)")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="requests within this window are generated together (default 5)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per call (default 600)")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds (default: "
+                                                                   "serve until interrupted)")
+    p.set_defaults(func=_cmd_serve, overrides=[])
+
+
+def _cmd_serve(args) -> int:
+    for name, value, low, high in (("--port", args.port, 0, 65535), ("--batch-window-ms", args.batch_window_ms, 0, 1000),
+                                   ("--request-timeout", args.request_timeout, 1, 86400),
+                                   ("--max-seconds", args.max_seconds, 0, 1e7)):
+        if value is not None and not low <= value <= high:  # also false for nan
+            raise UserInputError(f"{name} must be in [{low}, {high}], got {value}")
+    if args.max_seconds is not None:
+        args.max_seconds = time.monotonic() + args.max_seconds
+    return run_serve(args)

@@ -1,0 +1,175 @@
+"""``workflow: {name: external}``: train a program written against the OpenAI API, unchanged.
+
+    workflow:
+      name: external
+      params: {entry: "mypkg.agent:run"}          # run(task, client_kwargs) -> answer | {"answer"|"reward": ...}
+      # or   {command: "python my_agent.py"}      # a subprocess per episode (task JSON on stdin)
+    agents:                                       # the names the program puts in `model`
+      Planner: {policy: team}
+      Writer: {policy: team}
+
+Each episode opens a session on masrl's OpenAI-compatible gateway (:mod:`masrl.gateway`) and runs the program
+with it: ``entry`` is called with ``{"id", "question"}`` and ``client_kwargs`` (``{"base_url", "api_key"}``:
+``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as one JSON line on stdin and
+``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment, and prints its result as
+JSON on its last line of output. Every call the program makes is a turn of the agent its ``model`` names.
+
+The result: a string (or ``{"answer": ...}``) is the episode's answer, scored by the task's reward; a number (or
+``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A program that
+raises, exits non-zero, runs past ``timeout_s`` (the subprocess is killed; a hung ``entry`` thread is left
+behind, its session closed so that its calls are refused) or returns anything else fails the episode with
+:class:`ExternalAgentError` naming the reason; the rollout isolates the episode and counts it.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import os
+import shlex
+import signal
+import threading
+from typing import Any
+
+from masrl.errors import ConfigError
+from masrl.types import Episode, Task
+from masrl.workflows.base import Team, register_workflow
+from masrl.workflows.common import check_params
+
+MAX_OUTPUT = 1 << 20  # bytes of a command's output read (its result is on the last line)
+_GATEWAY: dict[tuple, Any] = {}
+_LOCK = threading.Lock()
+
+
+class ExternalAgentError(RuntimeError):
+    """The episode's program failed (what and why); the episode is invalid, the step goes on."""
+
+
+def gateway(host: str, port: int, timeout_s: float):
+    """The process's gateway for ``(host, port)``, started on first use and shared by every episode."""
+    from masrl.gateway import Gateway
+
+    with _LOCK:
+        key = (host, port)
+        if key not in _GATEWAY:
+            _GATEWAY[key] = Gateway(host, port, request_timeout_s=timeout_s)
+        return _GATEWAY[key]
+
+
+def _params(team: Team) -> dict:
+    check_params(team)
+    p = team.params
+    entry, command = p.get("entry"), p.get("command")
+    if (entry is None) == (command is None):
+        raise ConfigError("workflow external: set exactly one of workflow.params.entry ('pkg.module:function' or "
+                          "'file.py:function') and workflow.params.command ('python my_agent.py')")
+    timeout = p.get("timeout_s")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        raise ConfigError(f"workflow.params.timeout_s must be a number of seconds in (0, 86400], got {timeout!r}")
+    port = p.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"workflow.params.port must be an integer in 0..65535 (0: any free port), got {port!r}")
+    return p
+
+
+def _task_payload(task: Task) -> dict:
+    return {"id": task.id, "question": task.question}
+
+
+async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:
+    from masrl.tasks.rewards import import_object
+
+    fn = import_object(spec, "workflow.params.entry")
+    if not callable(fn):
+        raise ConfigError(f"workflow.params.entry {spec!r} is not callable")
+    payload = _task_payload(task)
+    try:
+        if inspect.iscoroutinefunction(fn):
+            return await asyncio.wait_for(fn(payload, dict(client_kwargs)), timeout)
+        return await asyncio.wait_for(asyncio.to_thread(fn, payload, dict(client_kwargs)), timeout)
+    except asyncio.TimeoutError:
+        raise ExternalAgentError(f"{spec} did not return within {timeout:g} s") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # the program's own error: this episode fails, with its reason
+        raise ExternalAgentError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
+
+
+async def _run_command(command: str, task: Task, session: Any, timeout: float, env: dict) -> Any:
+    argv = shlex.split(command)
+    if not argv:
+        raise ConfigError("workflow.params.command is empty")
+    child_env = {**os.environ, **{str(k): str(v) for k, v in env.items()}, "OPENAI_BASE_URL": session.base_url,
+                 "OPENAI_API_KEY": session.key, "MASRL_EPISODE_KEY": session.key}
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE, env=child_env,
+                                                    start_new_session=True)
+    except OSError as e:
+        raise ConfigError(f"workflow.params.command {command!r} cannot start ({e})") from None
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(_task_payload(task)).encode() + b"\n"), timeout)
+    except asyncio.TimeoutError:
+        _kill(proc)
+        await proc.wait()
+        raise ExternalAgentError(f"command {argv[0]} did not finish within {timeout:g} s (killed)") from None
+    if proc.returncode != 0:
+        tail = err[-500:].decode("utf-8", "replace").strip().splitlines()
+        raise ExternalAgentError(f"command {argv[0]} exited with {proc.returncode}"
+                                 + (f": {tail[-1]}" if tail else ""))
+    lines = [line for line in out[-MAX_OUTPUT:].decode("utf-8", "replace").splitlines() if line.strip()]
+    if not lines:
+        raise ExternalAgentError(f"command {argv[0]} printed no result (its last line must be JSON)")
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        raise ExternalAgentError(f"command {argv[0]}: its last line is not JSON: {lines[-1][:200]!r}") from None
+
+
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _finish(team: Team, result: Any, where: str) -> Episode:
+    """The program's result as the episode: an answer scored by the task, or its own reward."""
+    if isinstance(result, dict) and "reward" in result:
+        reward, answer = result["reward"], result.get("answer")
+    elif isinstance(result, (int, float)) and not isinstance(result, bool):
+        reward, answer = result, None
+    else:
+        answer = result.get("answer") if isinstance(result, dict) else result
+        if not isinstance(answer, str):
+            raise ExternalAgentError(f"{where} returned {type(result).__name__} {str(result)[:100]!r}; expected "
+                                     "an answer string, {'answer': str}, a reward number or {'reward': r}")
+        return team.finish(answer, external_calls=len(team.turns))
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ExternalAgentError(f"{where} returned the reward {str(reward)[:60]!r}; it must be a finite number")
+    return Episode(task=team.task, turns=list(team.turns), reward=float(reward),
+                   answer=answer if isinstance(answer, str) else None,
+                   info={"reward_from": "program", "external_calls": len(team.turns)})
+
+
+@register_workflow("external", agents=(), prompts={},
+                   params={"entry": None, "command": None, "timeout_s": 300.0, "host": "127.0.0.1", "port": 0,
+                           "env": {}})
+async def external(task: Task, team: Team) -> Episode:
+    """External program: an OpenAI-API agent program per episode, served by masrl's gateway (agents: the
+    config's; see the module docstring)."""
+    p = _params(team)
+    gw = gateway(p["host"], p["port"], float(p["timeout_s"]))
+    session = gw.open(team)
+    try:
+        if p["entry"] is not None:
+            result = await _run_entry(p["entry"], task, session.client_kwargs, float(p["timeout_s"]))
+            where = p["entry"]
+        else:
+            result = await _run_command(p["command"], task, session, float(p["timeout_s"]), p.get("env") or {})
+            where = f"command {p['command']!r}"
+    finally:
+        gw.close(session)
+    return _finish(team, result, where)

@@ -1,0 +1,283 @@
+"""The OpenAI-compatible gateway (masrl.gateway) and the external workflow: the official openai client against a
+live episode, agent routing by `model`, recorded turns, id extension across a conversation, OpenAI error shapes,
+and a training run of an unchanged OpenAI-API program (entry function and subprocess)."""
+import asyncio
+import json
+import sys
+import textwrap
+import urllib.error
+import urllib.request
+
+import pytest
+
+from masrl.gateway import Gateway
+from masrl.types import Task, Turn
+from masrl.workflows.base import Team, WorkflowSpec
+
+openai = pytest.importorskip("openai")
+
+
+def _spec(agents=("Planner", "Writer")):
+    async def fn(task, team):  # never run: the tests drive the team through the gateway
+        raise AssertionError
+
+    return WorkflowSpec("external", fn, tuple(agents), {})
+
+
+class _Scripted:
+    """A team.call backend: the reply names the agent and counts calls; ids are made up but consistent."""
+
+    def __init__(self):
+        self.prompts = []
+
+    async def __call__(self, agent, prompt):
+        self.prompts.append(prompt)
+        n = len(self.prompts)
+        text = f"{agent} reply {n}"
+        return Turn(agent=agent, policy="p", prompt_ids=[1, 2, 3 + n], response_ids=[7, 8, n], logprobs=[-0.5, -0.25, -1.0],
+                    text=text, prompt_text=str(prompt))
+
+
+def _drive(gateway, team, client_fn):
+    """Open a session for ``team`` on the running loop and run ``client_fn(session)`` in a thread."""
+    async def main():
+        session = gateway.open(team)
+        try:
+            return session, await asyncio.to_thread(client_fn, session)
+        finally:
+            gateway.close(session)
+
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def gateway():
+    gw = Gateway()
+    yield gw
+    gw.shutdown()
+
+
+def test_chat_completions_with_the_openai_client_are_recorded_turns(gateway):
+    backend = _Scripted()
+    team = Team(Task(id="t", question="q", answer=""), _spec(), backend, lambda t, a: {"reward": 0.0})
+
+    def client(session):
+        c = openai.OpenAI(**session.client_kwargs)
+        models = [m.id for m in c.models.list()]
+        first = c.chat.completions.create(model="Planner", messages=[{"role": "user", "content": "plan it"}],
+                                          logprobs=True)
+        second = c.chat.completions.create(model="Writer", n=2, messages=[
+            {"role": "system", "content": "you write"}, {"role": "user", "content": first.choices[0].message.content}])
+        return models, first, second
+
+    session, (models, first, second) = _drive(gateway, team, client)
+    assert models == ["Planner", "Writer"]
+    assert first.model == "Planner" and first.choices[0].message.content == "Planner reply 1"
+    assert [t.logprob for t in first.choices[0].logprobs.content] == [-0.5, -0.25, -1.0]
+    assert [t.token for t in first.choices[0].logprobs.content] == ["token_id:7", "token_id:8", "token_id:1"]
+    assert first.usage.prompt_tokens == 3 and first.usage.completion_tokens == 3
+    assert len(second.choices) == 2 and {c.message.content for c in second.choices} == {"Writer reply 2",
+                                                                                         "Writer reply 3"}
+    assert [t.agent for t in team.turns] == ["Planner", "Writer", "Writer"]  # every call is a turn of its agent
+    assert backend.prompts[1].messages[0] == {"role": "system", "content": "you write"}
+    assert session.calls == 3
+
+
+def test_a_continued_conversation_extends_the_previous_call_ids(gateway):
+    backend = _Scripted()
+    team = Team(Task(id="t", question="q", answer=""), _spec(), backend, lambda t, a: {"reward": 0.0})
+
+    def client(session):
+        c = openai.OpenAI(**session.client_kwargs)
+        msgs = [{"role": "user", "content": "step 1"}]
+        r1 = c.chat.completions.create(model="Planner", messages=msgs)
+        msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "go on"}]
+        c.chat.completions.create(model="Planner", messages=msgs)
+        edited = [msgs[0], {"role": "assistant", "content": "something else"}, msgs[2]]
+        c.chat.completions.create(model="Planner", messages=edited)  # not a continuation: rendered afresh
+
+    _drive(gateway, team, client)
+    first, second, third = backend.prompts
+    assert first.prefix is None and third.prefix is None
+    assert second.prefix.n_messages == 1 and second.prefix.prompt_ids == [1, 2, 4]
+    assert second.prefix.response_ids == [7, 8, 1]
+
+
+def test_errors_have_openai_shapes(gateway):
+    team = Team(Task(id="t", question="q", answer=""), _spec(), _Scripted(), lambda t, a: {"reward": 0.0})
+
+    def client(session):
+        c = openai.OpenAI(**session.client_kwargs, max_retries=0)
+        out = {}
+        try:
+            c.chat.completions.create(model="Nobody", messages=[{"role": "user", "content": "x"}])
+        except openai.NotFoundError as e:
+            out["unknown_agent"] = e.body
+        try:
+            c.chat.completions.create(model="Planner", messages=[])
+        except openai.BadRequestError as e:
+            out["no_messages"] = e.body
+        bad = openai.OpenAI(base_url=session.base_url.split("/e/")[0] + "/v1", api_key="masrl-ep-nope", max_retries=0)
+        try:
+            bad.chat.completions.create(model="Planner", messages=[{"role": "user", "content": "x"}])
+        except openai.AuthenticationError as e:
+            out["no_episode"] = e.body
+        request = urllib.request.Request(session.base_url + "/chat/completions", data=b"{not json", method="POST")
+        try:
+            urllib.request.urlopen(request)
+        except urllib.error.HTTPError as e:
+            out["not_json"] = (e.code, json.loads(e.read()))
+        return out
+
+    _, out = _drive(gateway, team, client)
+    assert out["unknown_agent"]["code"] == "model_not_found" and "Planner" in out["unknown_agent"]["message"]
+    assert out["no_messages"]["param"] == "messages"
+    assert out["no_episode"]["code"] == "invalid_api_key"
+    assert out["not_json"][0] == 400 and "not JSON" in out["not_json"][1]["error"]["message"]
+    assert team.turns == []  # nothing refused became a turn
+    assert gateway.refused == 1
+
+
+AGENT_PROGRAM = '''
+import openai
+
+
+def run(task, client_kwargs):
+    """An unchanged OpenAI-API program: a planner and a writer, the writer's reply is the answer."""
+    client = openai.OpenAI(**client_kwargs)
+    plan = client.chat.completions.create(model="Solver", messages=[{"role": "user", "content": task["question"]}])
+    final = client.chat.completions.create(model="Verifier", messages=[
+        {"role": "user", "content": task["question"] + " " + plan.choices[0].message.content}])
+    return final.choices[0].message.content
+'''
+
+COMMAND_PROGRAM = '''
+import json, os, sys
+import openai
+
+task = json.loads(sys.stdin.readline())
+client = openai.OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY from masrl
+reply = client.chat.completions.create(model="Solver", messages=[{"role": "user", "content": task["question"]}])
+print("some log line")
+print(json.dumps({"reward": 1.0 if reply.choices[0].message.content else 0.0, "answer": reply.choices[0].message.content}))
+'''
+
+
+def _external_cfg(tiny_cfg, tmp_path, params):
+    return tiny_cfg(**{"workflow": {"name": "external", "params": params}, "sft.steps": 0,
+                       "trainer.total_steps": 1, "trainer.batch_size": 2, "trainer.group_size": 2,
+                       "eval.before_after": False, "logging.plots": False})
+
+
+def test_training_an_openai_program_by_entry(tiny_cfg, tmp_path, monkeypatch):
+    from masrl.config import config_from_dict
+    from masrl.trainer import Trainer
+
+    (tmp_path / "my_agent.py").write_text(AGENT_PROGRAM)
+    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {"entry": f"{tmp_path / 'my_agent.py'}:run",
+                                                               "timeout_s": 120}))
+    with Trainer(cfg) as trainer:
+        episodes = trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
+        assert all([t.agent for t in ep.turns] == ["Solver", "Verifier"] for ep in episodes)
+        for ep in episodes:
+            for turn in ep.turns:
+                assert turn.prompt_ids and len(turn.response_ids) == len(turn.logprobs) > 0
+                assert turn.text == trainer.policies["shared"].decode(turn.response_ids)
+            assert ep.answer == ep.turns[-1].text  # the program's answer, scored by the task's reward
+        trainer.fit()
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert len(train) == 1 and train[0]["agent/Solver/num_responses"] > 0 and train[0]["agent/Verifier/num_responses"] > 0
+
+
+def test_training_an_openai_program_as_a_command(tiny_cfg, tmp_path):
+    from masrl.config import config_from_dict
+    from masrl.trainer import Trainer
+
+    (tmp_path / "agent_cmd.py").write_text(COMMAND_PROGRAM)
+    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {"command": f"{sys.executable} {tmp_path / 'agent_cmd.py'}",
+                                                               "timeout_s": 120}))
+    cfg.agents = {"Solver": cfg.agents["Solver"]}
+    with Trainer(cfg) as trainer:
+        episodes = trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
+    for ep in episodes:
+        assert [t.agent for t in ep.turns] == ["Solver"] and ep.info["reward_from"] == "program"
+        assert ep.reward == (1.0 if ep.turns[0].text else 0.0) and ep.answer == ep.turns[0].text
+
+
+def test_program_failures_name_the_reason(tmp_path):
+    from masrl.workflows.external import ExternalAgentError, _finish
+
+    team = Team(Task(id="t", question="q", answer=""), _spec(), _Scripted(), lambda t, a: {"reward": 1.0})
+    with pytest.raises(ExternalAgentError, match="finite number"):
+        _finish(team, {"reward": float("nan")}, "prog")
+    with pytest.raises(ExternalAgentError, match="expected an answer string"):
+        _finish(team, [1, 2], "prog")
+    assert _finish(team, "42", "prog").reward == 1.0 and _finish(team, 0.25, "prog").reward == 0.25
+
+
+@pytest.mark.parametrize("body, reason", [
+    ("import sys\nsys.exit(3)\n", "exited with 3"),
+    ("import time\ntime.sleep(60)\n", r"did not finish within 1 s \(killed\)"),
+    ("print('not json')\n", "last line is not JSON"),
+])
+def test_a_failing_command_is_an_external_agent_error(tmp_path, body, reason):
+    from masrl.workflows.external import ExternalAgentError, _run_command
+
+    (tmp_path / "p.py").write_text(textwrap.dedent(body))
+
+    class _Session:
+        base_url, key = "http://127.0.0.1:9/v1", "k"
+
+    with pytest.raises(ExternalAgentError, match=reason):
+        asyncio.run(_run_command(f"{sys.executable} {tmp_path / 'p.py'}", Task(id="t", question="q", answer=""),
+                                 _Session(), 1.0, {}))
+
+
+def test_external_needs_one_of_entry_and_command(tiny_cfg, tmp_path):
+    from masrl.config import config_from_dict
+    from masrl.errors import ConfigError
+    from masrl.registry_names import check_run
+
+    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {}))
+    spec, _ = check_run(cfg)
+    assert spec.agents == ("Solver", "Verifier")
+    from masrl.workflows.external import _params
+
+    with pytest.raises(ConfigError, match="exactly one of"):
+        _params(Team(Task(id="t", question="q", answer=""), spec, _Scripted(), lambda t, a: {}, params={}))
+
+
+def test_masrl_serve_a_run_folder(tiny_cfg, tmp_path):
+    """Train one step, serve the run, talk to it with the openai client; greedy replies repeat."""
+    import subprocess
+
+    import yaml
+
+    from masrl.config import config_from_dict
+    from masrl.trainer import Trainer
+
+    cfg = config_from_dict(tiny_cfg(**{"sft.steps": 0, "trainer.total_steps": 1, "trainer.batch_size": 2,
+                                       "trainer.group_size": 2, "eval.before_after": False, "logging.plots": False}))
+    with Trainer(cfg) as trainer:
+        trainer.fit()
+    proc = subprocess.Popen([sys.executable, "-m", "masrl", "serve", str(cfg.run_dir), "--port", "0",
+                             "--api-key", "k1", "--max-seconds", "120", "agents.Solver.temperature=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "-> http://" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split("-> ", 1)[1].split(" ", 1)[0]
+        client = openai.OpenAI(base_url=url, api_key="k1", max_retries=0)
+        messages = [{"role": "user", "content": "Q 2+3=\nS "}]
+        a = client.chat.completions.create(model="Solver", messages=messages)
+        b = client.chat.completions.create(model="Solver", messages=messages)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert a.usage.completion_tokens > 0
+        assert [m.id for m in client.models.list()] == ["Solver", "Verifier"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert yaml.safe_load((cfg.run_dir / "config.yaml").read_text())["name"] == "test"
