@@ -291,3 +291,36 @@ def test_a_builtin_score_is_counted_and_its_first_failure_logged_once(caplog):
     counts = ledger.take()
     assert (counts.calls, counts.errors) == (5, 5) and "ZeroDivisionError" in counts.first
     assert ledger.take().calls == 0
+
+
+TURN_REWARDS = '''
+def reward(task, episode):
+    turns = list(episode.turns)
+    episode.turns.reverse()            # reordering the list does not move rewards between turns
+    turns[0].reward = 1e300
+    turns[1].reward = -2.0
+    return 0.5
+'''
+
+
+def test_turn_rewards_go_back_to_their_turns_and_are_clipped_with_one_warning(tmp_path):
+    score = resolve_reward(_reward_file(tmp_path, TURN_REWARDS, name="turns.py"), {}, timeout_s=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            task = Task(f"t/{i}", "q", "1")
+            turns = [Turn(agent, "p", [1], [2], [0.0], "x") for agent in ("Solver", "Verifier")]
+            assert score(task, Episode(task, turns, 0.0, "1"))["reward"] == 0.5
+            assert [t.reward for t in turns] == [1e6, -2.0]
+    assert len([w for w in caught if "clipped" in str(w.message)]) == 1
+
+
+@pytest.mark.parametrize("body, needle", [(EXITS, "called sys.exit(0) on import"), ("1 / 0\n", "ZeroDivisionError")])
+def test_a_workflow_module_that_fails_on_import_is_one_line(tmp_path, tiny_cfg, capsys, monkeypatch, body, needle):
+    (tmp_path / "exiting_flow.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(tiny_cfg(**{**FAST, "workflow.name": "exiting_flow:flow"})))
+    code = main(["config", "show", str(path)])
+    errors = _error_lines(capsys.readouterr().err)
+    assert code == 2 and len(errors) == 1 and "exiting_flow" in errors[0] and needle in errors[0], errors

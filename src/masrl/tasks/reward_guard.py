@@ -133,17 +133,17 @@ def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -
 _CLIPPED: set[str] = set()
 
 
-def checked_reward(value: Any, what: str) -> float:
-    """``value`` as a finite float, clipped to ``±MAX_ABS_REWARD`` (one warning per ``what``); a non-number
-    or a NaN/infinite value is a ``ValueError`` naming ``what``."""
+def checked_reward(value: Any, what: str, warn_key: str | None = None) -> float:
+    """``value`` as a finite float, clipped to ``±MAX_ABS_REWARD`` (one warning per ``warn_key``, default
+    ``what``); a non-number or a NaN/infinite value is a ``ValueError`` naming ``what``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{what} must be a number, got {type(value).__name__} {str(value)[:80]!r}")
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{what} is {number}, not a finite number")
     if abs(number) > MAX_ABS_REWARD:
-        if what not in _CLIPPED:
-            _CLIPPED.add(what)
+        if (warn_key or what) not in _CLIPPED:
+            _CLIPPED.add(warn_key or what)
             warnings.warn(f"{what} is {number:g}; rewards are clipped to ±{MAX_ABS_REWARD:g} (later values too)",
                           RewardWarning, stacklevel=2)
         number = math.copysign(MAX_ABS_REWARD, number)
@@ -262,7 +262,8 @@ class GuardedScore:
     def __call__(self, task: Any, *args: Any, **kwargs: Any) -> dict:
         try:
             result = self.score(task, *args, **kwargs)
-            out = {**result, "reward": checked_reward(result["reward"], f"reward {self.name}: the reward")}
+            reward = checked_reward(result["reward"], f"reward {self.name}: the reward", self.name)
+            out = {**result, "reward": reward}
             out.setdefault("correct", out["reward"] >= 1.0)  # as Episode.correct reads an episode without it
         except Exception as e:  # noqa: BLE001 - any failure of a reward scores 0 and is counted
             self.ledger.record(self.name, task, e)

@@ -54,7 +54,7 @@ def import_object(spec: str, what: str) -> Any:
             raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
                               "PYTHONPATH?") from e
         except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
-            raise ConfigError(f"{what} {spec!r}: importing module {mod_name!r} failed ({_failure(e)})") from None
+            raise ConfigError(f"{what} {spec!r}: importing module {mod_name!r} failed ({import_failure(e)})") from None
     obj = getattr(module, attr, None)
     if obj is None:
         raise ConfigError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
@@ -73,12 +73,12 @@ def _import_file(path: Path, spec: str, what: str):
     try:
         loader_spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 - the user's file fails (or exits) when imported: say which and why
-        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({_failure(e)})") from None
+        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({import_failure(e)})") from None
     _FILE_MODULES[path] = module
     return module
 
 
-def _failure(error: BaseException) -> str:
+def import_failure(error: BaseException) -> str:
     """One line for an exception raised while importing user code (``SystemExit(0)``: ``sys.exit(0)``)."""
     if isinstance(error, SystemExit):
         return f"it called sys.exit({error.code!r}) on import; a module a config names must not exit"
@@ -123,15 +123,16 @@ class EpisodeReward:
         episode = answer_or_episode
         if not isinstance(episode, Episode):
             episode = Episode(task=task, turns=[], reward=0.0, answer=answer_or_episode)
+        pairs = [(turn, copy.copy(turn)) for turn in episode.turns]  # a late (timed-out) call cannot touch the turns
         view = copy.copy(episode)
-        view.turns = [copy.copy(t) for t in episode.turns]  # a late (timed-out) call cannot touch the real turns
+        view.turns = [mine for _, mine in pairs]
         if self.timeout_s is None:
             result = self.fn(task, view)
         else:
             result = call_with_deadline(self.name, self.fn, (task, view), self.timeout_s)
         out = self._team_reward(result, task)
-        turn_rewards = [self._turn_reward(t, i, task) for i, t in enumerate(view.turns)]
-        for turn, value in zip(episode.turns, turn_rewards):
+        turn_rewards = [self._turn_reward(mine, i, task) for i, (_, mine) in enumerate(pairs)]
+        for (turn, _), value in zip(pairs, turn_rewards):
             turn.reward = value
         return out
 
@@ -145,14 +146,15 @@ class EpisodeReward:
         else:
             raise ValueError(f"reward {self.name}: must return a number or a dict with 'reward', "
                              f"got {type(result).__name__}")
-        out["reward"] = checked_reward(out["reward"], f"reward {self.name}: the team reward for task {task.id!r}")
+        out["reward"] = checked_reward(out["reward"], f"reward {self.name}: the team reward for task {task.id!r}",
+                                       self.name)
         return out
 
     def _turn_reward(self, turn: Turn, index: int, task: Task) -> float | None:
         if turn.reward is None:
             return None
         return checked_reward(turn.reward, f"reward {self.name}: turn.reward of turn {index} ({turn.agent}) for "
-                                           f"task {task.id!r}")
+                                           f"task {task.id!r}", self.name)
 
 
 def resolve_reward(name: str, params: Mapping[str, Any] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):

@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from masrl.errors import ConfigError
 from masrl.tasks.reward_guard import GuardedScore
+from masrl.tasks.rewards import import_failure
 from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
@@ -67,6 +68,9 @@ def get_workflow(name: str) -> WorkflowSpec:
             mod = importlib.import_module(mod_name)
         except ImportError as e:
             raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
+        except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
+            raise ConfigError(f"workflow {name!r}: importing module {mod_name!r} failed ({import_failure(e)})") \
+                from None
         obj = getattr(mod, attr, None)
         if obj is None:
             raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
