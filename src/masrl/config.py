@@ -67,6 +67,14 @@ class TaskConfig(_Strict):
     test_limit: Optional[int] = Field(None, ge=0, description="use only the first N held-out tasks")
     strict: bool = Field(False, description=(
         "stop at the first data row that does not parse (else it is skipped with a warning naming file and line)"))
+    reward_timeout_s: float = Field(10.0, gt=0.0, le=86400.0, description=(
+        "deadline of one call of a user reward (task.params.reward: 'file.py:function' or 'pkg.module:function'); "
+        "a call past it scores 0 (reason reward_timeout), is counted in reward/timeouts and its thread is "
+        "abandoned; docs/reliability.md"))
+    reward_max_error_share: float = Field(1.0, gt=0.0, le=1.0, description=(
+        "the run stops (exit 2) when the reward fails (raises, returns no finite number, times out) on at least "
+        "this share of a step's or an evaluation's calls; 1.0: when every call fails. Failures are counted in "
+        "reward/errors and reward/timeouts"))
 
 
 class WorkflowConfig(_Strict):

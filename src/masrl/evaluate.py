@@ -113,6 +113,7 @@ def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
         episodes = trainer.eval_rollout(bench, rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed,
                                         score=score, show=cfg.logging.progress)
         summary = summarize_episodes(episodes, ks, bench=bench)
+        summary.update(trainer.last_reward_counts.summary())
         summary["skipped_over_context"] = len(skipped)
         tokens = {}
         for e in episodes:

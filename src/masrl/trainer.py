@@ -36,6 +36,8 @@ from masrl.registry_names import check_run
 from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_bench_tasks
+from masrl.tasks.reward_guard import (GuardedScore, RewardCounts, RewardError, RewardLedger,
+                                      check_failures)
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError, make_runtime
 from masrl.runtime.malloc import tune_malloc
@@ -80,18 +82,27 @@ class Trainer:
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
         self.logger: MetricsLogger | None = None
+        self.rewards = RewardLedger()  # reward calls, errors and timeouts, taken after each rollout
+        self.last_reward_counts = RewardCounts()
 
     # ------------------------------------------------------------------ stages
     def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
-                score=None, on_episode=None, on_turn=None) -> list[Episode]:
+                score=None, on_episode=None, on_turn=None, where: str = "a rollout") -> list[Episode]:
+        """The episodes of ``tasks``; their reward calls' counts are left in ``last_reward_counts``, and a rollout
+        whose reward calls fail too often stops the run (:class:`RewardError`, naming ``where``)."""
         for i, policy in enumerate(self.policies.values()):
             policy.engine.reseed(seed + i)
         call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
-        return run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
-                            score=score or self.source.score, prompts=self.cfg.workflow.prompts,
-                            params=self.params,
-                            format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
-                            on_turn=on_turn)
+        try:
+            episodes = run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
+                                    score=GuardedScore(score or self.source.score, self.rewards),
+                                    prompts=self.cfg.workflow.prompts, params=self.params,
+                                    format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
+                                    on_turn=on_turn)
+        finally:
+            self.last_reward_counts = self.rewards.take()
+        check_failures(self.last_reward_counts, self.cfg.task.reward_max_error_share, where)
+        return episodes
 
     def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
                      show: bool | None = None) -> list[Episode]:
@@ -113,7 +124,7 @@ class Trainer:
 
         try:
             return self.rollout(tasks, group_ids, temperature=temperature, seed=seed, score=score,
-                                on_episode=on_episode, on_turn=on_turn)
+                                on_episode=on_episode, on_turn=on_turn, where=f"evaluation {bench}")
         finally:
             progress.close()
             durations[(bench, len(tasks))] = progress.elapsed()
@@ -187,6 +198,7 @@ class Trainer:
             episodes = self.eval_rollout(bench, rep, groups, temperature=ecfg.temperature,
                                          seed=_step_seed(self.cfg.seed, 0, 99), score=score)
             summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n], bench=bench)
+            summary.update(self.last_reward_counts.summary())
             if bench == "test":
                 self.history[label] = summary
             out.update({f"eval/{bench}/{k}": v for k, v in summary.items()})
@@ -202,9 +214,14 @@ class Trainer:
         unknown = sorted(set(cfg.sft.filter_agents) - set(cfg.agents))
         if unknown:
             raise ConfigError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
-        rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
-                                      agents=cfg.agents, score=self.source.score, prompts=cfg.workflow.prompts,
-                                      params=self.params, filter_agents=cfg.sft.filter_agents)
+        try:
+            rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
+                                          agents=cfg.agents, score=GuardedScore(self.source.score, self.rewards),
+                                          prompts=cfg.workflow.prompts, params=self.params,
+                                          filter_agents=cfg.sft.filter_agents)
+        finally:
+            counts = self.rewards.take()
+        check_failures(counts, cfg.task.reward_max_error_share, "the SFT demonstrations")
         progress = _Progress(self.show_progress, "SFT", cfg.sft.steps)
 
         def on_step(step: int, m: dict):
@@ -222,7 +239,13 @@ class Trainer:
         batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
         tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
         tokens_before = self.scheduler.stats.generated_tokens
-        episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2))
+        try:
+            episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2),
+                                    where=f"step {self.step + 1}")
+        except RewardError as e:  # the failing step's counts are kept in metrics.jsonl too
+            if self.logger is not None:
+                self.logger.log(self.step + 1, e.counts.metrics())
+            raise
         self.runtime.phase_end()
         t_rollout = time.perf_counter() - t0
         turns, keys, scores = self.score_turns(episodes)
@@ -231,6 +254,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
+        metrics.update(self.last_reward_counts.metrics())
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
         trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)
@@ -413,6 +437,8 @@ def step_metrics(episodes: Sequence[Episode], turns: Sequence[Turn], scores: tor
 
 def _progress_text(m: dict, agents) -> str:
     parts = [f"reward {m.get('team/reward', float('nan')):.3f}", f"acc {m.get('team/accuracy', float('nan')):.2f}"]
+    if m.get("reward/errors") or m.get("reward/timeouts"):
+        parts.append(f"reward failed {m['reward/errors'] + m['reward/timeouts']:.0f}/{m['reward/calls']:.0f}")
     for agent in agents:
         parts.append(f"{agent}: r {m.get(f'agent/{agent}/reward_mean', float('nan')):.2f} "
                      f"len {m.get(f'agent/{agent}/response_length', float('nan')):.0f} "

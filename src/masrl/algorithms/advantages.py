@@ -33,6 +33,7 @@ from torch import Tensor
 
 SINGLETON_MODES = ("zero", "raw")
 EQUAL_RTOL = 1e-6  # values closer than this x the largest |value| count as equal (σ = 0)
+HUGE = 2.0 ** 500  # statistics of larger values are computed on values / 2**k (no overflow)
 
 
 # --------------------------------------------------------------------------- groups
@@ -81,7 +82,14 @@ class SetStats(NamedTuple):
 
 
 def group_stats(values: Tensor, keys: Tensor, *, unbiased_std: bool = True) -> SetStats:
-    """Mean, std, count and "all equal" of ``values`` per set code in ``keys``."""
+    """Mean, std, count and "all equal" of ``values`` per set code in ``keys``.
+
+    Values above HUGE in magnitude (whose squares, or sums, would overflow) are divided by a power of two
+    first and the statistics scaled back: exact, and finite for finite values up to ~1e307."""
+    scale = _pow2_scale(values)
+    if scale != 1.0:
+        small = group_stats(values / scale, keys, unbiased_std=unbiased_std)
+        return SetStats(small.mean * scale, small.std * scale, small.count, small.constant)
     num_sets = int(keys.max()) + 1 if keys.numel() else 0
     zeros = values.new_zeros(num_sets)
     count = zeros.index_add(0, keys, torch.ones_like(values))
@@ -92,6 +100,12 @@ def group_stats(values: Tensor, keys: Tensor, *, unbiased_std: bool = True) -> S
     vmax = values.new_full((num_sets,), -math.inf).scatter_reduce(0, keys, values, "amax")
     vmin = values.new_full((num_sets,), math.inf).scatter_reduce(0, keys, values, "amin")
     return SetStats(mean, std, count, _all_equal(vmin, vmax, values))
+
+
+def _pow2_scale(values: Tensor) -> float:
+    """1.0, or the power of two above the largest |value| when that exceeds HUGE (dividing by it is exact)."""
+    top = float(values.abs().max()) if values.numel() else 0.0
+    return 2.0 ** math.frexp(top)[1] if top > HUGE else 1.0
 
 
 def _all_equal(vmin: Tensor, vmax: Tensor, values: Tensor) -> Tensor:
@@ -155,7 +169,8 @@ def _batch_whiten(centred: Tensor, included: Tensor, *, eps: float, unbiased_std
     population = centred[included]
     if population.numel() < 2 or bool(_all_equal(population.min(), population.max(), population)):
         return torch.zeros_like(centred)
-    std = population.std(correction=1 if unbiased_std else 0)
+    scale = _pow2_scale(population)  # 1.0 unless squares of the values would overflow
+    std = (population / scale).std(correction=1 if unbiased_std else 0) * scale
     return centred / (std + eps)
 
 

@@ -12,20 +12,31 @@ reward receives the whole episode::
 
 It is called by ``team.finish`` (the team reward) and by ``team.score`` (a workflow judging a
 verdict on the turns so far). ``path/to/file.py:function`` works too.
+
+A user's reward runs under the contract of :mod:`masrl.tasks.reward_guard`: it is imported and its
+signature checked when the config is (one ``ConfigError`` line otherwise); each call runs in a worker
+thread with a deadline (``task.reward_timeout_s``) and sees copies of the turns, whose ``reward`` values
+are taken back only from a call that returned in time; rewards must be finite and are clipped to
+``±MAX_ABS_REWARD``; failures are counted and a rollout where they reach ``task.reward_max_error_share``
+stops the run.
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
+import inspect
 import math
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from masrl.config import ConfigError
-from masrl.types import Episode, Task
+from masrl.tasks.reward_guard import call_with_deadline, checked_reward
+from masrl.types import Episode, Task, Turn
 
 BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "code")
+DEFAULT_TIMEOUT_S = 10.0  # task.reward_timeout_s's default
 _FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
 
 
@@ -42,6 +53,8 @@ def import_object(spec: str, what: str) -> Any:
         except ImportError as e:
             raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
                               "PYTHONPATH?") from e
+        except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
+            raise ConfigError(f"{what} {spec!r}: importing module {mod_name!r} failed ({import_failure(e)})") from None
     obj = getattr(module, attr, None)
     if obj is None:
         raise ConfigError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
@@ -59,28 +72,71 @@ def _import_file(path: Path, spec: str, what: str):
     module = importlib.util.module_from_spec(loader_spec)
     try:
         loader_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file fails to import: say which and why
-        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({type(e).__name__}: {e})") from e
+    except BaseException as e:  # noqa: BLE001 - the user's file fails (or exits) when imported: say which and why
+        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({import_failure(e)})") from None
     _FILE_MODULES[path] = module
     return module
+
+
+def import_failure(error: BaseException) -> str:
+    """One line for an exception raised while importing user code (``SystemExit(0)``: ``sys.exit(0)``)."""
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({error.code!r}) on import; a module a config names must not exit"
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt) while importing"
+    return " ".join(f"{type(error).__name__}: {error}".split())[:500]
+
+
+def check_reward_signature(fn: Any, name: str) -> None:
+    """``fn`` can be called as masrl calls a user reward, ``fn(task, episode)``: one ConfigError otherwise."""
+    expected = "def reward(task, episode) -> float | dict"
+    if not callable(fn):
+        raise ConfigError(f"reward {name!r} is not callable ({type(fn).__name__}); expected a function {expected}")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        raise ConfigError(f"reward {name!r} is an async function; masrl calls it without awaiting it: "
+                          f"expected a plain function {expected}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        raise ConfigError(f"reward {name!r} cannot be called as {getattr(fn, '__name__', 'reward')}(task, episode): "
+                          f"its signature is {signature} ({e}); expected {expected}") from None
 
 
 class EpisodeReward:
     """A user's ``(task, episode) -> float | dict`` reward used as the task's score function.
 
-    Called with an answer string (as a ``ScoreFn``) it sees an episode with no turns.
+    Called with an answer string (as a ``ScoreFn``) it sees an episode with no turns. Each call runs with a
+    deadline of ``timeout_s`` seconds (None: in the caller's thread, no deadline) on copies of the turns;
+    the ``reward`` the function sets on a turn is checked (finite, clipped) and copied back when it returns.
     """
 
-    def __init__(self, fn: Callable[[Task, Episode], Any], name: str):
-        self.fn, self.name = fn, name
+    def __init__(self, fn: Callable[[Task, Episode], Any], name: str, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        self.fn, self.name, self.timeout_s = fn, name, timeout_s
         self.__name__ = name
-        self.takes_episode = True  # an instance attribute: functools.wraps (Team's never_raises guard) copies it
+        self.takes_episode = True  # read by Team.score: a user reward sees the turns so far
 
     def __call__(self, task: Task, answer_or_episode: Episode | str | None) -> dict:
         episode = answer_or_episode
         if not isinstance(episode, Episode):
             episode = Episode(task=task, turns=[], reward=0.0, answer=answer_or_episode)
-        result = self.fn(task, episode)
+        pairs = [(turn, copy.copy(turn)) for turn in episode.turns]  # a late (timed-out) call cannot touch the turns
+        view = copy.copy(episode)
+        view.turns = [mine for _, mine in pairs]
+        if self.timeout_s is None:
+            result = self.fn(task, view)
+        else:
+            result = call_with_deadline(self.name, self.fn, (task, view), self.timeout_s)
+        out = self._team_reward(result, task)
+        turn_rewards = [self._turn_reward(mine, i, task) for i, (_, mine) in enumerate(pairs)]
+        for (turn, _), value in zip(pairs, turn_rewards):
+            turn.reward = value
+        return out
+
+    def _team_reward(self, result: Any, task: Task) -> dict:
         if isinstance(result, Mapping):
             if "reward" not in result:
                 raise ValueError(f"reward {self.name}: returned a dict without 'reward' (keys: {sorted(result)})")
@@ -90,15 +146,20 @@ class EpisodeReward:
         else:
             raise ValueError(f"reward {self.name}: must return a number or a dict with 'reward', "
                              f"got {type(result).__name__}")
-        out["reward"] = float(out["reward"])
-        if not math.isfinite(out["reward"]):
-            raise ValueError(f"reward {self.name}: returned a non-finite reward {out['reward']} for task {task.id!r}")
+        out["reward"] = checked_reward(out["reward"], f"reward {self.name}: the team reward for task {task.id!r}",
+                                       self.name)
         return out
 
+    def _turn_reward(self, turn: Turn, index: int, task: Task) -> float | None:
+        if turn.reward is None:
+            return None
+        return checked_reward(turn.reward, f"reward {self.name}: turn.reward of turn {index} ({turn.agent}) for "
+                                           f"task {task.id!r}", self.name)
 
-def resolve_reward(name: str, params: Mapping[str, Any] | None = None):
+
+def resolve_reward(name: str, params: Mapping[str, Any] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
     """The score function for reward ``name`` (see the module docstring); ``params``: ``answer_fallback``
-    (math), ``reward_mode`` (code)."""
+    (math), ``reward_mode`` (code); ``timeout_s``: the deadline of each call of a user reward."""
     params = params or {}
     if name == "math":
         from masrl.tasks.math_reward import math_score
@@ -117,8 +178,7 @@ def resolve_reward(name: str, params: Mapping[str, Any] | None = None):
         return make_code_score(params.get("reward_mode", "fraction"))
     if ":" in name:
         fn = import_object(name, "reward")
-        if not callable(fn):
-            raise ConfigError(f"reward {name!r} is not callable; expected a function (task, episode) -> float")
-        return EpisodeReward(fn, name)
+        check_reward_signature(fn, name)
+        return EpisodeReward(fn, name, timeout_s)
     raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(BUILTIN_REWARDS)} "
                      "(or a user function 'pkg.module:function')")

@@ -13,15 +13,15 @@ transcript: :class:`Continuation`).
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
-import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 from masrl.errors import ConfigError
+from masrl.tasks.reward_guard import GuardedScore
+from masrl.tasks.rewards import import_failure
 from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
@@ -29,7 +29,6 @@ WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
 # user message), a ``Continuation`` (``team.extend``) or, from ``team.chat``, a
 # ``masrl.tools.chat_format.ChatPrompt`` (messages + tools)
 CallFn = Callable[[str, Any], Awaitable[Turn]]
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -69,6 +68,9 @@ def get_workflow(name: str) -> WorkflowSpec:
             mod = importlib.import_module(mod_name)
         except ImportError as e:
             raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
+        except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
+            raise ConfigError(f"workflow {name!r}: importing module {mod_name!r} failed ({import_failure(e)})") \
+                from None
         obj = getattr(mod, attr, None)
         if obj is None:
             raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
@@ -105,21 +107,12 @@ def render(template: str, **fields: Any) -> str:
 
 
 def never_raises(score: ScoreFn) -> ScoreFn:
-    """``score`` that cannot take a training step down: an exception (or a result without a
-    numeric ``reward``) becomes reward 0 with ``reason="score_error"``, logged per episode."""
-
-    @functools.wraps(score)
-    def guarded(task: Task, *args: Any, **kwargs: Any) -> dict:
-        try:
-            result = score(task, *args, **kwargs)
-            return {**result, "reward": float(result["reward"])}
-        except Exception as e:
-            log.warning("reward function failed on task %r (scored 0): %s: %s", getattr(task, "id", task),
-                        type(e).__name__, str(e)[:500], exc_info=not isinstance(e, RecursionError))
-            return {"reward": 0.0, "correct": False, "reason": "score_error",
-                    "detail": f"{type(e).__name__}: {str(e)[:500]}"}
-
-    return guarded
+    """``score`` that cannot take a training step down (:class:`masrl.tasks.reward_guard.GuardedScore`): an
+    exception, a result without a numeric ``reward`` or a non-finite one becomes reward 0 with
+    ``reason="score_error"`` (a user reward past its deadline: ``"reward_timeout"``), counted; the first
+    failure is logged with its traceback. A score that is guarded already (the trainer's, whose counts it
+    reads after each rollout) is used as it is."""
+    return score if isinstance(score, GuardedScore) else GuardedScore(score)
 
 
 @dataclass
