@@ -50,27 +50,3 @@ def decode_utf8(data: bytes, path: str | os.PathLike, what: str = "file") -> str
         raise UserInputError(f"{what} {path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
                              f"{e.start}); save it as UTF-8") from None
 
-
-def check_output_folder(path: str | os.PathLike, what: str = "output folder") -> Path:
-    """``path`` can be (or become) a writable folder: not a file, no file among its parents, no dangling
-    symlink on the way (``mkdir`` cannot create through one), the nearest existing parent writable.
-    Creates nothing; raises one ``UserInputError`` naming ``what``."""
-    path = Path(path)
-    probe = path
-    while True:
-        try:
-            exists = probe.exists()
-            dangling = not exists and probe.is_symlink()
-        except OSError as e:  # a name too long, a symlink loop
-            raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
-        if dangling:
-            raise UserInputError(f"{what} {path}: {probe} is a symlink to {os.readlink(probe)}, which does not "
-                                 "exist; create its target or choose another path")
-        if exists or probe == probe.parent:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserInputError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserInputError(f"{what} {path}: {probe} is not writable")
-    return path

@@ -28,7 +28,8 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from masrl.config import ConfigError, RunConfig, load_config
-from masrl.errors import UserInputError, check_output_folder
+from masrl.errors import UserInputError
+from masrl.paths import check_output_dir
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.training import checkpoint as ckpt
 
@@ -45,7 +46,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
                max_shard_size: int | str = DEFAULT_SHARD_SIZE, overwrite: bool = False) -> Path:
     """Export the policies of ``run_dir`` (default: every trained one) from checkpoint ``step``
     (default: the last valid one, as ``--resume`` picks) into ``out``; returns ``out``."""
-    run_dir, out = Path(run_dir), Path(out).resolve()
+    run_dir = Path(run_dir)
+    out = check_output_dir(out, "--out").resolve()  # checked before resolve() follows a symlink
     check_destination(run_dir, out, overwrite)
     cfg = read_run_config(run_dir)
     path = pick_checkpoint(run_dir, step)
@@ -80,7 +82,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
 def check_destination(run_dir: Path, out: Path, overwrite: bool) -> None:
     """``out`` may be created, or replaced with ``overwrite`` only when it is an earlier export (it holds
     export.json) or an empty folder: never the run folder, a folder holding it, another run, or a file."""
-    check_output_folder(out, "--out")
     if run_dir.exists() and (out == run_dir.resolve() or out in run_dir.resolve().parents):
         raise ExportError(f"--out {out} would replace the run folder {run_dir} (it is that folder or holds it); "
                           f"choose a new folder, e.g. --out {run_dir / 'export'}")

@@ -1,0 +1,117 @@
+"""Where masrl writes: every folder or file the user chooses passes ``masrl.paths.check_output_dir`` /
+``check_output_file`` before any work (a dangling symlink anywhere on the path, a final symlink to a file,
+a file where a folder goes, an unwritable parent: one error line, exit 2, nothing written); what it reads
+back: damaged checkpoints fall back to the previous step (or are one line with an explicit step), user text
+with a UTF-8 byte-order mark loads, and an error quoting a huge value stays short."""
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from masrl.cli import main
+from masrl.errors import UserInputError
+from masrl.paths import check_output_dir, check_output_file
+from test_export import _fake_run
+
+QUICK = {"sft.steps": 0, "trainer.total_steps": 0, "eval.before_after": False,
+         "logging.tensorboard": False, "logging.plots": False, "logging.progress": False}
+
+
+def _cli(argv, capsys):
+    """``(exit code, stderr)`` of ``masrl argv``."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def _one_line_error(code, err, *needles):
+    assert code == 2 and "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if line.startswith("masrl:")]
+    assert len(lines) == 1 and len(err.strip().splitlines()) == 1, err
+    for needle in needles:
+        assert str(needle) in lines[0], (needle, err)
+
+
+@pytest.fixture
+def write_cfg(tmp_path, tiny_cfg):
+    def write(name="cfg.yaml", **over):
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(tiny_cfg(**{**QUICK, **over})))
+        return path
+    return write
+
+
+# ---------------------------------------------------------------------------- output paths
+
+def _dangling(tmp_path, name="out"):
+    link = tmp_path / name
+    link.symlink_to(tmp_path / "elsewhere" / "target")
+    (tmp_path / "elsewhere").mkdir()
+    return link
+
+
+@pytest.mark.parametrize("tail", ["", "sub/deeper"])
+def test_export_out_through_a_dangling_symlink_is_refused_and_nothing_is_written(tmp_path, tiny_cfg, capsys,
+                                                                                 tail):
+    """``export --out LINK`` resolved the link first and wrote 11 files at its target."""
+    _, run = _fake_run(tmp_path, tiny_cfg, "run")
+    link = _dangling(tmp_path)
+    out = link / tail if tail else link
+    _one_line_error(*_cli(["export", run, "--out", out], capsys), "symlink", link)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.parametrize("via", ["config", "--output-dir"])
+def test_train_run_folder_under_a_dangling_symlink_is_refused(tmp_path, write_cfg, capsys, via):
+    link = _dangling(tmp_path)
+    run_dir = link / "run"
+    if via == "config":
+        argv = ["train", write_cfg(output_dir=str(run_dir))]
+    else:
+        argv = ["train", write_cfg(), "--output-dir", run_dir]
+    _one_line_error(*_cli(argv, capsys), "symlink", link)
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_check_output_dir_rules(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "to_dir").symlink_to(real)
+    assert check_output_dir(tmp_path / "to_dir") == tmp_path / "to_dir"  # a symlink to a folder: that folder
+    assert check_output_dir(tmp_path / "to_dir" / "new" / "sub")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "to_file").symlink_to(tmp_path / "file")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    cases = {tmp_path / "to_file": "symlink to the file", tmp_path / "file": "is a file",
+             tmp_path / "file" / "sub": "is a file", tmp_path / "to_file" / "sub": "is a file",
+             tmp_path / "loop" / "x": "loop"}
+    for path, needle in cases.items():
+        with pytest.raises(UserInputError, match=needle):
+            check_output_dir(path, "--out")
+    with pytest.raises(UserInputError, match="is a folder"):
+        check_output_file(real, "--out")
+    with pytest.raises(UserInputError, match="symlink"):
+        check_output_file(tmp_path / "to_file", "--out")
+    assert check_output_file(real / "preds.jsonl") == real / "preds.jsonl"
+
+
+def test_unwritable_parent_is_one_line(tmp_path, monkeypatch):
+    """The nearest existing folder is asked (``os.access``), so the test holds when it runs as root too."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    with pytest.raises(UserInputError, match="locked is not writable"):
+        check_output_dir(locked / "run" / "sub", "run folder")
+    assert check_output_dir(tmp_path / "free")
+
+
+def test_config_show_refuses_the_run_folder_train_refuses(tmp_path, write_cfg, capsys):
+    link = _dangling(tmp_path)
+    _one_line_error(*_cli(["config", "show", write_cfg(output_dir=str(link / "run"))], capsys), "symlink", link)
+    (tmp_path / "afile").write_text("x")
+    _one_line_error(*_cli(["config", "show", write_cfg(output_dir=str(tmp_path / "afile"))], capsys), "afile")
