@@ -5,6 +5,7 @@ back: damaged checkpoints fall back to the previous step (or are one line with a
 with a UTF-8 byte-order mark loads, and an error quoting a huge value stays short."""
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import yaml
 
 from masrl.cli import main
 from masrl.errors import UserInputError
-from masrl.paths import check_output_dir, check_output_file
+from masrl.paths import check_output_dir, check_output_file, sha256_file
+from masrl.training.checkpoint import verify_checkpoint
 from test_export import _fake_run
 
 QUICK = {"sft.steps": 0, "trainer.total_steps": 0, "eval.before_after": False,
@@ -115,3 +117,42 @@ def test_config_show_refuses_the_run_folder_train_refuses(tmp_path, write_cfg, c
     _one_line_error(*_cli(["config", "show", write_cfg(output_dir=str(link / "run"))], capsys), "symlink", link)
     (tmp_path / "afile").write_text("x")
     _one_line_error(*_cli(["config", "show", write_cfg(output_dir=str(tmp_path / "afile"))], capsys), "afile")
+
+
+# ---------------------------------------------------------------------------- checkpoints read back
+
+def _run_with_damaged_newest(tmp_path, tiny_cfg):
+    """A run whose newest checkpoint (step_4) has a damaged safetensors header that its manifest vouches for."""
+    _, run = _fake_run(tmp_path, tiny_cfg, "run", **{"sft.steps": 0, "eval.before_after": False})
+    newest = run / "checkpoints" / "step_4"
+    shutil.copytree(run / "checkpoints" / "step_3", newest)
+    weights = newest / "policies" / "shared" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:8] + b"{garbage" + data[16:])
+    manifest = json.loads((newest / "manifest.json").read_text())
+    manifest["files"] = {rel: sha256_file(newest / rel) for rel in manifest["files"]}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    verify_checkpoint(newest)
+    return run, weights
+
+
+def test_export_falls_back_past_a_damaged_header_and_an_explicit_step_is_one_line(tmp_path, tiny_cfg, capsys):
+    run, damaged = _run_with_damaged_newest(tmp_path, tiny_cfg)
+    with pytest.warns(UserWarning, match=r"step_4/policies/shared/model.safetensors.*falling back") as caught:
+        assert main(["export", str(run), "--out", str(tmp_path / "exp")]) == 0
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert json.loads((tmp_path / "exp" / "export.json").read_text())["step"] == 3
+    capsys.readouterr()  # the export's own progress lines
+    _one_line_error(*_cli(["export", run, "--out", tmp_path / "exp4", "--step", "4"], capsys), "--step 4", damaged)
+    assert not (tmp_path / "exp4").exists()
+
+
+def test_eval_falls_back_past_a_damaged_header_and_an_explicit_step_is_one_line(tmp_path, tiny_cfg, capsys):
+    run, damaged = _run_with_damaged_newest(tmp_path, tiny_cfg)
+    out = tmp_path / "eval"
+    argv = ["eval", run / "config.yaml", "--n", "1", "--limit", "1", "--out", out, "--checkpoint"]
+    with pytest.warns(UserWarning, match=r"step_4/policies/shared/model.safetensors.*falling back"):
+        assert main([str(a) for a in [*argv, run]]) == 0
+    assert json.loads((out / "eval.json").read_text())["meta"]["checkpoint"].endswith("step_3")
+    capsys.readouterr()
+    _one_line_error(*_cli([*argv, run / "checkpoints" / "step_4"], capsys), damaged)
