@@ -156,3 +156,33 @@ def test_eval_falls_back_past_a_damaged_header_and_an_explicit_step_is_one_line(
     assert json.loads((out / "eval.json").read_text())["meta"]["checkpoint"].endswith("step_3")
     capsys.readouterr()
     _one_line_error(*_cli([*argv, run / "checkpoints" / "step_4"], capsys), damaged)
+
+
+# ---------------------------------------------------------------------------- messages and text
+
+@pytest.mark.parametrize("key", ["workflow.name", "trainer.group_size", "task.name"])
+def test_a_huge_value_gives_a_short_error_line(write_cfg, tmp_path, capsys, key):
+    huge = "x" * 500_000  # the config file limit is 1 MiB
+    code, err = _cli(["config", "show", write_cfg(**{key: huge})], capsys)
+    _one_line_error(code, err, key.split(".")[0], "characters")
+    assert len(err) < 2500, len(err)
+
+
+def test_a_huge_override_gives_a_short_error_line(write_cfg, capsys):
+    code, err = _cli(["config", "show", write_cfg(), "x" * (1 << 20)], capsys)
+    _one_line_error(code, err, "override", "characters")
+    assert len(err) < 2500, len(err)
+
+
+def test_skipped_checkpoint_warning_prints_as_one_line(tmp_path, tiny_cfg):
+    import subprocess
+    import sys
+
+    run, damaged = _run_with_damaged_newest(tmp_path, tiny_cfg)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.run([sys.executable, "-m", "masrl", "export", str(run), "--out", str(tmp_path / "exp")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "skipping checkpoint" in line]
+    assert len(lines) == 1 and lines[0].startswith("masrl: warning:") and str(damaged) in lines[0], proc.stderr
+    assert "warnings.warn" not in proc.stderr

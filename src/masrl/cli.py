@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from masrl.config import load_config
-from masrl.errors import ConfigError, UserInputError
+from masrl.errors import ConfigError, UserInputError, clip_lines
 from masrl.paths import check_output_dir
 
 
@@ -264,7 +264,7 @@ def _format_warning(message, category, filename, lineno, line=None, _library=war
     """masrl's own warnings (a skipped data row, a deprecated key) as one line for the user, without the
     source line of masrl that raised them; other libraries' warnings keep Python's format."""
     if getattr(category, "__module__", "").startswith("masrl"):
-        return f"masrl: warning: {message}\n"
+        return f"masrl: warning: {clip_lines(str(message))}\n"
     return _library(message, category, filename, lineno, line)
 
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
     except (UserInputError, FileNotFoundError) as e:  # ModelLoadError, DatasetLoadError, CheckpointError, ...
-        print(f"masrl: error: {e}", file=sys.stderr)
+        print(f"masrl: error: {clip_lines(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("masrl: interrupted", file=sys.stderr)

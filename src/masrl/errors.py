@@ -15,8 +15,41 @@ import os
 from pathlib import Path
 
 
+VALUE_CHARS = 200  # a value quoted in a message: at most this many characters of it (``clip``)
+LINE_CHARS = 1000  # a message line: at most this many characters (``clip_lines``)
+
+
+def clip(text: object, limit: int = VALUE_CHARS) -> str:
+    """``text`` (``str()`` of it) cut to ``limit`` characters, with an ellipsis and its total length when it
+    is longer: a 1 MB value quoted in an error stays a short line."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def quote(value: object, limit: int = VALUE_CHARS) -> str:
+    """``repr(value)``, clipped (``clip``): how a message quotes a value the user gave."""
+    return clip(repr(value), limit)
+
+
+def clip_lines(message: str, limit: int = LINE_CHARS) -> str:
+    """Every line of ``message`` at most about ``limit`` characters: a longer line keeps its start (what and
+    where) and its end (what to do), and says how much of the middle it leaves out."""
+    def one(line: str) -> str:
+        if len(line) <= limit:
+            return line
+        keep = limit // 2
+        return f"{line[:keep]}… ({len(line) - 2 * keep:,} characters left out) …{line[-keep:]}"
+    return "\n".join(one(line) for line in message.split("\n"))
+
+
 class UserInputError(Exception):
-    """Bad input from the user (exit 2, one line, no traceback)."""
+    """Bad input from the user (exit 2, one line, no traceback). Its text is clipped (``clip_lines``), so a
+    huge value that a message quotes never makes a huge error line."""
+
+    def __str__(self) -> str:
+        return clip_lines(super().__str__())
 
 
 class ConfigError(UserInputError, ValueError):

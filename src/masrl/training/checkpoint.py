@@ -44,6 +44,10 @@ class CheckpointError(UserInputError, RuntimeError):
     """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
+class CheckpointWarning(UserWarning):
+    """A checkpoint that does not load and is skipped for the previous one (``masrl`` prints it as one line)."""
+
+
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -188,7 +192,8 @@ def newest_loadable(run_dir: Path, load: Callable[[Path], T]) -> tuple[Path, T] 
         try:
             return path, load(path)
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", stacklevel=2)
+            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", CheckpointWarning,
+                          stacklevel=2)
     return None
 
 
