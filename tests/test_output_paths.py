@@ -186,3 +186,44 @@ def test_skipped_checkpoint_warning_prints_as_one_line(tmp_path, tiny_cfg):
     lines = [line for line in proc.stderr.splitlines() if "skipping checkpoint" in line]
     assert len(lines) == 1 and lines[0].startswith("masrl: warning:") and str(damaged) in lines[0], proc.stderr
     assert "warnings.warn" not in proc.stderr
+
+
+BOM = "\ufeff"
+
+
+def test_a_config_and_a_sweep_spec_with_a_byte_order_mark_load(tmp_path, tiny_cfg, capsys):
+    from masrl.config import load_config, read_yaml_file
+
+    path = tmp_path / "bom.yaml"
+    path.write_text(BOM + yaml.safe_dump(tiny_cfg(**QUICK)), encoding="utf-8")
+    assert load_config(path).name == "test"
+    assert main(["config", "show", str(path)]) == 0
+    assert "name: test" in capsys.readouterr().out
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(BOM + "name: s\nseeds: [0]\n", encoding="utf-8")
+    assert read_yaml_file(spec, "sweep spec") == {"name": "s", "seeds": [0]}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz"])
+def test_data_rows_with_a_byte_order_mark_load(tmp_path, suffix):
+    import gzip
+
+    from masrl.tasks.rows import iter_records
+
+    rows = [{"question": "1+1", "answer": "2"}, {"question": "2+2", "answer": "4"}]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)
+    path = tmp_path / f"rows{suffix}"
+    data = (BOM + text).encode("utf-8")
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    assert [row for _, row in iter_records(path)] == rows
+
+
+def test_ensemble_predictions_with_a_byte_order_mark_load(tmp_path):
+    from masrl.ensemble.data import load_jsonl
+
+    rows = [{"id": str(i), "label": "1", "predictions": {"a": {"answer": "1"}, "b": {"answer": "2"}}}
+            for i in range(3)]
+    path = tmp_path / "preds.jsonl"
+    path.write_text(BOM + "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = load_jsonl(path)
+    assert data.models == ["a", "b"] and len(data.accuracy()) == 2

@@ -75,9 +75,10 @@ def read_user_text(path: str | os.PathLike, what: str = "file", *, max_bytes: in
 
 
 def decode_utf8(data: bytes, path: str | os.PathLike, what: str = "file") -> str:
-    """``data`` as UTF-8, or a ``UserInputError`` naming the file, line and byte offset at fault."""
+    """``data`` as UTF-8 (a leading byte-order mark, as some Windows editors write, is dropped), or a
+    ``UserInputError`` naming the file, line and byte offset at fault."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise UserInputError(f"{what} {path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
