@@ -227,3 +227,16 @@ def test_ensemble_predictions_with_a_byte_order_mark_load(tmp_path):
     path.write_text(BOM + "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     data = load_jsonl(path)
     assert data.models == ["a", "b"] and len(data.accuracy()) == 2
+
+
+def test_data_get_dir_and_cache_dir_under_a_dangling_symlink_are_refused(tmp_path, capsys, monkeypatch):
+    from masrl.paths import cache_dir
+
+    link = _dangling(tmp_path)
+    _one_line_error(*_cli(["data", "get", "gsm8k", "--dir", link / "data"], capsys), "--dir", "symlink", link)
+    monkeypatch.setenv("MASRL_DATA_DIR", str(link))
+    _one_line_error(*_cli(["data", "get", "gsm8k"], capsys), "data folder", "symlink", link)
+    monkeypatch.setenv("MASRL_CACHE_DIR", str(link / "cache"))
+    with pytest.raises(UserInputError, match=r"\$MASRL_CACHE_DIR.*symlink"):
+        cache_dir()
+    assert list((tmp_path / "elsewhere").iterdir()) == []

@@ -481,7 +481,8 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_get(args) -> int:
-    dest = check_output_dir(Path(args.dir).expanduser(), "--dir") if args.dir else None
+    dest = Path(args.dir).expanduser() if args.dir else download_dir()
+    check_output_dir(dest, "--dir" if args.dir else "data folder ($MASRL_DATA_DIR or the user data folder)")
     for path, status, detail in get(args.name, args.source, force=args.force, dest_root=dest):
         print(f"{status:<9} {path}{'  (' + detail + ')' if detail else ''}")
     return 0

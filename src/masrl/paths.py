@@ -55,6 +55,7 @@ def cache_dir() -> Path:
     """Cache folder for converted models and retrieval indexes: ``$MASRL_CACHE_DIR`` or ``~/.cache/masrl``."""
     env = os.environ.get("MASRL_CACHE_DIR")
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "masrl"
+    check_output_dir(path, "$MASRL_CACHE_DIR" if env else "cache folder")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
