@@ -127,9 +127,7 @@ def _check_no_dangling(path: Path, what: str) -> Path:
             if probe.is_symlink() and not probe.exists():
                 raise UserInputError(f"{what} {path}: {probe} is a symlink to {os.readlink(probe)}, which does "
                                      "not exist; create its target or choose another path")
-        except OSError as e:  # a name too long, a symlink loop, a file used as a folder
-            if isinstance(e, NotADirectoryError):
-                break
+        except OSError as e:  # a name too long (pathlib answers False for a missing part or a loop)
             raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
     for probe in parts:
         try:
