@@ -693,7 +693,7 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 @pytest.mark.parametrize("command", ["train", "eval", "sweep", "ensemble", "plot"])
 def test_dangling_symlink_where_an_output_folder_goes_is_one_clear_error(write_cfg, tmp_path, capsys, command):
     """mkdir cannot create through a dangling symlink: every command was a FileExistsError traceback (the
-    sweep's dry run exited 0). All of them check their output folder with errors.check_output_folder."""
+    sweep's dry run exited 0). All of them check their output folder with paths.check_output_dir."""
     link = tmp_path / "out"
     link.symlink_to(tmp_path / "nowhere")
     cfg = write_cfg()

@@ -19,6 +19,7 @@ from conftest import tiny_config_dict
 from masrl.cli import main
 from masrl.config import config_from_dict
 from masrl.monitoring.logger import read_metrics
+from masrl.paths import sha256_file
 from masrl.training import checkpoint as ckpt
 from masrl.training.checkpoint import (CheckpointError, latest_valid_checkpoint, list_checkpoints,
                                        verify_checkpoint)
@@ -222,7 +223,7 @@ def test_no_valid_checkpoint_is_a_clear_resume_error(run_copy, capsys):
 def _rehash(step_dir: Path) -> None:
     """Re-checksum every file into the manifest: the damage below passes verification."""
     manifest = json.loads((step_dir / "manifest.json").read_text())
-    manifest["files"] = {rel: ckpt._sha256(step_dir / rel) for rel in manifest["files"]}
+    manifest["files"] = {rel: sha256_file(step_dir / rel) for rel in manifest["files"]}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from masrl.errors import UserInputError
-from masrl.paths import data_dir, data_roots, sha256_file, user_data_dir
+from masrl.paths import check_output_dir, data_dir, data_roots, sha256_file, user_data_dir
 
 MAX_DOWNLOAD_FACTOR = 4  # a download may be at most this many times the reference size (plus 1 MiB)
 URL_TIMEOUT_S = 60.0
@@ -481,7 +481,8 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_get(args) -> int:
-    dest = Path(args.dir).expanduser() if args.dir else None
+    dest = Path(args.dir).expanduser() if args.dir else download_dir()
+    check_output_dir(dest, "--dir" if args.dir else "data folder ($MASRL_DATA_DIR or the user data folder)")
     for path, status, detail in get(args.name, args.source, force=args.force, dest_root=dest):
         print(f"{status:<9} {path}{'  (' + detail + ')' if detail else ''}")
     return 0

@@ -8,7 +8,8 @@ import warnings
 from pathlib import Path
 
 from masrl.config import load_config
-from masrl.errors import ConfigError, UserInputError, check_output_folder
+from masrl.errors import ConfigError, UserInputError, clip_lines
+from masrl.paths import check_output_dir
 
 
 def _cmd_train(args) -> int:
@@ -32,7 +33,7 @@ def _cmd_train(args) -> int:
             raise ConfigError("masrl train: give a config file (or --resume RUN_DIR)")
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
-    check_output_folder(run_dir, "--output-dir" if args.output_dir else "run folder")
+    check_before_build(cfg, run_dir, "--output-dir" if args.output_dir else "run folder")
     with Trainer(cfg, run_dir=run_dir) as trainer:
         report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history, cfg)
@@ -44,14 +45,23 @@ def _cmd_train(args) -> int:
     return 0 if report else 1
 
 
+def check_before_build(cfg, run_dir: Path, what: str) -> None:
+    """What ``masrl train`` checks before it builds a model, and ``masrl config show`` checks too: the run
+    folder can be written (``masrl.paths.check_output_dir``), then registry names, agents, prompt templates
+    and the task's data (``masrl.registry_names.check_run``)."""
+    from masrl.registry_names import check_run
+
+    check_output_dir(run_dir, what)
+    check_run(cfg)
+
+
 def _cmd_config_show(args) -> int:
     """The resolved config (defaults filled in, overrides applied, checked as ``train`` checks it before it
     builds a model: names, agents, prompt templates, the task's params and data) as YAML."""
     from masrl.config import dump_config
-    from masrl.registry_names import check_run
 
     cfg = load_config(args.config, args.overrides)
-    check_run(cfg)
+    check_before_build(cfg, cfg.run_dir, "run folder")
     print(dump_config(_resolved_view(cfg)), end="")
     return 0
 
@@ -93,7 +103,7 @@ def _cmd_plot(args) -> int:
     if not read_metrics(run_dir):
         raise UserInputError(f"masrl plot: {run_dir / 'metrics.jsonl'} holds no metrics records (JSON objects "
                              "with a numeric step, one per line); nothing to plot")
-    check_output_folder(run_dir / "plots", "masrl plot: plots folder")
+    check_output_dir(run_dir / "plots", "masrl plot: plots folder")
     paths = plot_training_curves(run_dir)
     try:
         from masrl.monitoring.dashboard import plot_dashboard
@@ -254,7 +264,7 @@ def _format_warning(message, category, filename, lineno, line=None, _library=war
     """masrl's own warnings (a skipped data row, a deprecated key) as one line for the user, without the
     source line of masrl that raised them; other libraries' warnings keep Python's format."""
     if getattr(category, "__module__", "").startswith("masrl"):
-        return f"masrl: warning: {message}\n"
+        return f"masrl: warning: {clip_lines(str(message))}\n"
     return _library(message, category, filename, lineno, line)
 
 
@@ -272,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
     except (UserInputError, FileNotFoundError) as e:  # ModelLoadError, DatasetLoadError, CheckpointError, ...
-        print(f"masrl: error: {e}", file=sys.stderr)
+        print(f"masrl: error: {clip_lines(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("masrl: interrupted", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from masrl.errors import ConfigError, UserInputError, read_user_text  # noqa: F401 (ConfigError lives on here)
+from masrl.errors import ConfigError, UserInputError, clip, quote, read_user_text  # noqa: F401 (ConfigError lives on here)
 
 
 SEED_MAX = 2**32 - 1  # the widest range every seeded generator (random, numpy, torch, vLLM) accepts
@@ -176,7 +176,7 @@ def _registered(kind: str, value: str, known) -> str:
     """``value`` if it names an entry of ``known`` (a registry or tuple of masrl.algorithms), else one error
     listing the known names."""
     if value not in known:
-        raise ValueError(f"unknown {kind} {value!r}; known: {', '.join(known)}")
+        raise ValueError(f"unknown {kind} {quote(value)}; known: {', '.join(known)}")
     return value
 
 
@@ -747,8 +747,8 @@ def format_validation_error(err: ValidationError, source: str, *, unknown_hint: 
             lines.append(f"{source}: missing required key '{loc}'")
         else:
             got = e.get("input")
-            got = f" (got {got!r})" if not isinstance(got, dict) else ""
-            lines.append(f"{source}: key '{loc}': {e['msg'].removeprefix('Value error, ')}{got}")
+            got = f" (got {quote(got)})" if not isinstance(got, dict) else ""
+            lines.append(f"{source}: key '{loc}': {clip(e['msg'].removeprefix('Value error, '), 500)}{got}")
     return "\n".join(lines)
 
 

@@ -15,8 +15,41 @@ import os
 from pathlib import Path
 
 
+VALUE_CHARS = 200  # a value quoted in a message: at most this many characters of it (``clip``)
+LINE_CHARS = 1000  # a message line: at most this many characters (``clip_lines``)
+
+
+def clip(text: object, limit: int = VALUE_CHARS) -> str:
+    """``text`` (``str()`` of it) cut to ``limit`` characters, with an ellipsis and its total length when it
+    is longer: a 1 MB value quoted in an error stays a short line."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
+
+def quote(value: object, limit: int = VALUE_CHARS) -> str:
+    """``repr(value)``, clipped (``clip``): how a message quotes a value the user gave."""
+    return clip(repr(value), limit)
+
+
+def clip_lines(message: str, limit: int = LINE_CHARS) -> str:
+    """Every line of ``message`` at most about ``limit`` characters: a longer line keeps its start (what and
+    where) and its end (what to do), and says how much of the middle it leaves out."""
+    def one(line: str) -> str:
+        if len(line) <= limit:
+            return line
+        keep = limit // 2
+        return f"{line[:keep]}… ({len(line) - 2 * keep:,} characters left out) …{line[-keep:]}"
+    return "\n".join(one(line) for line in message.split("\n"))
+
+
 class UserInputError(Exception):
-    """Bad input from the user (exit 2, one line, no traceback)."""
+    """Bad input from the user (exit 2, one line, no traceback). Its text is clipped (``clip_lines``), so a
+    huge value that a message quotes never makes a huge error line."""
+
+    def __str__(self) -> str:
+        return clip_lines(super().__str__())
 
 
 class ConfigError(UserInputError, ValueError):
@@ -42,35 +75,12 @@ def read_user_text(path: str | os.PathLike, what: str = "file", *, max_bytes: in
 
 
 def decode_utf8(data: bytes, path: str | os.PathLike, what: str = "file") -> str:
-    """``data`` as UTF-8, or a ``UserInputError`` naming the file, line and byte offset at fault."""
+    """``data`` as UTF-8 (a leading byte-order mark, as some Windows editors write, is dropped), or a
+    ``UserInputError`` naming the file, line and byte offset at fault."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise UserInputError(f"{what} {path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
                              f"{e.start}); save it as UTF-8") from None
 
-
-def check_output_folder(path: str | os.PathLike, what: str = "output folder") -> Path:
-    """``path`` can be (or become) a writable folder: not a file, no file among its parents, no dangling
-    symlink on the way (``mkdir`` cannot create through one), the nearest existing parent writable.
-    Creates nothing; raises one ``UserInputError`` naming ``what``."""
-    path = Path(path)
-    probe = path
-    while True:
-        try:
-            exists = probe.exists()
-            dangling = not exists and probe.is_symlink()
-        except OSError as e:  # a name too long, a symlink loop
-            raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
-        if dangling:
-            raise UserInputError(f"{what} {path}: {probe} is a symlink to {os.readlink(probe)}, which does not "
-                                 "exist; create its target or choose another path")
-        if exists or probe == probe.parent:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise UserInputError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UserInputError(f"{what} {path}: {probe} is not writable")
-    return path

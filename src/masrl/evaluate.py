@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from masrl.config import load_config
-from masrl.errors import ConfigError, check_output_folder
-from masrl.paths import write_text_atomic
+from masrl.errors import ConfigError
+from masrl.paths import check_output_dir, write_text_atomic
 
 
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
@@ -64,7 +64,7 @@ def run_eval(args) -> int:
     if any(k < 1 for k in ks):
         raise ConfigError(f"--k values must be >= 1, got {args.k!r}")
     if args.out:
-        check_output_folder(args.out, "--out")
+        check_output_dir(args.out, "--out")
     args.bench = bench_names(args.bench)
     ks = sorted({k for k in ks if k <= n})
     with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
@@ -98,6 +98,7 @@ def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     if args.checkpoint:
         ckpt_path = load_eval_checkpoint(args.checkpoint, trainer.policies)
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
+    check_output_dir(out, "--out" if args.out else "eval folder")
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
     for bench in args.bench:

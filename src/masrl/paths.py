@@ -5,6 +5,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from masrl.errors import UserInputError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,6 +55,7 @@ def cache_dir() -> Path:
     """Cache folder for converted models and retrieval indexes: ``$MASRL_CACHE_DIR`` or ``~/.cache/masrl``."""
     env = os.environ.get("MASRL_CACHE_DIR")
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "masrl"
+    check_output_dir(path, "$MASRL_CACHE_DIR" if env else "cache folder")
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -77,3 +80,59 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Path:
+    """``path`` can be (or become) a writable folder that masrl writes into; creates nothing.
+
+    Every command that writes a folder the user chose calls this before any work (docs/reliability.md):
+    - a symlink on the path whose target does not exist (dangling) is refused: ``mkdir`` and ``open``
+      would follow it and write wherever it points;
+    - ``path`` itself being a symlink is allowed only when it leads to an existing folder (the user points
+      at a real folder); a symlink to a file is refused;
+    - ``path`` or one of its parents being a file is refused; the nearest existing folder must be writable.
+    Each refusal is one ``UserInputError`` naming ``what``, the path and the part at fault.
+    """
+    path = Path(path)
+    probe = _check_no_dangling(path, what)
+    if probe != path and not probe.is_dir():
+        raise UserInputError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
+    if probe == path and path.exists() and not path.is_dir():
+        kind = f"a symlink to the file {os.path.realpath(path)}" if path.is_symlink() else "a file"
+        raise UserInputError(f"{what} {path} is {kind}, not a folder; choose a folder path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UserInputError(f"{what} {path}: {probe} is not writable; choose a folder you can write to")
+    return path
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output file") -> Path:
+    """``path`` can become a file masrl writes: its folder passes ``check_output_dir``; ``path`` is not a
+    folder and not a symlink (masrl replaces the files it writes, so a symlink would not lead where it
+    points). Creates nothing; one ``UserInputError`` naming ``what``."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UserInputError(f"{what} {path} is a symlink (to {os.readlink(path)}); give the real file path")
+    if path.is_dir():
+        raise UserInputError(f"{what} {path} is a folder; give a file name, e.g. {path / 'out.jsonl'}")
+    check_output_dir(path.parent, what)
+    return path
+
+
+def _check_no_dangling(path: Path, what: str) -> Path:
+    """The nearest existing ancestor of ``path`` (``path`` itself when it exists), after refusing a dangling
+    symlink or an unusable name anywhere on the way."""
+    parts = [path, *path.parents]
+    for probe in reversed(parts):  # from the root down: a dangling link high up is named, not its children
+        try:
+            if probe.is_symlink() and not probe.exists():
+                raise UserInputError(f"{what} {path}: {probe} is a symlink to {os.readlink(probe)}, which does "
+                                     "not exist; create its target or choose another path")
+        except OSError as e:  # a name too long (pathlib answers False for a missing part or a loop)
+            raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
+    for probe in parts:
+        try:
+            if probe.exists() or probe.is_symlink():
+                return probe
+        except OSError as e:
+            raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
+    return Path(".")

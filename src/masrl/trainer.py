@@ -24,7 +24,7 @@ import torch
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
-from masrl.paths import write_text_atomic
+from masrl.paths import check_output_dir, write_text_atomic
 from masrl.evaluation.metrics import stage_name
 from masrl.evaluation.runner import agent_facts, summarize_episodes
 from masrl.monitoring.drift import RoleDriftTracker
@@ -267,6 +267,7 @@ class Trainer:
 
     def fit(self, resume: bool = False, overwrite: bool = False) -> dict:
         cfg = self.cfg
+        check_output_dir(self.run_dir, "run folder")
         if not resume:
             prepare_run_dir(self.run_dir, overwrite)
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -144,10 +144,10 @@ def _load(args):
 
 
 def _out_dir(args) -> Path | None:
-    from masrl.errors import check_output_folder
+    from masrl.paths import check_output_dir
 
     out = args.out or getattr(args, "out_default", None)
-    return check_output_folder(out, "--out") if out else None
+    return check_output_dir(out, "--out") if out else None
 
 
 def cmd_select(args) -> int:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from masrl.ensemble.data import InputError
-from masrl.paths import write_text_atomic
+from masrl.paths import check_output_file, write_text_atomic
 from masrl.types import Episode, Task
 
 __all__ = ["WORKFLOWS_WITH_PROPOSALS", "check_workflow", "proposer_slots", "episode_rows", "collect",
@@ -151,17 +151,6 @@ def write_jsonl(rows: Sequence[dict], path: Path) -> Path:
     return write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
-def check_output_file(path: str | Path, what: str = "--out") -> Path:
-    """``path`` can become a file: not a folder, its folder usable (checked before any work is done)."""
-    from masrl.errors import check_output_folder
-
-    path = Path(path)
-    if path.is_dir():
-        raise InputError(f"{what} {path} is a folder; give a file name, e.g. {path / 'predictions.jsonl'}")
-    check_output_folder(path.parent, what)
-    return path
-
-
 def _bench_name(bench: str) -> str:
     return Path(bench).stem if Path(bench).suffix else bench
 
@@ -222,7 +211,7 @@ def cmd_collect(args) -> int:
     if not benches:
         raise InputError("--bench: give at least one benchmark ('test' = the task's held-out split)")
     if args.out:
-        check_output_file(args.out)
+        check_output_file(args.out, "--out")
     try:
         rows, facts = collect(cfg, benches, limit=args.limit, n_samples=args.n_samples, seed=args.seed,
                               temperature=args.temperature, checkpoint=args.checkpoint, strict=args.strict,

@@ -25,10 +25,11 @@ from typing import Any, Sequence
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from masrl.config import ConfigError, RunConfig, load_config
-from masrl.errors import UserInputError, check_output_folder
+from masrl.errors import UserInputError
+from masrl.paths import check_output_dir
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.training import checkpoint as ckpt
 
@@ -45,17 +46,18 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
                max_shard_size: int | str = DEFAULT_SHARD_SIZE, overwrite: bool = False) -> Path:
     """Export the policies of ``run_dir`` (default: every trained one) from checkpoint ``step``
     (default: the last valid one, as ``--resume`` picks) into ``out``; returns ``out``."""
-    run_dir, out = Path(run_dir), Path(out).resolve()
+    run_dir = Path(run_dir)
+    out = check_output_dir(out, "--out").resolve()  # checked before resolve() follows a symlink
     check_destination(run_dir, out, overwrite)
     cfg = read_run_config(run_dir)
-    path = pick_checkpoint(run_dir, step)
     names = pick_policies(cfg, policies)
+    path, weights = pick_checkpoint(run_dir, step, names)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        exported = {name: export_policy(cfg, name, path, tmp, out, merge_lora=merge_lora,
+        exported = {name: export_policy(cfg, name, weights.pop(name), path, tmp, out, merge_lora=merge_lora,
                                         max_shard_size=max_shard_size) for name in names}
         report = _read_report(run_dir)
         manifest = {"run_dir": str(run_dir.resolve()), "checkpoint": str(path.resolve()),
@@ -80,7 +82,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, step: int | None = None,
 def check_destination(run_dir: Path, out: Path, overwrite: bool) -> None:
     """``out`` may be created, or replaced with ``overwrite`` only when it is an earlier export (it holds
     export.json) or an empty folder: never the run folder, a folder holding it, another run, or a file."""
-    check_output_folder(out, "--out")
     if run_dir.exists() and (out == run_dir.resolve() or out in run_dir.resolve().parents):
         raise ExportError(f"--out {out} would replace the run folder {run_dir} (it is that folder or holds it); "
                           f"choose a new folder, e.g. --out {run_dir / 'export'}")
@@ -106,27 +107,34 @@ def read_run_config(run_dir: Path) -> RunConfig:
         raise ExportError(f"{cfg_path}: {e}") from None
 
 
-def pick_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """``checkpoints/step_<step>`` (verified against its manifest) or the last valid checkpoint."""
+def pick_checkpoint(run_dir: Path, step: int | None, names: Sequence[str]) -> tuple[Path, dict[str, dict]]:
+    """``(checkpoints/step_<step>, {policy: saved weights})``; without ``step`` the newest checkpoint whose
+    weights load (``ckpt.newest_loadable``: damaged ones are named in a warning and skipped, as ``--resume``
+    does). An explicit step that does not load is one ``ExportError`` naming the file."""
     found = ckpt.list_checkpoints(run_dir)
     if not found:
         raise ExportError(f"{run_dir}: no checkpoints under {run_dir / 'checkpoints'}; train first "
                           "(`masrl train`; checkpoints are written at the end and every trainer.save_every steps)")
+
+    def load(path: Path) -> dict[str, dict]:
+        ckpt.verify_checkpoint(path)
+        return {name: ckpt.policy_weights(path, name) for name in names}
+
     if step is None:
-        path = ckpt.latest_valid_checkpoint(run_dir)
-        if path is None:
-            raise ExportError(f"{run_dir}: no valid checkpoint (every one fails its manifest check)")
-        return path
+        picked = ckpt.newest_loadable(run_dir, load)
+        if picked is None:
+            raise ExportError(f"{run_dir}: no checkpoint loads (each one fails its manifest check or a file "
+                              "does not load; see the warnings)")
+        return picked
     path = run_dir / "checkpoints" / f"step_{step}"
     if path not in found:
         steps = ", ".join(p.name[5:] for p in found)
         raise ExportError(f"--step {step}: no checkpoint step_{step} in {run_dir / 'checkpoints'}; "
                           f"steps there: {steps}")
     try:
-        ckpt.verify_checkpoint(path)
+        return path, load(path)
     except ckpt.CheckpointError as e:
         raise ExportError(f"--step {step}: {e}") from None
-    return path
 
 
 def pick_policies(cfg: RunConfig, requested: Sequence[str] | None) -> list[str]:
@@ -157,8 +165,8 @@ def policy_agents(cfg: RunConfig, name: str) -> list[str]:
     return [a for a, acfg in cfg.agents.items() if acfg.policy == name]
 
 
-def rebuild_policy(cfg: RunConfig, name: str, checkpoint: Path):
-    """``(model, tokenizer)`` of policy ``name`` as the trainer built it, with the checkpoint's weights.
+def rebuild_policy(cfg: RunConfig, name: str, weights: dict[str, torch.Tensor], checkpoint: Path):
+    """``(model, tokenizer)`` of policy ``name`` as the trainer built it, with the checkpoint's ``weights``.
 
     A LoRA policy's model is the PEFT model (its adapters named as in training: one per role,
     or the policy's name when shared).
@@ -172,16 +180,6 @@ def rebuild_policy(cfg: RunConfig, name: str, checkpoint: Path):
         adapters = policy_agents(cfg, name) if lora.per_agent else [name]
         model = attach_adapters(model, adapters, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                                 target_modules=lora.target_modules)
-    pdir = checkpoint / "policies" / name
-    if (pdir / ckpt.DCP_DIR).is_dir():  # runtime.strategy fsdp: the ranks' shards, reassembled here
-        try:
-            weights = ckpt.dcp_weights(pdir)
-        except ckpt.CheckpointError as e:
-            raise ExportError(str(e)) from None
-    elif (pdir / "model.safetensors").is_file():
-        weights = load_file(str(pdir / "model.safetensors"))
-    else:
-        raise ExportError(f"{checkpoint}: no weights for policy {name!r}")
     load_weights(model, weights, where=f"{checkpoint}: policy {name!r}")
     return model.eval(), tokenizer
 
@@ -229,12 +227,12 @@ def merged_model(model, adapter: str):
     return copy.deepcopy(model).merge_and_unload(adapter_names=[adapter])
 
 
-def export_policy(cfg: RunConfig, name: str, checkpoint: Path, tmp: Path, final: Path, *,
-                  merge_lora: bool, max_shard_size: int | str) -> dict[str, Any]:
+def export_policy(cfg: RunConfig, name: str, weights: dict[str, torch.Tensor], checkpoint: Path, tmp: Path,
+                  final: Path, *, merge_lora: bool, max_shard_size: int | str) -> dict[str, Any]:
     """Write policy ``name`` under ``tmp``; returns its entry of export.json (folders relative to the
     export: ``{"model": "p"}``, or ``{"base": "p/base", "<adapter>": "p/adapters/<adapter>"}``...)."""
     pcfg = cfg.policies[name]
-    model, tokenizer = rebuild_policy(cfg, name, checkpoint)
+    model, tokenizer = rebuild_policy(cfg, name, weights, checkpoint)
     if pcfg.lora is None:
         save_model_folder(model, tokenizer, tmp / name, max_shard_size)
         return {"kind": "full", "agents": policy_agents(cfg, name), "folders": {"model": name}}

@@ -39,7 +39,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     from masrl.config import ConfigError
-    from masrl.errors import check_output_folder
+    from masrl.paths import check_output_dir
 
     if argv[:1] == ["report"]:
         args = report_parser().parse_args(argv[1:])
@@ -69,6 +69,6 @@ def main(argv: list[str]) -> int:
     out = args.out or spec.out
     if not out:
         raise ConfigError(f"{args.spec}: no output folder: set 'out:' in the spec or pass --out")
-    check_output_folder(out, "--out" if args.out else f"{args.spec}: out")
+    check_output_dir(out, "--out" if args.out else f"{args.spec}: out")
     return sweep(spec, Path(out), jobs=args.jobs, nice=args.nice, ray_address=args.ray, gpus=args.gpus_per_run,
                  quick=args.quick, dry_run=args.dry_run)

@@ -29,6 +29,9 @@ def text_lines(path: str | Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterat
                 yield lineno, None, f"row longer than {max_line_bytes:,} bytes"
                 continue
             try:
-                yield lineno, raw.decode("utf-8"), ""
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 yield lineno, None, f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                continue
+            # a byte-order mark on the first line (some Windows editors write one) is dropped
+            yield lineno, text.removeprefix("\ufeff") if lineno == 1 else text, ""

@@ -111,10 +111,10 @@ Parser = Callable[[Any, RowPos], Any]
 
 
 def open_text(path: Path) -> IO[str]:
-    """A text handle on ``path`` (``.gz`` files are decompressed)."""
+    """A text handle on ``path`` (``.gz`` files are decompressed; a leading UTF-8 byte-order mark is dropped)."""
     if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 def load_json(path: Path, error: type[Exception] = MalformedRowError) -> Any:

@@ -18,7 +18,6 @@ A policy's folder holds one of two formats:
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -26,29 +25,27 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from masrl.errors import UserInputError
+from masrl.paths import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 DCP_DIR = "dcp"  # policies/<name>/dcp: the sharded format (module docstring)
+T = TypeVar("T")
 
 
 class CheckpointError(UserInputError, RuntimeError):
     """A checkpoint is missing, partial, corrupt or does not fit the model."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+class CheckpointWarning(UserWarning):
+    """A checkpoint that does not load and is skipped for the previous one (``masrl`` prints it as one line)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -142,7 +139,7 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
     state_path.write_text(json.dumps({**trainer_state, "step": step, "rng": rng_state()}))
     files.append(state_path)
     manifest = {"format_version": FORMAT_VERSION, "step": step,
-                "files": {str(f.relative_to(tmp)): _sha256(f) for f in files}}
+                "files": {str(f.relative_to(tmp)): sha256_file(f) for f in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     for f in [*files, tmp / MANIFEST]:  # the manifest too: it is what makes the folder a checkpoint
         with open(f, "rb+") as fh:
@@ -180,20 +177,41 @@ def verify_checkpoint(path: Path) -> dict:
         f = Path(path) / rel
         if not f.is_file():
             raise CheckpointError(f"{path}: missing file {rel}")
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise CheckpointError(f"{path}: checksum mismatch for {rel} (corrupt checkpoint)")
     return manifest
 
 
-def latest_valid_checkpoint(run_dir: Path) -> Path | None:
-    """The newest checkpoint that verifies; corrupt ones are reported and skipped."""
+def newest_loadable(run_dir: Path, load: Callable[[Path], T]) -> tuple[Path, T] | None:
+    """``(path, load(path))`` for the newest checkpoint of ``run_dir`` that ``load`` reads without a
+    ``CheckpointError``; each one that fails (a checksum, a damaged safetensors header, weights that do not
+    fit) is reported in one ``UserWarning`` line naming the file and why, and the previous step is tried.
+    None: none loads. The one fallback rule of ``--resume``, ``masrl eval --checkpoint RUN_DIR`` and
+    ``masrl export`` without ``--step``."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            verify_checkpoint(path)
-            return path
+            return path, load(path)
         except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", stacklevel=2)
+            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", CheckpointWarning,
+                          stacklevel=2)
     return None
+
+
+def latest_valid_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies against its manifest (``newest_loadable``); None: none does."""
+    found = newest_loadable(run_dir, verify_checkpoint)
+    return found[0] if found else None
+
+
+def policy_weights(path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The saved weights of policy ``name`` in checkpoint ``path`` (either format; verify the checkpoint
+    first), or a ``CheckpointError`` naming the file that does not load."""
+    pdir = Path(path) / "policies" / name
+    if (pdir / DCP_DIR).is_dir():
+        return dcp_weights(pdir)
+    if not (pdir / "model.safetensors").is_file():
+        raise CheckpointError(f"{path}: no weights for policy {name!r}; was it trained with another config?")
+    return _read_tensors(pdir / "model.safetensors")
 
 
 def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: bool = True) -> dict:
@@ -216,13 +234,9 @@ def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: 
 def load_latest_checkpoint(run_dir: Path, policies: Mapping[str, Any], *,
                            load_optimizer: bool = True) -> tuple[Path, dict] | None:
     """``(path, trainer state)`` of the newest checkpoint that verifies and loads into ``policies``;
-    each one that does not is reported (``UserWarning``) and the previous one tried. None: none loads."""
-    for path in reversed(list_checkpoints(run_dir)):
-        try:
-            return path, load_checkpoint(path, policies, load_optimizer=load_optimizer)
-        except CheckpointError as e:
-            warnings.warn(f"skipping checkpoint: {e}; falling back to the previous one", stacklevel=2)
-    return None
+    each one that does not is reported (``UserWarning``) and the previous one tried (``newest_loadable``).
+    None: none loads."""
+    return newest_loadable(run_dir, lambda path: load_checkpoint(path, policies, load_optimizer=load_optimizer))
 
 
 def _read_json(path: Path) -> Any:

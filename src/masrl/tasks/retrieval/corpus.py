@@ -84,7 +84,7 @@ def detect_corpus_format(path: Path) -> str:
                           f"pass format= one of {CORPUS_FORMATS}")
     try:
         with open_binary(path) as f:
-            head = f.read(4096).lstrip().decode("utf-8", errors="replace")
+            head = f.read(4096).decode("utf-8", errors="replace").lstrip("\ufeff \t\r\n")
     except (OSError, EOFError, zlib.error) as e:
         raise CorpusError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
     if head.startswith("{"):
