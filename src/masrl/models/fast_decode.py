@@ -25,17 +25,24 @@ squares as transformers' formula does; both are checked by the tests on the mach
 ``TransformersEngine(fast_decode=False)`` keeps transformers' forward.
 
 It applies only where that equality is meant to hold; everything else goes through ``model(...)``:
-a plain ``LlamaForCausalLM`` (not wrapped by PEFT, no hooks, no FSDP2 shards), float32 CPU weights with no
-biases, SiLU MLP, decoding with masrl's CPU attention (:mod:`masrl.models.cpu_attention`) into the preallocated
-KV cache (:mod:`masrl.rollout.kv_cache`), autocast off. bf16 decoding (SmolLM2 under ``autocast: auto``), LoRA
-adapters and other architectures keep transformers' forward.
+a plain ``LlamaForCausalLM`` (not wrapped by PEFT other than for LoRA, no hooks, no FSDP2 shards), float32 CPU
+weights with no biases, SiLU MLP, decoding with masrl's CPU attention (:mod:`masrl.models.cpu_attention`) into the
+preallocated KV cache (:mod:`masrl.rollout.kv_cache`), autocast off. bf16 decoding (SmolLM2 under ``autocast:
+auto``), merged adapters, LoRA variants (DoRA) and other architectures keep transformers' forward.
+
+**LoRA adapters.** A PEFT LoRA model over such a Llama runs here too, each row of the batch with its own adapter
+(``step(..., routes)``) in one pass: :mod:`masrl.models.lora_decode`. That part is not bitwise PEFT's forward
+(within 1e-6, ``tests/test_multi_adapter_decode.py``); the base model's part stays bitwise.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, grouped_decode_attention
+from masrl.models.lora_decode import LoraGroup, base_linear, is_lora, row_scales, unsupported_lora
 
 # stacked q/k/v and gate/up weights are a copy of most of the model: above this many bytes the projections run
 # one by one instead (still lean, no copy)
@@ -48,6 +55,17 @@ def _plain_linear(module) -> bool:
             and w.dtype == torch.float32 and w.device.type == "cpu" and w.layout == torch.strided)
 
 
+def _projection_unsupported(module) -> str | None:
+    """Why a projection (plain, or PEFT LoRA over a plain one) cannot run in the fast step (None: it can)."""
+    if is_lora(module):
+        reason = unsupported_lora(module)
+        if reason is not None:
+            return reason
+    if not _plain_linear(base_linear(module)):
+        return "a projection is not a plain float32 nn.Linear without bias (quantized, sharded, bias)"
+    return None
+
+
 def _no_hooks(model: torch.nn.Module) -> bool:
     from torch.nn.modules import module as nn_module
 
@@ -57,38 +75,57 @@ def _no_hooks(model: torch.nn.Module) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def _llama(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str | None]:
+    """(the ``LlamaForCausalLM`` the decode step computes, None), or (None, why there is none): ``model`` itself or
+    the one a PEFT LoRA model wraps."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import LoraModel
+    except ImportError:  # pragma: no cover - without PEFT no model is wrapped
+        PeftModel = LoraModel = None
+    if PeftModel is not None and isinstance(model, PeftModel):
+        if type(model.base_model) is not LoraModel:
+            return None, f"a PEFT {type(model.base_model).__name__} model (only LoRA adapters run in the fast step)"
+        model = model.base_model.model
+    return model, None
+
+
 def unsupported(model: torch.nn.Module) -> str | None:
     """Why :class:`FastDecode` does not apply to ``model`` (None: it does). Autocast is checked per call."""
     try:
         from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaModel, LlamaRMSNorm
     except ImportError:  # pragma: no cover - transformers without Llama
         return "transformers has no Llama"
-    if type(model) is not LlamaForCausalLM or type(getattr(model, "model", None)) is not LlamaModel:
-        return f"{type(model).__name__} is not a plain LlamaForCausalLM"
-    config = model.config
+    llama, reason = _llama(model)
+    if reason is not None:
+        return reason
+    if type(llama) is not LlamaForCausalLM or type(getattr(llama, "model", None)) is not LlamaModel:
+        return f"{type(llama).__name__} is not a plain LlamaForCausalLM"
+    config = llama.config
     if getattr(config, "_attn_implementation", None) != CPU_ATTENTION:
         return "attention is not masrl's CPU decode attention"
-    if model.training:
+    if model.training or llama.training:
         return "model in training mode"
     if getattr(config, "hidden_act", None) != "silu":
         return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
-    inner = model.model
+    inner = llama.model
     if len(inner.layers) != config.num_hidden_layers:
         return "layer count differs from the config"
     embed = inner.embed_tokens
     if type(embed) is not torch.nn.Embedding or embed.max_norm is not None or embed.weight.dtype != torch.float32:
         return "embeddings are not a plain float32 nn.Embedding"
-    if not _plain_linear(model.lm_head):
-        return "LM head is not a plain float32 nn.Linear without bias"
+    if _projection_unsupported(llama.lm_head) is not None:
+        return f"LM head: {_projection_unsupported(llama.lm_head)}"
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(type(n) is not LlamaRMSNorm or n.weight.dtype != torch.float32 for n in norms):
         return "a norm is not a float32 LlamaRMSNorm"
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
-        if not all(_plain_linear(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                              m.down_proj)):
-            return "a projection is not a plain float32 nn.Linear without bias (LoRA, quantized, sharded, bias)"
-        if a.q_proj.out_features % a.head_dim or a.k_proj.out_features % a.head_dim or a.head_dim % 2:
+        for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            reason = _projection_unsupported(proj)
+            if reason is not None:
+                return reason
+        if a.head_dim % 2 or any(base_linear(p).out_features % a.head_dim for p in (a.q_proj, a.k_proj)):
             return "head sizes do not divide the projections"
     if not _no_hooks(model):
         return "the model has forward hooks"
@@ -96,52 +133,88 @@ def unsupported(model: torch.nn.Module) -> str | None:
 
 
 class FastDecode:
-    """Decode steps of one ``LlamaForCausalLM`` from its current weights (see the module docstring).
+    """Decode steps of one ``LlamaForCausalLM`` (or a PEFT LoRA model over one) from its current weights (see the
+    module docstring).
 
-    Build it with :meth:`for_model` at the start of an engine call: the stacked weights are remade only when a
-    weight changed (its version counter or storage)."""
+    Build it with :meth:`for_model` at the start of an engine call: the stacked base weights are remade only when
+    a base weight changed (its version counter or storage), the stacked adapters when an adapter weight or the
+    active adapters changed."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, previous: "FastDecode | None" = None):
         self.model = model
-        self.key = self._weights_key(model)
-        inner = model.model
-        stacked = sum(layer.self_attn.q_proj.weight.numel() + layer.self_attn.k_proj.weight.numel()
-                      + layer.self_attn.v_proj.weight.numel() + layer.mlp.gate_proj.weight.numel()
-                      + layer.mlp.up_proj.weight.numel() for layer in inner.layers) * 4
-        self.stacked = stacked <= STACK_MAX_BYTES
-        self.layers = []
-        with torch.no_grad():
-            for layer in inner.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv = tuple(w.detach() for w in (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-                gate_up = tuple(w.detach() for w in (m.gate_proj.weight, m.up_proj.weight))
-                if self.stacked:  # one matrix product each (a stacked tensor instead of a tuple)
-                    qkv, gate_up = torch.cat(qkv), torch.cat(gate_up)
-                self.layers.append(dict(
-                    norm1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
-                    qkv=qkv, n_q=a.q_proj.out_features, n_kv=a.k_proj.out_features, head_dim=a.head_dim,
-                    scaling=a.scaling, o=a.o_proj.weight.detach(),
-                    norm2=(layer.post_attention_layernorm.weight.detach(),
-                           layer.post_attention_layernorm.variance_epsilon),
-                    gate_up=gate_up, n_inner=m.gate_proj.out_features, down=m.down_proj.weight.detach()))
+        self.llama = _llama(model)[0]
+        self.base_key, self.lora_key = self._weights_key(model)
+        inner = self.llama.model
+        if previous is not None and previous.model is model and previous.base_key == self.base_key:
+            self.stacked, self.layers = previous.stacked, previous.layers  # only the adapters changed
+        else:
+            self.stacked, self.layers = self._base_layers(inner.layers)
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.embed = inner.embed_tokens.weight.detach()
-        self.head = model.lm_head.weight.detach()
+        self.head = base_linear(self.llama.lm_head).weight.detach()
         self.hidden = inner.embed_tokens.embedding_dim
+        self._lora_groups(inner.layers)
 
     @staticmethod
-    def _weights_key(model: torch.nn.Module) -> tuple:
-        return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    def _base_layers(layers) -> tuple[bool, list[dict]]:
+        """(stacked, per layer: the base weights the step reads, q/k/v and gate/up stacked when ``stacked``)."""
+        def weight(module):
+            return base_linear(module).weight.detach()
+
+        size = sum(weight(p).numel() for layer in layers for p in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+            layer.mlp.up_proj)) * 4
+        stacked, out = size <= STACK_MAX_BYTES, []
+        with torch.no_grad():
+            for layer in layers:
+                a, m = layer.self_attn, layer.mlp
+                qkv = tuple(weight(p) for p in (a.q_proj, a.k_proj, a.v_proj))
+                gate_up = tuple(weight(p) for p in (m.gate_proj, m.up_proj))
+                if stacked:  # one matrix product each (a stacked tensor instead of a tuple)
+                    qkv, gate_up = torch.cat(qkv), torch.cat(gate_up)
+                out.append(dict(
+                    norm1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
+                    qkv=qkv, n_q=weight(a.q_proj).shape[0],
+                    n_kv=weight(a.k_proj).shape[0], head_dim=a.head_dim, scaling=a.scaling, o=weight(a.o_proj),
+                    norm2=(layer.post_attention_layernorm.weight.detach(),
+                           layer.post_attention_layernorm.variance_epsilon),
+                    gate_up=gate_up, n_inner=weight(m.gate_proj).shape[0], down=weight(m.down_proj)))
+        return stacked, out
+
+    def _lora_groups(self, layers) -> None:
+        """Per layer the stacked adapters of q/k/v, o, gate/up and down (None where no projection carries one),
+        those of the LM head, and the distinct block layouts (their per-row scales are made once per routing)."""
+        self.loras = [dict(qkv=LoraGroup.of([a.q_proj, a.k_proj, a.v_proj]), o=LoraGroup.of([a.o_proj]),
+                           gate_up=LoraGroup.of([m.gate_proj, m.up_proj]), down=LoraGroup.of([m.down_proj]))
+                      for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]
+        self.head_lora = LoraGroup.of([self.llama.lm_head])
+        slots: dict[tuple, int] = {}
+        for group in [g for groups in self.loras for g in groups.values()] + [self.head_lora]:
+            if group is not None:
+                group.slot = slots.setdefault(group.layout, len(slots))
+        self.layouts = list(slots)
+        self._routes: tuple | None = None
+        self._scales = [row_scales(layout, None) for layout in self.layouts]
+
+    @staticmethod
+    def _weights_key(model: torch.nn.Module) -> tuple[tuple, tuple]:
+        """(base weights' key, adapters' key): storage and version of every weight, and which adapters are on."""
+        base, lora = [], []
+        for name, p in model.named_parameters():
+            (lora if ".lora_" in name else base).append((p.data_ptr(), p._version))
+        lora.extend((m.disable_adapters, tuple(m.active_adapters)) for m in model.modules() if is_lora(m))
+        return tuple(base), tuple(lora)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None) -> "FastDecode | None":
-        """A :class:`FastDecode` for ``model`` (``previous`` reused when its weights are unchanged), or None when
-        it does not apply (:func:`unsupported`) or autocast is on."""
+        """A :class:`FastDecode` for ``model`` (``previous`` reused when its weights are unchanged, its stacked base
+        weights when only adapters changed), or None when it does not apply (:func:`unsupported`) or autocast is on."""
         if torch.is_autocast_enabled("cpu") or unsupported(model) is not None:
             return None
-        if previous is not None and previous.model is model and previous.key == cls._weights_key(model):
+        if previous is not None and previous.model is model and (previous.base_key, previous.lora_key) == \
+                cls._weights_key(model):
             return previous
-        return cls(model)
+        return cls(model, previous)
 
     @staticmethod
     def _project(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -149,30 +222,51 @@ class FastDecode:
             return F.linear(x, weights)
         return torch.cat([F.linear(x, w) for w in weights], -1)
 
-    def step(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def _row_scales(self, routes: Sequence[str | None] | None) -> list:
+        """Per block layout, the per-row adapter scales for ``routes`` (made when the routing changes)."""
+        key = None if routes is None else tuple(routes)
+        if key != self._routes:
+            self._routes, self._scales = key, [row_scales(layout, key) for layout in self.layouts]
+        return self._scales
+
+    @staticmethod
+    def _lora(y: torch.Tensor, x: torch.Tensor, group: LoraGroup | None, scales: list) -> torch.Tensor:
+        """``y`` (a projection group's base output for ``x``) plus each row's adapter delta, as PEFT adds it."""
+        if group is None or scales[group.slot] is None:
+            return y
+        return y + group.delta(x, scales[group.slot])
+
+    def step(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
+             routes: Sequence[str | None] | None = None) -> torch.Tensor:
         """One decode step: ``ids`` ``[batch]`` (the tokens fed), ``mask`` ``[batch, length]`` (1 = attend; the
         cache's filled positions + this one), ``positions`` ``[batch]``; writes this step's keys/values into
-        ``cache`` and returns the next-token logits ``[batch, vocab]``."""
+        ``cache`` and returns the next-token logits ``[batch, vocab]``. ``routes``: row ``i`` decodes with LoRA
+        adapter ``routes[i]`` (None: the base model), as inside ``masrl.models.lora.mixed_adapters``; without it
+        every row gets PEFT's own forward (the active adapters)."""
         batch, hidden = ids.shape[0], self.hidden
+        scales, lora = self._row_scales(routes), self._lora
         h = F.embedding(ids, self.embed)
-        cos, sin = self.model.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim]
+        cos, sin = self.llama.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim]
         # padding as an additive mask, made once per step: adding 0 / -inf is what masked_fill does, bitwise
         padded = mask == 0
         additive = (torch.zeros(padded.shape, dtype=h.dtype).masked_fill_(padded, float("-inf"))[:, None, None, :]
                     if bool(padded.any()) else None)
-        for layer, cache_layer in zip(self.layers, cache.layers):
+        for layer, groups, cache_layer in zip(self.layers, self.loras, cache.layers):
             dim, n_q, n_kv = layer["head_dim"], layer["n_q"], layer["n_kv"]
             q_heads, kv_heads = n_q // dim, n_kv // dim
             x = F.rms_norm(h, (hidden,), *layer["norm1"])
-            qkv = self._project(x, layer["qkv"])
+            qkv = lora(self._project(x, layer["qkv"]), x, groups["qkv"], scales)
             qk = qkv[:, :n_q + n_kv].view(batch, q_heads + kv_heads, dim)
             half = dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotate_half
             keys, values = cache_layer.update(qk[:, q_heads:, None, :], qkv[:, n_q + n_kv:].view(batch, kv_heads, 1, dim))
             attn = grouped_decode_attention(qk[:, :q_heads, None, :], keys, values, additive, layer["scaling"])
-            h = h + F.linear(attn.view(batch, n_q), layer["o"])
+            attn = attn.view(batch, n_q)
+            h = h + lora(F.linear(attn, layer["o"]), attn, groups["o"], scales)
             x = F.rms_norm(h, (hidden,), *layer["norm2"])
-            gate_up = self._project(x, layer["gate_up"])
+            gate_up = lora(self._project(x, layer["gate_up"]), x, groups["gate_up"], scales)
             n = layer["n_inner"]
-            h = h + F.linear(F.silu(gate_up[:, :n]) * gate_up[:, n:], layer["down"])
-        return F.linear(F.rms_norm(h, (hidden,), *self.norm), self.head)
+            inner = F.silu(gate_up[:, :n]) * gate_up[:, n:]
+            h = h + lora(F.linear(inner, layer["down"]), inner, groups["down"], scales)
+        x = F.rms_norm(h, (hidden,), *self.norm)
+        return lora(F.linear(x, self.head), x, self.head_lora, scales)
