@@ -208,7 +208,8 @@ def test_steps_aside_where_peft_computes_something_else(tok):
         model.base_model.model.model.layers[1].self_attn.q_proj.merge(adapter_names=["Solver"])
         assert "merged" in unsupported(model)
     cases = {"embeddings": dict(target_modules=["embed_tokens", "q_proj"]),
-             "without bias": dict(target_modules=["q_proj"], lora_bias=True)}
+             "without bias": dict(target_modules=["q_proj"], lora_bias=True),
+             "LM head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"])}
     for reason, config in cases.items():
         other = _lora_model(tok, "mha", {"Solver": dict(r=4, lora_alpha=8, **config)})
         with cpu_attention(other):
