@@ -2,13 +2,13 @@
 
 Per step (MHA and GQA tiny Llama configs, stacked and one-by-one base projections, left padding): the rows of one
 batch decode with different adapters (different ranks, scalings, rsLoRA and target modules, the LM head included)
-or none, in one pass; each row's logits and keys/values are within 1e-6 (relative to the largest entry of the
-tensor, and at least absolute) of PEFT's forward with that row's adapter
-active (the base model for a row with none). A swapped adapter or a wrong scale is caught by that comparison.
+or none, in one pass; each row's logits and keys/values are within 1e-6 of PEFT's forward with that row's adapter
+active (the base model for a row with none), relative to the tensor's largest entry (absolute below 1). A swapped
+adapter or a wrong scale is caught by that comparison.
 Without a routing the step is PEFT's forward with its active adapter (or none, adapters disabled). Through the
 engine (sampled at temperature 1, prefix reuse, compaction, continuous batching): the same tokens as transformers'
-forward with masrl's routing, the fast step really used. Merged adapters, DoRA, LoRA on embeddings and LoRA biases
-keep PEFT's forward.
+forward with masrl's routing, the fast step really used. Merged adapters, DoRA, LoRA on embeddings, LoRA biases
+and ``modules_to_save`` keep PEFT's forward.
 """
 import importlib.util
 
