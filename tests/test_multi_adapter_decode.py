@@ -1,6 +1,6 @@
 """Per-row LoRA adapters in the fast decode step (masrl.models.lora_decode) give PEFT's own forward.
 
-Per step (MHA and GQA tiny Llama configs, stacked and one-by-one base projections, left padding): the rows of one
+Per step (MHA and GQA tiny Llama configs, a tiny Qwen2, stacked and one-by-one base projections, left padding): the rows of one
 batch decode with different adapters (different ranks, scalings, rsLoRA and target modules, the LM head included)
 or none, in one pass; each row's logits and keys/values are within 1e-6 of PEFT's forward with that row's adapter
 active (the base model for a row with none), relative to the tensor's largest entry (absolute below 1). A swapped
@@ -45,10 +45,19 @@ def tok():
     return build_char_tokenizer()
 
 
+def _base(tok, name):
+    if name != "qwen2":
+        return build_tiny_model(tok, CONFIGS[name], seed=1)
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # biased q/k/v under the adapters
+
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, tie_word_embeddings=True,
+                                        **CONFIGS["gqa"]))
+
+
 def _lora_model(tok, name, adapters=ADAPTERS, seed=3):
     """A tiny Llama with ``adapters`` whose every LoRA weight is random (B is not zero: each adapter matters)."""
-    model = peft.get_peft_model(build_tiny_model(tok, CONFIGS[name], seed=1), peft.LoraConfig(**adapters["Solver"]),
-                                adapter_name="Solver")
+    model = peft.get_peft_model(_base(tok, name), peft.LoraConfig(**adapters["Solver"]), adapter_name="Solver")
     for adapter, config in adapters.items():
         if adapter != "Solver":
             model.add_adapter(adapter, peft.LoraConfig(**config))
@@ -138,7 +147,7 @@ def _routes(rows: int):
     return [names[(3 * i + i // 4) % len(names)] for i in range(rows)]
 
 
-@pytest.mark.parametrize("name,stacked", [(name, stacked) for name in CONFIGS for stacked in (True, False)])
+@pytest.mark.parametrize("name,stacked", [(name, stacked) for name in [*CONFIGS, "qwen2"] for stacked in (True, False)])
 def test_rows_decode_with_their_adapter_as_peft_does(tok, name, stacked, monkeypatch):
     monkeypatch.setattr(fast_decode, "STACK_MAX_BYTES", fast_decode.STACK_MAX_BYTES if stacked else 0)
     model = _lora_model(tok, name)
