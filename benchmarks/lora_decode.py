@@ -44,10 +44,9 @@ def build(name: str):
         torch.manual_seed(0)
         base = LlamaForCausalLM(LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **SMOLLM2_SHAPE))
     else:
-        from masrl.models import smollm
         from masrl.models.hub import load_pretrained
 
-        base = load_pretrained(smollm.smollm2_path(), dtype="float32")
+        base, _ = load_pretrained("smollm2-135m-instruct", dtype="float32")
     model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32.0)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

