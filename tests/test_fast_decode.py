@@ -1,10 +1,10 @@
 """The lean decode step (masrl.models.fast_decode) is bitwise transformers' forward, and applies only where it should.
 
-Per step (MHA and GQA tiny Llama configs, 1-33 rows, with and without padding, stacked and one-by-one
-projections): the same logits and the same keys/values in the cache as ``model(...)`` with masrl's CPU decode
+Per step (MHA, GQA and biased tiny Llama configs, tiny Qwen2 and Qwen3 configs, 1-33 rows, with and without padding,
+stacked and one-by-one projections): the same logits and the same keys/values in the cache as ``model(...)`` with masrl's CPU decode
 attention. Through the engine (sampled at temperature 1, prefix reuse, finished rows compacted, continuous
 batching): the same tokens and log-probs with ``fast_decode`` on and off, the fast step really used. It steps
-aside for autocast, LoRA (PEFT), hooks, biases, training mode and other architectures, and rebuilds its stacked
+aside for autocast, LoRA variants (DoRA), hooks, sliding windows, training mode and other architectures, and rebuilds its stacked
 weights after an in-place update.
 """
 import pytest
@@ -22,7 +22,17 @@ CONFIGS = {
             "intermediate_size": 96},
     "gqa": {"hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
             "intermediate_size": 160},
+    "biased": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 96, "attention_bias": True, "mlp_bias": True},
 }
+# transformers' Qwen2 (biased q/k/v) and Qwen3 (RMSNorm on the query and key heads, its own head size)
+QWEN = {
+    "qwen2": {"hidden_size": 96, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "intermediate_size": 160},
+    "qwen3": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "head_dim": 24, "intermediate_size": 160},
+}
+ARCHITECTURES = [*CONFIGS, *QWEN]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +41,20 @@ def tok():
 
 
 def _model(tok, name, **extra):
-    return build_tiny_model(tok, {**CONFIGS[name], **extra}, seed=1).eval()
+    if name in CONFIGS:
+        return build_tiny_model(tok, {**CONFIGS[name], **extra}, seed=1).eval()
+    import transformers
+
+    prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[name]
+    config = getattr(transformers, f"{prefix}Config")(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                                      tie_word_embeddings=True, **QWEN[name], **extra)
+    torch.manual_seed(1)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
+    with torch.no_grad():  # norms that are not all ones, so that a norm left out or misplaced shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def _steps(model, rows: int, prompt: int, steps: int, padded: bool, fast: FastDecode | None):
@@ -63,7 +86,7 @@ def _steps(model, rows: int, prompt: int, steps: int, padded: bool, fast: FastDe
     return torch.stack(out_logits), [(layer._k.clone(), layer._v.clone()) for layer in cache.layers]
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.parametrize("stacked", [True, False])
 def test_step_is_bitwise_transformers_forward(tok, name, stacked, monkeypatch):
     model = _model(tok, name)
@@ -92,7 +115,7 @@ def _engine(model, tok, fast: bool) -> TransformersEngine:
                               fast_decode=fast)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", ARCHITECTURES)
 def test_engine_results_bitwise_with_and_without(tok, name, monkeypatch):
     model = _model(tok, name)
     calls = []
@@ -166,20 +189,19 @@ def test_steps_aside_where_it_is_not_bitwise(tok):
         assert "hooks" in unsupported(model)
         hook.remove()
         assert unsupported(model) is None
-    biased = _model(tok, "mha", attention_bias=True)
-    with cpu_attention(biased):
-        assert "bias" in unsupported(biased)
-    peft = pytest.importorskip("peft")
-    lora = peft.get_peft_model(_model(tok, "mha"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with cpu_attention(lora):
-        assert unsupported(lora) is not None
-        assert unsupported(lora.base_model.model) is not None  # its projections are LoRA layers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    peft = pytest.importorskip("peft")  # plain LoRA adapters run in the fast step (tests/test_multi_adapter_decode.py)
+    dora = peft.get_peft_model(_model(tok, "mha"), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True)).eval()
+    with cpu_attention(dora):
+        assert "variant" in unsupported(dora)
+    sliding = _model(tok, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with cpu_attention(sliding):
+        assert "sliding" in unsupported(sliding)
+    from transformers import MistralConfig, MistralForCausalLM
 
-    other = Qwen2ForCausalLM(Qwen2Config(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                         num_key_value_heads=2, intermediate_size=96)).eval()
+    other = MistralForCausalLM(MistralConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=96)).eval()
     with cpu_attention(other):
-        assert "LlamaForCausalLM" in unsupported(other)
+        assert "Qwen3" in unsupported(other)
 
 
 def test_engine_of_a_sharded_model_keeps_transformers_forward(tok, monkeypatch):

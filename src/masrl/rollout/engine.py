@@ -230,11 +230,14 @@ class _LiveRows:
     Finished rows may leave it (:meth:`keep`); sampling always covers every row."""
 
     def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor, batch: int, device,
-                 fast: FastDecode | None = None):
+                 fast: FastDecode | None = None, adapters: Sequence[str | None] = ()):
         self.cache, self.mask, self.pos, self.batch, self.device = cache, mask, pos, batch, device
         self.fast = fast  # decode steps without transformers' forward (masrl.models.fast_decode), or None
         self.live: torch.Tensor | None = None
         self.live_dev: torch.Tensor | None = None
+        # each row's LoRA adapter (None: the base model) while any row names one, else None (PEFT's own forward)
+        self.adapters = tuple(adapters) if any(a is not None for a in adapters) else None
+        self.routes = self.adapters  # those of the rows in the batch
 
     def should_compact(self, done: torch.Tensor) -> bool:
         """A quarter of the rows in the model's batch are done."""
@@ -248,12 +251,14 @@ class _LiveRows:
             layer.select_rows(local_dev)
         self.mask, self.pos = self.mask.index_select(0, local_dev), self.pos.index_select(0, local_dev)
         self.live, self.live_dev = keep_rows, keep_rows.to(self.device)
+        if self.adapters is not None:
+            self.routes = tuple(self.adapters[i] for i in keep_rows.tolist())
 
     def forward(self, model, feed: torch.Tensor, logits: torch.Tensor, mask_len: int) -> torch.Tensor:
         """One decode step on the rows in the batch; returns every row's next logits."""
         feed = (feed if self.live is None else feed.index_select(0, self.live)).to(self.device)
         if self.fast is not None:
-            new = self.fast.step(feed, self.mask[:, :mask_len], self.pos, self.cache)
+            new = self.fast.step(feed, self.mask[:, :mask_len], self.pos, self.cache, self.routes)
         else:
             out = model(input_ids=feed[:, None], attention_mask=self.mask[:, :mask_len],
                         position_ids=self.pos[:, None], use_cache=True, **with_cache(self.cache))
@@ -367,7 +372,8 @@ class TransformersEngine(Engine):
         before the update needs the memory; they would be repacked anyway), and the fast decoder's stacked
         weights."""
         self.clear_prefix_cache()
-        self._fast = None
+        if base_changed:  # after an adapter update the fast decoder keeps its stacked base weights
+            self._fast = None
         if base_changed and self.packed_linears is not None:
             self.packed_linears.clear()
 
@@ -448,13 +454,25 @@ class TransformersEngine(Engine):
         return self._preallocatable_ok
 
     @staticmethod
-    def _routing(model, adapters: Sequence[str | None]) -> contextlib.AbstractContextManager:
-        """Per-row LoRA adapters for the forwards inside (``mixed_adapters``), or nothing."""
-        if all(a is None for a in adapters):
+    def _routing(model, adapters: Sequence[str | None] | None) -> contextlib.AbstractContextManager:
+        """Per-row LoRA adapters for the forwards inside (``mixed_adapters``), or nothing (``adapters`` None, or
+        None for every row)."""
+        if adapters is None or all(a is None for a in adapters):
             return contextlib.nullcontext()
         from masrl.models.lora import mixed_adapters
 
         return mixed_adapters(model, list(adapters))
+
+    @staticmethod
+    def _row_routing(model, rows: "_LiveRows") -> contextlib.AbstractContextManager:
+        """The adapters of the rows in the batch (``rows.routes``; a row left with base rows only stays routed:
+        the base model, not PEFT's active adapter), or nothing when no row of the batch named one or the fast
+        decode step runs (it routes the rows itself; the prefill checked the names)."""
+        if rows.routes is None or rows.fast is not None:
+            return contextlib.nullcontext()
+        from masrl.models.lora import mixed_adapters
+
+        return mixed_adapters(model, list(rows.routes))
 
     def _decode(self, model, requests: Sequence[GenRequest]) -> list[GenResult]:
         """Lay out the prompts, prefill them (reusing stored prefixes), then sample until every row is done."""
@@ -531,7 +549,8 @@ class TransformersEngine(Engine):
         next_pos = next_pos.to(device)
         # the mask for prompt + every decode step, allocated once (sliced per step)
         full_mask = torch.cat([attention, torch.ones((batch, max_new), dtype=attention.dtype)], 1).to(device)
-        return cache, logits, _LiveRows(cache, full_mask, next_pos, batch, device, self._fast_decoder(model, cache))
+        return cache, logits, _LiveRows(cache, full_mask, next_pos, batch, device, self._fast_decoder(model, cache),
+                                        layout.adapters)
 
     def _fast_decoder(self, model, cache) -> FastDecode | None:
         """The lean decode step for ``model`` writing into ``cache`` (:mod:`masrl.models.fast_decode`), or None
@@ -556,10 +575,7 @@ class TransformersEngine(Engine):
             gone = done.clone() if live is None else torch.zeros(batch, dtype=torch.bool).index_fill_(0, live, True) & done
             self._store_rows(store, rows.cache, gone.nonzero().squeeze(1).tolist(), live, layout, state)
         rows.keep(local, keep_rows)
-        if any(a is not None for a in layout.adapters):  # route the remaining rows (even if all base)
-            from masrl.models.lora import mixed_adapters
-
-            routing.enter_context(mixed_adapters(model, [layout.adapters[i] for i in rows.live.tolist()]))
+        routing.enter_context(self._row_routing(model, rows))
 
     def _prefill(self, model, cache, input_ids, attention, positions, uniq, suffix, prefix_width: int,
                  chunked: bool):
@@ -780,8 +796,7 @@ class TransformersEngine(Engine):
                 and rows.should_compact(state.done):
             with contextlib.ExitStack() as routing:  # the routing _compact installs is entered again below
                 self._compact(model, rows, state, layout, store, routing)
-        live = range(len(seg.entries)) if rows.live is None else rows.live.tolist()
-        with self._routing(model, [layout.adapters[i] for i in live]):
+        with self._row_routing(model, rows):
             seg.logits = rows.forward(model, state.feed(), seg.logits, layout.width + seg.step + 1)
         seg.step += 1
         return finished
