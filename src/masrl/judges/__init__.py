@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from masrl.judges.config import JudgeOptions, RewardModelOptions, parse_options
+from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template, RewardModelOptions, parse_options
 from masrl.judges.judge import JudgeReward
 from masrl.judges.reward_model import RewardModelReward
 from masrl.judges.stats import JudgeFailedError
@@ -37,6 +37,7 @@ def build_judge(options: Mapping[str, Any], params: Mapping[str, Any]) -> JudgeR
     key = _key("judge", options)
     if key not in _BUILT:
         opts = parse_options(JudgeOptions, options, "judge")
+        check_template(opts.template or DEFAULT_TEMPLATES[opts.verdict], opts.verdict, "judge")  # before loading
         if opts.remote is not None:
             from masrl.judges.remote import RemoteJudge
 
