@@ -127,19 +127,23 @@ def test_team_finish_defers_to_one_batch_after_the_rollout():
 
     async def flow(task, team):
         turn = await team.call("Writer", task.question)
-        mid = team.score(turn.text)  # mid-episode: the per-call path
-        return team.finish(answer=turn.text, mid=mid["reward"])
+        mid = team.score(turn.text + " (draft)") if team.params.get("mid") else {}  # mid-episode: the per-call path
+        return team.finish(answer=turn.text, mid=mid.get("reward"))
 
     async def call(agent, prompt):
         return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
 
-    judge, backend = make_judge(lambda p: "yes", verdict="yes_no")
     spec = WorkflowSpec("w", flow, ("Writer",), {})
-    episodes = run_episodes(spec, [TASK, Task("t2", "What is 3+3?", "6")], [0, 1], call=call,
-                            scheduler=RolloutScheduler({}), score=judge, prompts={}, params={}, format_penalty=0.0)
-    assert [e.reward for e in episodes] == [1.0, 1.0] and all(e.info["mid"] == 1.0 for e in episodes)
-    assert "score_pending" not in episodes[0].info and episodes[0].correct
-    assert [len(b) for b in backend.batches] == [1, 1]  # two mid-episode calls; the finals came from the cache
+    tasks = [TASK, Task("t2", "What is 3+3?", "6")]
+    for mid in (False, True):
+        judge, backend = make_judge(lambda p: "no" if "(draft)" in p else "yes", verdict="yes_no")
+        episodes = run_episodes(spec, tasks, [0, 1], call=call, scheduler=RolloutScheduler({}), score=judge,
+                                prompts={}, params={"mid": mid}, format_penalty=0.0)
+        assert [e.reward for e in episodes] == [1.0, 1.0] and episodes[0].correct
+        assert "score_pending" not in episodes[0].info
+        # the final answers of both episodes in one batch, after the mid-episode calls (one answer each)
+        assert [len(b) for b in backend.batches] == ([1, 1, 2] if mid else [2])
+        assert [e.info["mid"] for e in episodes] == ([0.0, 0.0] if mid else [None, None])
 
 
 # ----------------------------------------------------------------------------- the real engine
