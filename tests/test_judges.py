@@ -336,3 +336,35 @@ def test_bad_judge_template_in_a_config_exits_2_with_one_line():
     ok = subprocess.run([sys.executable, "-m", "masrl", "config", "show", str(example),
                          "task.params.reward.judge.model=tiny"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_step_where_every_judge_call_fails_stops_the_run(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    remote = {"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "api_key_env": "MASRL_TEST_JUDGE_KEY",
+              "retries": 0, "timeout_s": 2}
+    cfg = {"name": "judge-fails", "output_dir": str(tmp_path / "run"),
+           "task": {"name": "dataset", "params": {"train": str(data), "reward": {"judge": {"remote": remote}}}},
+           "workflow": {"name": "single"}, "agents": {"Solver": {"policy": "p", "max_new_tokens": 4}},
+           "policies": {"p": {"model": "tiny", "tiny": TINY}}, "logging": {"progress": False},
+           "trainer": {"total_steps": 1, "batch_size": 2, "group_size": 2}, "eval": {"every": 0}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**__import__("os").environ, "MASRL_TEST_JUDGE_KEY": "sk-secret-456"}
+    out = subprocess.run([sys.executable, "-m", "masrl", "train", str(path)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "every judge call of the step failed" in last and f"127.0.0.1:{port}" in last, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "sk-secret-456" not in out.stderr + out.stdout
+    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert "sk-secret-456" not in written
