@@ -190,6 +190,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
+    pytest.importorskip("httpx", reason="the remote judge needs httpx: pip install 'masrl[judge]'")
     handler = type("H", (_Handler,), {"seen": []})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -242,6 +243,14 @@ def test_remote_call_budget_counts_errors_without_stopping_a_partial_step(server
     assert sorted(r.get("reason", "ok") for r in results) == ["judge_error", "ok"]
     metrics = judge.step_metrics()
     assert metrics["judge/errors"] == 1 and metrics["judge/calls"] == 2
+
+
+def test_missing_httpx_names_the_judge_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    with pytest.raises(ImportError, match=r"pip install masrl\[judge\]"):
+        judges.build_judge({"remote": {"base_url": "http://127.0.0.1:9/v1", "model": "m2", "api_key_env": None}}, {})
 
 
 def test_remote_judge_missing_key_is_a_config_error(monkeypatch):

@@ -26,7 +26,7 @@ class RemoteJudge:
         try:
             import httpx
         except ImportError:
-            raise ImportError("a remote judge needs httpx: pip install httpx") from None
+            raise ImportError("a remote judge (task.params.reward.judge.remote) needs httpx: pip install masrl[judge]") from None
         self.opts, self.system_prompt, self.max_new_tokens = opts, system_prompt, max_new_tokens
         self.url = opts.base_url.rstrip("/") + "/chat/completions"
         self.endpoint = self.url
