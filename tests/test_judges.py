@@ -74,7 +74,8 @@ def test_unparsed_verdict_scores_zero_with_reason_and_is_counted():
     assert result["reward"] == 0.0 and result["reason"] == "judge_unparsed"
     judge2, _ = make_judge(lambda p: "Score: 42", verdict="score", scale=(1, 10))
     assert judge2(TASK, "4")["reason"] == "judge_unparsed"
-    metrics = judge.step_metrics()
+    with pytest.warns(UserWarning, match="no judge reply of the step had a verdict.*'hmm'"):
+        metrics = judge.step_metrics()
     assert metrics["judge/unparsed"] == 1 and metrics["judge/calls"] == 1 and metrics["judge/errors"] == 0
 
 

@@ -81,7 +81,7 @@ class JudgeReward:
         value = self._verdict(replies)
         shown = " | ".join((r.text or "")[:200] for r in replies)
         if value is None:
-            self.stats.unparsed += 1
+            self.stats.no_verdict(shown)
             return {"reward": 0.0, "correct": False, "reason": "judge_unparsed", "judge_output": shown}
         return {**judged(self.stats, self.check, task, answer, value, self.opts.correct_threshold),
                 "judge_output": shown}

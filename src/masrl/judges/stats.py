@@ -9,9 +9,14 @@ samples; ``judge/heldout_check`` (the rule-based check's accuracy on the same sa
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from masrl.errors import UserInputError
+
+
+class JudgeWarning(UserWarning):
+    """Every judged answer of a step had no verdict (reward 0 everywhere: check the template and verdict)."""
 
 
 class JudgeFailedError(UserInputError):
@@ -60,9 +65,14 @@ class JudgeStats:
     unparsed: int = 0
     seconds: float = 0.0
     first_error: str | None = None
+    first_unparsed: str | None = None
     rewards: list[float] = field(default_factory=list)
     lengths: list[float] = field(default_factory=list)
     checks: list[tuple[bool, bool]] = field(default_factory=list)  # (judge's correct, rule's correct)
+
+    def no_verdict(self, reply: str) -> None:
+        self.unparsed += 1
+        self.first_unparsed = reply if self.first_unparsed is None else self.first_unparsed
 
     def error(self, message: str) -> None:
         self.errors += 1
@@ -79,6 +89,10 @@ class JudgeStats:
         if self.calls and self.errors >= self.calls:
             raise JudgeFailedError(f"every judge call of the step failed ({self.errors} of {self.calls}) at "
                                    f"{self.endpoint}; first error: {self.first_error}")
+        if self.unparsed and not self.rewards:
+            warnings.warn(f"{self.endpoint}: no judge reply of the step had a verdict ({self.unparsed} answers scored 0, "
+                          f"reason judge_unparsed); first reply: {self.first_unparsed[:200]!r}; check the judge's "
+                          "template, verdict and max_new_tokens", JudgeWarning, stacklevel=2)
         out = {"judge/calls": float(self.calls), "judge/errors": float(self.errors),
                "judge/unparsed": float(self.unparsed), "perf/judge_seconds": self.seconds}
         for name, fn in (("judge/length_corr", pearson), ("judge/length_spearman", spearman)):
