@@ -14,6 +14,7 @@ from masrl.config import ConfigError, RunConfig
 
 def check_names(cfg: RunConfig) -> None:
     """Raise :class:`ConfigError` naming the key and the known names when a registry name is unknown."""
+    import masrl.judges  # noqa: F401  (registers the judge and reward-model reward kinds)
     from masrl.tasks.registry import source_loader
     from masrl.tasks.rewards import resolve_reward
     from masrl.workflows.base import get_workflow
@@ -26,8 +27,9 @@ def check_names(cfg: RunConfig) -> None:
         except ValueError as e:
             problems.append(f"{key}: {e}")
     if cfg.task.name == "dataset" and "reward" in cfg.task.params:
+        reward = cfg.task.params["reward"]
         try:
-            resolve_reward(str(cfg.task.params["reward"]), cfg.task.params)
+            resolve_reward(reward if isinstance(reward, dict) else str(reward), cfg.task.params)
         except ValueError as e:
             problems.append(f"task.params.reward: {e}")
     if problems:

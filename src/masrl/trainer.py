@@ -27,6 +27,7 @@ from masrl.errors import ConfigError
 from masrl.paths import check_output_dir, write_text_atomic
 from masrl.evaluation.metrics import stage_name
 from masrl.evaluation.runner import agent_facts, summarize_episodes
+from masrl.judges import judge_metrics
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.trackers import make_trackers
@@ -239,6 +240,7 @@ class Trainer:
         batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
         tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
         tokens_before = self.scheduler.stats.generated_tokens
+        judge_metrics(self.source.score)  # the judge's counters start afresh (an evaluation may have used it)
         try:
             episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2),
                                     where=f"step {self.step + 1}")
@@ -248,6 +250,7 @@ class Trainer:
             raise
         self.runtime.phase_end()
         t_rollout = time.perf_counter() - t0
+        judged = judge_metrics(self.source.score)  # judge/* metrics; stops the run when every judge call failed
         turns, keys, scores = self.score_turns(episodes)
         advantages = self.advantages(turns, keys, scores)
         t1 = time.perf_counter()
@@ -263,6 +266,9 @@ class Trainer:
                         "perf/rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
                         "perf/train_tokens_per_s": trained / max(t_update, 1e-9),
                         "perf/rss_mib": _rss_mib()})
+        if judged:  # the judge scores inside the rollout: its share of the step
+            metrics.update(judged)
+            metrics["perf/judge_share"] = judged["perf/judge_seconds"] / max(metrics["perf/step_seconds"], 1e-9)
         return metrics
 
     def fit(self, resume: bool = False, overwrite: bool = False) -> dict:

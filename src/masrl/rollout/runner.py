@@ -10,6 +10,7 @@ from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tools.chat_format import same_vocabulary
 from masrl.types import Episode, Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
+from masrl.workflows.batch_score import score_pending, scores_in_batches
 
 
 def repeat_tasks(tasks: Sequence[Task], n: int) -> tuple[list[Task], list[int]]:
@@ -106,13 +107,21 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
             on_turn(turn)
             return turn
 
+    defer = scores_in_batches(score)  # a judge: every final answer scored in one batch after the rollout
+
     async def one(index: int, task: Task) -> Episode:
-        team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty)
+        team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty,
+                    defer_score=defer)
         episode = await spec.fn(task, team)
         episode.group_id = group_ids[index]
         episode.episode_id = index
-        if on_episode is not None:
+        if on_episode is not None and not defer:
             on_episode(episode)
         return episode
 
-    return scheduler.run([one(i, t) for i, t in enumerate(tasks)])
+    episodes = scheduler.run([one(i, t) for i, t in enumerate(tasks)])
+    if defer:
+        score_pending(episodes, score)
+        for episode in episodes if on_episode is not None else ():
+            on_episode(episode)
+    return episodes

@@ -8,6 +8,7 @@
         format: jsonl                    # jsonl | json | parquet | hf (default: from the suffix / hf: prefix)
         fields: {question: problem, answer: solution}   # dotted paths reach nested fields (a.b.c)
         reward: math                     # math | qa_em | qa_f1 | code | pkg.module:function | file.py:function
+                                         # | {judge: {...}} | {model: {...}} (docs/training.md)
 
 The gold answer is converted for the reward: ``math`` keeps the text after the last ``####``
 (GSM8K style) and normalises numbers; ``qa_*`` takes a string or a list of gold strings; ``code``
@@ -171,7 +172,7 @@ def load_rows_as_tasks(source: str, *, fields: dict, reward: str, fmt: str | Non
 def dataset_source(cfg: TaskConfig, sft_teacher: dict):
     """The ``dataset`` task source (see the module docstring)."""
     from masrl.tasks.source import TaskSource
-    from masrl.tasks.rewards import resolve_reward
+    from masrl.tasks.rewards import resolve_reward, reward_kind
 
     params = cfg.params
     unknown = sorted(set(params) - _KNOWN_PARAMS)
@@ -185,7 +186,7 @@ def dataset_source(cfg: TaskConfig, sft_teacher: dict):
                          f"names, got {fields!r}")
     reward = params.get("reward", "math")
     score = resolve_reward(reward, params, cfg.reward_timeout_s)
-    kind = reward if ":" not in reward else "user"
+    kind = reward_kind(reward)
     kw = dict(fields=fields, reward=kind, fmt=params.get("format"), strict=cfg.strict)
     train = load_rows_as_tasks(params["train"], limit=cfg.train_limit, **kw)
     return TaskSource("dataset", train, _test_split(params.get("test"), cfg, kw), score)

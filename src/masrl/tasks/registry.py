@@ -53,15 +53,28 @@ def _qa_score(cfg: TaskConfig):
     return partial(qa_score, metric=cfg.params.get("reward_metric", "em"))
 
 
+def _configured_score(cfg: TaskConfig, default: Callable[[TaskConfig], object]):
+    """``task.params.reward`` when it is a mapping (``{judge: ...}``, ``{model: ...}``), else the task's own."""
+    reward = cfg.params.get("reward")
+    if reward is None:
+        return default(cfg)
+    if not isinstance(reward, dict):
+        raise ConfigError(f"task {cfg.name!r}: task.params.reward must be a mapping ({{judge: ...}} or "
+                          f"{{model: ...}}), got {reward!r}")
+    from masrl.tasks.rewards import resolve_reward  # the kinds are registered by masrl.judges (check_run)
+
+    return resolve_reward(reward, cfg.params)
+
+
 def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
 
-    params = {k: v for k, v in cfg.params.items() if k != "reward_metric"}
+    params = {k: v for k, v in cfg.params.items() if k not in ("reward_metric", "reward")}
     seed = int(params.pop("seed", 0))
     train, _ = synthetic_kb(seed, "train", **params)
     test, _ = synthetic_kb(seed, "test", **params)
     teacher = SyntheticKBTeacher(seed, **params, **sft_teacher)
-    return TaskSource("synthetic_kb", train, test, _qa_score(cfg), teacher.reply,
+    return TaskSource("synthetic_kb", train, test, _configured_score(cfg, _qa_score), teacher.reply,
                       {"retriever": synthetic_kb_retriever(seed, **params)})
 
 

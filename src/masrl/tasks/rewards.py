@@ -37,6 +37,40 @@ from masrl.types import Episode, Task, Turn
 
 BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "code")
 DEFAULT_TIMEOUT_S = 10.0  # task.reward_timeout_s's default
+# reward kinds given as a one-key mapping ({judge: {...}}, {model: {...}}): kind -> builder(options, params) ->
+# ScoreFn. Registered by the packages that build them (masrl.judges), which sit above tasks.
+REWARD_KINDS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Any]] = {}
+
+
+def register_reward_kind(kind: str, builder: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]) -> None:
+    """``reward: {kind: {...}}`` is built by ``builder(options, task_params)``."""
+    REWARD_KINDS[kind] = builder
+
+
+def reward_kind(reward: Any) -> str:
+    """How a task's gold answers are read for ``reward``: its name, ``user`` for a user function, or the
+    ``check`` reward a judge names (else ``user``: the raw value) for a mapping."""
+    if isinstance(reward, Mapping):
+        options = next(iter(reward.values()), None) if len(reward) == 1 else None
+        check = options.get("check") if isinstance(options, Mapping) else None
+        return str(check) if check in BUILTIN_REWARDS else "user"
+    return reward if ":" not in str(reward) else "user"
+
+
+def _resolve_mapping(reward: Mapping, params: Mapping[str, Any]):
+    if len(reward) != 1:
+        raise ConfigError(f"reward {dict(reward)!r}: a reward mapping has one key, one of "
+                          f"{', '.join(sorted(REWARD_KINDS)) or 'judge, model'}")
+    (kind, options), = reward.items()
+    builder = REWARD_KINDS.get(kind)
+    if builder is None:
+        raise ConfigError(f"reward: unknown kind {kind!r}; known: {', '.join(sorted(REWARD_KINDS)) or 'none registered'}"
+                          " (judge: an LLM judge, model: a reward model; docs/training.md)")
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"reward.{kind} must be a mapping of options, got {type(options).__name__}")
+    return builder(options, params)
+
+
 _FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
 
 
@@ -157,10 +191,15 @@ class EpisodeReward:
                                            f"task {task.id!r}", self.name)
 
 
-def resolve_reward(name: str, params: Mapping[str, Any] | None = None, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+
+def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | None = None,
+                   timeout_s: float | None = DEFAULT_TIMEOUT_S):
     """The score function for reward ``name`` (see the module docstring); ``params``: ``answer_fallback``
-    (math), ``reward_mode`` (code); ``timeout_s``: the deadline of each call of a user reward."""
+    (math), ``reward_mode`` (code); ``timeout_s``: the deadline of each call of a user reward. A mapping
+    ``{judge: {...}}`` / ``{model: {...}}`` is built by its registered kind (:func:`register_reward_kind`)."""
     params = params or {}
+    if isinstance(name, Mapping):
+        return _resolve_mapping(name, params)
     if name == "math":
         from masrl.tasks.math_reward import math_score
 

@@ -149,8 +149,10 @@ class Team:
 
     def __init__(self, task: Task, spec: WorkflowSpec, call: CallFn, score: ScoreFn,
                  prompts: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None,
-                 format_penalty: float = 0.0):
+                 format_penalty: float = 0.0, defer_score: bool = False):
         self.task = task
+        # finish() leaves the final answer's score to one batch after the rollout (masrl.workflows.batch_score)
+        self.defer_score = defer_score
         self.spec = spec
         self._call = call
         self._score = never_raises(score)
@@ -205,6 +207,9 @@ class Team:
 
     def finish(self, answer: str | None, **info: Any) -> Episode:
         """Score the final answer and return the episode (team reward = task outcome)."""
+        if self.defer_score:
+            return Episode(task=self.task, turns=list(self.turns), reward=0.0, answer=answer,
+                           info={**info, "score_pending": True})
         result = self.score(answer)
         reward = float(result["reward"])
         info = {**{k: v for k, v in result.items() if k != "reward"}, **info}

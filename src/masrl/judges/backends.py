@@ -1,0 +1,70 @@
+"""Where a judge's replies come from: a frozen local model on the in-process rollout engine (one batched
+greedy generate per call), or an OpenAI-compatible endpoint (``masrl.judges.remote``).
+
+``complete(prompts)`` returns one :class:`Reply` per prompt, in order; a reply that could not be had
+carries ``error`` instead of ``text``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from masrl.config import PolicyConfig
+from masrl.judges.config import JudgeOptions
+from masrl.models.hub import ModelLoadError
+from masrl.models.loading import load_model_and_tokenizer
+from masrl.rollout.base import GenRequest
+from masrl.rollout.factory import make_engine
+
+
+@dataclass
+class Reply:
+    text: str | None
+    error: str | None = None
+
+
+def frozen_policy_config(model: str, *, tiny: dict, dtype: str, trust_remote_code: bool, init_seed: int):
+    return PolicyConfig(model=model, tiny=tiny, dtype=dtype, trust_remote_code=trust_remote_code,
+                        trainable=False, init_seed=init_seed)
+
+
+class LocalJudge:
+    """A frozen model (no gradients, never trained) generating greedily on a :class:`TransformersEngine`."""
+
+    def __init__(self, opts: JudgeOptions):
+        pcfg = frozen_policy_config(opts.model, tiny=opts.tiny, dtype=opts.dtype,
+                                    trust_remote_code=opts.trust_remote_code, init_seed=opts.init_seed)
+        try:
+            self.model, self.tokenizer = load_model_and_tokenizer(pcfg)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"task.params.reward.judge.model: {e}") from None
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.engine = make_engine(None, self.model, self.tokenizer, name="judge", policy=pcfg, seed=0,
+                                  max_batch_size=opts.max_batch_size)
+        self.system_prompt, self.max_new_tokens = opts.system_prompt, opts.max_new_tokens
+        self.endpoint = f"local judge {opts.model!r}"
+        self.room = max(int(getattr(self.model.config, "max_position_embeddings", 4096)) - opts.max_new_tokens, 1)
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt as one user message through the judge's chat template; an over-long prompt keeps its end
+        (where the answer is)."""
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+            [{"role": "user", "content": prompt}]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[-self.room:]
+
+    def new_step(self) -> None:
+        """Nothing to reset (a remote judge restarts its call budget here)."""
+
+    def complete(self, prompts: Sequence[str]) -> list[Reply]:
+        if not prompts:
+            return []
+        requests = [GenRequest(self.encode(p), temperature=0.0, max_new_tokens=self.max_new_tokens) for p in prompts]
+        with torch.no_grad():
+            results = self.engine.generate(requests)
+        self.engine.clear_prefix_cache()
+        return [Reply(self.tokenizer.decode(r.response_ids, skip_special_tokens=True)) for r in results]

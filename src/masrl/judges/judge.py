@@ -1,0 +1,93 @@
+"""An LLM judge as a task's score function: ``(task, answer) -> {"reward", "correct", ...}``.
+
+``score_batch(pairs)`` judges many answers with one batched greedy generate (the rollout scores every
+episode's final answer this way once the episodes are done; :mod:`masrl.workflows.batch_score`);
+calling the judge with one answer (``team.score`` mid-episode) is a batch of one. Replies are cached
+by prompt within a step, so the same (question, answer) is judged once.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+from masrl.judges.backends import Reply
+from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template
+from masrl.judges.stats import JudgeStats, judged
+from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
+from masrl.types import Task
+from masrl.workflows.base import render
+
+
+def reference_text(gold: Any) -> str:
+    """A task's gold answer as the judge reads it: a list of golds joined by `` or ``."""
+    if isinstance(gold, (list, tuple)):
+        return " or ".join(str(g) for g in gold)
+    return "" if gold is None else str(gold)
+
+
+class JudgeReward:
+    """The judge ``reward: {judge: {...}}`` (options: :class:`masrl.judges.config.JudgeOptions`)."""
+
+    def __init__(self, opts: JudgeOptions, backend, check: Callable | None = None):
+        self.opts, self.backend, self.check = opts, backend, check
+        self.template = check_template(opts.template or DEFAULT_TEMPLATES[opts.verdict], opts.verdict, "judge")
+        self.stats = JudgeStats(backend.endpoint)
+        self._cache: dict[str, Reply] = {}
+        self.__name__ = f"judge:{opts.verdict}"
+
+    def __call__(self, task: Task, answer: str | None) -> dict:
+        return self.score_batch([(task, answer)])[0]
+
+    def prompts(self, task: Task, answer: str) -> list[str]:
+        """One prompt (score, yes_no) or two (pairwise: the answer as A against the reference as B, then swapped)."""
+        reference = reference_text(task.answer)
+        if self.opts.verdict == "pairwise":
+            return [render(self.template, question=task.question, answer_a=answer, answer_b=reference),
+                    render(self.template, question=task.question, answer_a=reference, answer_b=answer)]
+        lo, hi = self.opts.scale
+        return [render(self.template, question=task.question, answer=answer, reference=reference,
+                       lo=f"{lo:g}", hi=f"{hi:g}")]
+
+    def score_batch(self, pairs: Sequence[tuple[Task, str | None]]) -> list[dict]:
+        start = time.perf_counter()
+        asked = [self.prompts(task, answer) if answer is not None else [] for task, answer in pairs]
+        todo = list(dict.fromkeys(p for ps in asked for p in ps if p not in self._cache))
+        size = self.opts.max_batch_size
+        for i in range(0, len(todo), size):
+            chunk = todo[i:i + size]
+            for prompt, reply in zip(chunk, self.backend.complete(chunk)):
+                self.stats.calls += 1
+                if reply.error is not None:
+                    self.stats.error(reply.error)
+                self._cache[prompt] = reply
+        results = [self._result(task, answer, [self._cache[p] for p in ps]) for (task, answer), ps in zip(pairs, asked)]
+        self.stats.seconds += time.perf_counter() - start
+        return results
+
+    def _verdict(self, replies: list[Reply]) -> float | None:
+        texts = [r.text or "" for r in replies]
+        if self.opts.verdict == "pairwise":
+            return pairwise_preference(parse_choice(texts[0]), parse_choice(texts[1]))
+        if self.opts.verdict == "yes_no":
+            return parse_yes_no(texts[0])
+        return parse_score(texts[0], *self.opts.scale)
+
+    def _result(self, task: Task, answer: str | None, replies: list[Reply]) -> dict:
+        if answer is None:
+            return {"reward": 0.0, "correct": False, "reason": "no_answer"}
+        errors = [r.error for r in replies if r.error is not None]
+        if errors:
+            return {"reward": 0.0, "correct": False, "reason": "judge_error", "detail": errors[0]}
+        value = self._verdict(replies)
+        shown = " | ".join((r.text or "")[:200] for r in replies)
+        if value is None:
+            self.stats.no_verdict(shown)
+            return {"reward": 0.0, "correct": False, "reason": "judge_unparsed", "judge_output": shown}
+        return {**judged(self.stats, self.check, task, answer, value, self.opts.correct_threshold),
+                "judge_output": shown}
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step's ``judge/*`` and ``perf/judge_seconds`` metrics; the cache and call budget start afresh."""
+        self._cache.clear()
+        self.backend.new_step()
+        return self.stats.pop()

@@ -1,0 +1,117 @@
+"""Per-step judge counters and the guards against judge hacking (length bias, a rule-based check).
+
+``judge/calls``, ``judge/errors`` (calls that got no reply: timeouts, HTTP errors, an exhausted call
+budget), ``judge/unparsed`` (replies with no verdict), ``perf/judge_seconds``; ``judge/length_corr``
+(Pearson) and ``judge/length_spearman`` of judged reward vs answer length in characters over the step's
+samples; ``judge/heldout_check`` (the rule-based check's accuracy on the same samples) and
+``judge/heldout_agreement`` (how often the judge's correct flag equals the check's).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+from masrl.errors import UserInputError
+
+
+class JudgeWarning(UserWarning):
+    """Every judged answer of a step had no verdict (reward 0 everywhere: check the template and verdict)."""
+
+
+class JudgeFailedError(UserInputError):
+    """Every judge call of a step failed: the run stops (one line naming the endpoint and the first error)."""
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """The Pearson correlation, or None with fewer than 3 points or a constant series."""
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    if sxx <= 0 or syy <= 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties given their average rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    return pearson(ranks(xs), ranks(ys)) if len(xs) >= 3 else None
+
+
+@dataclass
+class JudgeStats:
+    """What the judge did since the last :meth:`pop` (one training step)."""
+
+    endpoint: str
+    calls: int = 0
+    errors: int = 0
+    unparsed: int = 0
+    seconds: float = 0.0
+    first_error: str | None = None
+    first_unparsed: str | None = None
+    rewards: list[float] = field(default_factory=list)
+    lengths: list[float] = field(default_factory=list)
+    checks: list[tuple[bool, bool]] = field(default_factory=list)  # (judge's correct, rule's correct)
+
+    def no_verdict(self, reply: str) -> None:
+        self.unparsed += 1
+        self.first_unparsed = reply if self.first_unparsed is None else self.first_unparsed
+
+    def error(self, message: str) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or message
+
+    def sample(self, reward: float, answer: str | None, judged_correct: bool, check: bool | None) -> None:
+        self.rewards.append(reward)
+        self.lengths.append(float(len(answer or "")))
+        if check is not None:
+            self.checks.append((judged_correct, check))
+
+    def pop(self) -> dict[str, float]:
+        """The step's metrics, then reset; :class:`JudgeFailedError` when every call of the step failed."""
+        if self.calls and self.errors >= self.calls:
+            raise JudgeFailedError(f"every judge call of the step failed ({self.errors} of {self.calls}) at "
+                                   f"{self.endpoint}; first error: {self.first_error}")
+        if self.unparsed and not self.rewards:
+            warnings.warn(f"{self.endpoint}: no judge reply of the step had a verdict ({self.unparsed} answers scored 0, "
+                          f"reason judge_unparsed); first reply: {self.first_unparsed[:200]!r}; check the judge's "
+                          "template, verdict and max_new_tokens", JudgeWarning, stacklevel=2)
+        out = {"judge/calls": float(self.calls), "judge/errors": float(self.errors),
+               "judge/unparsed": float(self.unparsed), "perf/judge_seconds": self.seconds}
+        for name, fn in (("judge/length_corr", pearson), ("judge/length_spearman", spearman)):
+            value = fn(self.rewards, self.lengths)
+            if value is not None:
+                out[name] = value
+        if self.checks:
+            out["judge/heldout_check"] = sum(c for _, c in self.checks) / len(self.checks)
+            out["judge/heldout_agreement"] = sum(j == c for j, c in self.checks) / len(self.checks)
+        self.__init__(self.endpoint)
+        return out
+
+
+def judged(stats: JudgeStats, check, task, answer: str, value: float, threshold: float) -> dict:
+    """The result of a judged answer (``correct``: ``value >= threshold``), with the rule-based check's
+    ``heldout_correct`` when the judge has one; recorded in ``stats``."""
+    out = {"reward": value, "correct": value >= threshold}
+    rule = bool(check(task, answer)["correct"]) if check is not None else None
+    if rule is not None:
+        out["heldout_correct"] = rule
+    stats.sample(value, answer, out["correct"], rule)
+    return out

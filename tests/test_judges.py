@@ -1,0 +1,380 @@
+"""Rewards from an LLM judge or a reward model (masrl.judges): verdict parsing, batching, the remote judge
+against a real local HTTP server, a reward model from a tiny config, config errors at load."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import masrl.judges as judges
+from masrl.errors import ConfigError
+from masrl.judges.backends import Reply
+from masrl.judges.config import JudgeOptions
+from masrl.judges.judge import JudgeReward
+from masrl.judges.stats import JudgeFailedError, pearson, spearman
+from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
+from masrl.tasks.rewards import resolve_reward
+from masrl.types import Task
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+        "intermediate_size": 64}
+TASK = Task("t1", "What is 2+2?", "4")
+
+
+class FixedBackend:
+    """Replies from a function of the prompt; records every batch it was asked."""
+
+    endpoint = "fixed"
+
+    def __init__(self, reply):
+        self.reply, self.batches = reply, []
+
+    def new_step(self):
+        pass
+
+    def complete(self, prompts):
+        self.batches.append(list(prompts))
+        return [Reply(self.reply(p)) for p in prompts]
+
+
+def make_judge(reply, **options) -> tuple[JudgeReward, FixedBackend]:
+    backend = FixedBackend(reply)
+    opts = JudgeOptions(model="tiny", **options)
+    check = resolve_reward(opts.check) if opts.check else None
+    return JudgeReward(opts, backend, check), backend
+
+
+# ----------------------------------------------------------------------------- parsing
+
+def test_score_parser_maps_the_stated_scale_and_rejects_out_of_range():
+    assert parse_score("Score: 7", 1, 10) == pytest.approx(6 / 9)
+    assert parse_score("I think 3 of 5. Rating = 5", 1, 5) == 1.0  # the labelled number wins
+    assert parse_score("10", 0, 10) == 1.0 and parse_score("0", 0, 10) == 0.0
+    assert parse_score("Score: 11", 1, 10) is None
+    assert parse_score("no number here", 1, 10) is None
+
+
+def test_yes_no_and_pairwise_parsers():
+    assert parse_yes_no("Yes, it is right") == 1.0 and parse_yes_no("no.") == 0.0
+    assert parse_yes_no("nothing") is None and parse_yes_no("yesterday") is None
+    assert parse_choice("[[B]] is better") == "B" and parse_choice("Answer A wins") == "A"
+    assert parse_choice("[[tie]]") == "tie" and parse_choice("neither") is None
+    assert pairwise_preference("A", "B") == 1.0  # preferred in both orders
+    assert pairwise_preference("A", "A") == 0.5  # a judge that always picks A: position bias cancels
+    assert pairwise_preference("B", "A") == 0.0 and pairwise_preference("A", None) is None
+
+
+def test_unparsed_verdict_scores_zero_with_reason_and_is_counted():
+    judge, _ = make_judge(lambda p: "hmm", verdict="score")
+    result = judge(TASK, "4")
+    assert result["reward"] == 0.0 and result["reason"] == "judge_unparsed"
+    judge2, _ = make_judge(lambda p: "Score: 42", verdict="score", scale=(1, 10))
+    assert judge2(TASK, "4")["reason"] == "judge_unparsed"
+    with pytest.warns(UserWarning, match="no judge reply of the step had a verdict.*'hmm'"):
+        metrics = judge.step_metrics()
+    assert metrics["judge/unparsed"] == 1 and metrics["judge/calls"] == 1 and metrics["judge/errors"] == 0
+
+
+def test_pairwise_scores_both_orders_against_the_reference():
+    # this judge always prefers the position A: averaged over both orders the answer gets 0.5
+    judge, backend = make_judge(lambda p: "[[A]]", verdict="pairwise")
+    assert judge(TASK, "5")["reward"] == 0.5
+    prompts = backend.batches[0]
+    assert len(prompts) == 2 and prompts[0].index("5") < prompts[0].index("4") and \
+        prompts[1].index("4") < prompts[1].index("5")
+    # a judge that prefers the text "4" wherever it stands
+    def prefers_four(p):
+        a = p.split("Answer A: ")[1].split("\n")[0]
+        return "[[A]]" if a == "4" else "[[B]]"
+    judge, _ = make_judge(prefers_four, verdict="pairwise")
+    assert judge(TASK, "4")["reward"] == 0.5  # the answer equals the reference: A in both orders
+    assert judge(TASK, "5")["reward"] == 0.0
+
+
+# ----------------------------------------------------------------------------- batching, cache, guards
+
+def test_score_batch_is_one_call_with_a_cache_and_matches_one_by_one():
+    judge, backend = make_judge(lambda p: "yes" if "Answer: 4" in p else "no", verdict="yes_no", check="qa_em")
+    pairs = [(TASK, "4"), (TASK, "5"), (TASK, "4"), (TASK, None)]
+    batch = judge.score_batch(pairs)
+    assert len(backend.batches) == 1 and len(backend.batches[0]) == 2  # the repeated answer judged once
+    assert [r["reward"] for r in batch] == [1.0, 0.0, 1.0, 0.0] and batch[3]["reason"] == "no_answer"
+    assert batch[0]["heldout_correct"] is True and batch[1]["heldout_correct"] is False
+    fresh, _ = make_judge(lambda p: "yes" if "Answer: 4" in p else "no", verdict="yes_no")
+    assert [fresh(t, a)["reward"] for t, a in pairs] == [r["reward"] for r in batch]
+    metrics = judge.step_metrics()
+    assert metrics["judge/heldout_check"] == 2 / 3 and metrics["judge/heldout_agreement"] == 1.0
+    assert judge.step_metrics()["judge/calls"] == 0  # counters start afresh each step
+
+
+def test_length_correlation_reported():
+    judge, _ = make_judge(lambda p: f"Score: {min(len(p.split('Answer: ')[1].split(chr(10))[0]), 10)}",
+                          verdict="score", scale=(0, 10))
+    judge.score_batch([(TASK, "x" * n) for n in (1, 3, 5, 8)])
+    metrics = judge.step_metrics()
+    assert metrics["judge/length_corr"] == pytest.approx(1.0) and metrics["judge/length_spearman"] == pytest.approx(1.0)
+    assert pearson([1, 2], [1, 2]) is None and spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_team_finish_defers_to_one_batch_after_the_rollout():
+    from masrl.rollout.runner import run_episodes
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.types import Turn
+    from masrl.workflows.base import WorkflowSpec
+
+    async def flow(task, team):
+        turn = await team.call("Writer", task.question)
+        mid = team.score(turn.text + " (draft)") if team.params.get("mid") else {}  # mid-episode: the per-call path
+        return team.finish(answer=turn.text, mid=mid.get("reward"))
+
+    async def call(agent, prompt):
+        return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
+
+    spec = WorkflowSpec("w", flow, ("Writer",), {})
+    tasks = [TASK, Task("t2", "What is 3+3?", "6")]
+    for mid in (False, True):
+        judge, backend = make_judge(lambda p: "no" if "(draft)" in p else "yes", verdict="yes_no")
+        episodes = run_episodes(spec, tasks, [0, 1], call=call, scheduler=RolloutScheduler({}), score=judge,
+                                prompts={}, params={"mid": mid}, format_penalty=0.0)
+        assert [e.reward for e in episodes] == [1.0, 1.0] and episodes[0].correct
+        assert "score_pending" not in episodes[0].info
+        # the final answers of both episodes in one batch, after the mid-episode calls (one answer each)
+        assert [len(b) for b in backend.batches] == ([1, 1, 2] if mid else [2])
+        assert [e.info["mid"] for e in episodes] == ([0.0, 0.0] if mid else [None, None])
+
+
+# ----------------------------------------------------------------------------- the real engine
+
+def test_local_tiny_judge_is_greedy_deterministic_and_batch_equals_one_by_one():
+    opts = {"model": "tiny", "tiny": TINY, "verdict": "score", "max_new_tokens": 6, "init_seed": 3}
+    judge = judges.build_judge(opts, {})
+    answers = ["4", "five", "22", "four or 5"]
+    prompts = [judge.prompts(TASK, a)[0] for a in answers]
+    batch = [r.text for r in judge.backend.complete(prompts)]
+    single = [judge.backend.complete([p])[0].text for p in prompts]
+    assert batch == single and all(len(t) > 0 for t in batch)
+    assert [r.text for r in judge.backend.complete(prompts)] == batch
+    assert not any(p.requires_grad for p in judge.backend.model.parameters())
+    assert judges.build_judge(opts, {}) is judge  # the config check and the run share one judge
+
+
+# ----------------------------------------------------------------------------- remote judge
+
+class _Handler(BaseHTTPRequestHandler):
+    mode = "ok"
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append((self.headers.get("Authorization"), body))
+        if self.mode == "slow":
+            time.sleep(1.0)
+        text = ("not json at all" if self.mode == "garbage" else
+                json.dumps({"choices": [{"message": {"content": "yes"}}]}))
+        data = text.encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    pytest.importorskip("httpx", reason="the remote judge needs httpx: pip install 'masrl[judge]'")
+    handler = type("H", (_Handler,), {"seen": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd, handler
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def _remote_judge(httpd, monkeypatch, **remote):
+    monkeypatch.setenv("MASRL_TEST_JUDGE_KEY", "sk-secret-123")
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    return judges.build_judge({"remote": {"base_url": url, "model": "judge-1", "api_key_env": "MASRL_TEST_JUDGE_KEY",
+                                          **remote}, "verdict": "yes_no"}, {})
+
+
+def test_remote_judge_success_sends_the_key_only_in_the_header(server, monkeypatch, caplog):
+    httpd, handler = server
+    caplog.set_level(logging.DEBUG)
+    judge = _remote_judge(httpd, monkeypatch)
+    results = judge.score_batch([(TASK, "4"), (TASK, "5")])
+    assert [r["reward"] for r in results] == [1.0, 1.0]
+    assert {h for h, _ in handler.seen} == {"Bearer sk-secret-123"}
+    assert handler.seen[0][1]["temperature"] == 0.0 and handler.seen[0][1]["model"] == "judge-1"
+    assert judge.step_metrics()["judge/calls"] == 2
+    assert "sk-secret-123" not in caplog.text + repr(judge.opts) + repr(results)
+
+
+def test_remote_judge_timeout_and_garbage_are_errors_and_stop_the_step(server, monkeypatch):
+    httpd, handler = server
+    handler.mode = "slow"
+    judge = _remote_judge(httpd, monkeypatch, timeout_s=0.2, retries=1, backoff_s=0.01)
+    result = judge(TASK, "4")
+    assert result["reward"] == 0.0 and result["reason"] == "judge_error" and "0.2 s" in result["detail"]
+    assert len(handler.seen) == 2  # retried once
+    with pytest.raises(JudgeFailedError, match=r"every judge call.*127\.0\.0\.1.*no reply within"):
+        judge.step_metrics()
+    handler.mode = "garbage"
+    judge = _remote_judge(httpd, monkeypatch, retries=3)
+    assert judge(TASK, "5")["reason"] == "judge_error"
+    with pytest.raises(JudgeFailedError, match="not a chat completion") as err:
+        judge.step_metrics()
+    assert "sk-secret-123" not in str(err.value)
+
+
+def test_remote_call_budget_counts_errors_without_stopping_a_partial_step(server, monkeypatch):
+    httpd, _ = server
+    judge = _remote_judge(httpd, monkeypatch, max_calls_per_step=1, concurrency=1)
+    results = judge.score_batch([(TASK, "4"), (TASK, "5")])
+    assert sorted(r.get("reason", "ok") for r in results) == ["judge_error", "ok"]
+    metrics = judge.step_metrics()
+    assert metrics["judge/errors"] == 1 and metrics["judge/calls"] == 2
+
+
+def test_missing_httpx_names_the_judge_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    with pytest.raises(ImportError, match=r"pip install masrl\[judge\]"):
+        judges.build_judge({"remote": {"base_url": "http://127.0.0.1:9/v1", "model": "m2", "api_key_env": None}}, {})
+
+
+def test_remote_judge_missing_key_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("MASRL_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ConfigError, match="MASRL_NO_SUCH_KEY is not set"):
+        judges.build_judge({"remote": {"base_url": "http://127.0.0.1:9/v1", "model": "m",
+                                       "api_key_env": "MASRL_NO_SUCH_KEY"}}, {})
+
+
+# ----------------------------------------------------------------------------- reward model
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from masrl.models.tiny import build_char_tokenizer
+
+    path = tmp_path_factory.mktemp("rm")
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, num_labels=1, **TINY)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("normalize", ["sigmoid", "none", "minmax"])
+def test_reward_model_batch_equals_one_by_one_and_normalizes(reward_model_dir, normalize):
+    import math
+
+    rm = judges.build_reward_model({"path": str(reward_model_dir), "normalize": normalize, "batch_size": 3}, {})
+    answers = ["4", "the answer is four", "5", "x" * 40, "22"]
+    batch = rm.score_batch([(TASK, a) for a in answers])
+    logits = [r["rm_logit"] for r in batch]
+    single = [rm.logits([rm.encode(TASK, a)])[0] for a in answers]
+    assert max(abs(a - b) for a, b in zip(logits, single)) < 1e-6
+    assert len(set(round(x, 6) for x in logits)) > 1
+    rewards = [r["reward"] for r in batch]
+    if normalize == "sigmoid":
+        assert rewards == pytest.approx([1 / (1 + math.exp(-x)) for x in logits])
+    elif normalize == "none":
+        assert rewards == pytest.approx(logits)
+    else:
+        assert min(rewards) == 0.0 and max(rewards) == 1.0
+    assert not any(p.requires_grad for p in rm.model.parameters())
+
+
+def test_reward_model_missing_path_is_one_clear_error(tmp_path):
+    from masrl.models.hub import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="task.params.reward.model.path"):
+        judges.build_reward_model({"path": str(tmp_path / "nope")}, {})
+
+
+# ----------------------------------------------------------------------------- config errors at load
+
+@pytest.mark.parametrize("options, message", [
+    ({"model": "tiny", "template": "{question} {answer} {colour}"}, r"unknown field\(s\) \['colour'\]"),
+    ({"model": "tiny", "verdict": "pairwise", "template": "{question} {answer_a}"}, "missing field"),
+    ({"model": "tiny", "verdict": "maybe"}, "judge.verdict"),
+    ({"model": "tiny", "temperature": 1.0}, "judge.temperature: unknown option"),
+    ({}, "exactly one of model"),
+    ({"model": "tiny", "scale": [5, 1]}, "lo < hi"),
+])
+def test_judge_config_errors_name_the_key(options, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_reward({"judge": options}, {})
+
+
+def test_unknown_reward_kind_and_missing_judge_model(tmp_path):
+    from masrl.errors import UserInputError
+
+    with pytest.raises(ConfigError, match="unknown kind 'oracle'"):
+        resolve_reward({"oracle": {}}, {})
+    with pytest.raises(UserInputError, match="task.params.reward.judge.model"):
+        resolve_reward({"judge": {"model": str(tmp_path / "no_model")}}, {})
+
+
+def test_bad_judge_template_in_a_config_exits_2_with_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "judge_kb_team.yaml"
+    out = subprocess.run([sys.executable, "-m", "masrl", "config", "show", str(example),
+                          "task.params.reward.judge.model=tiny",
+                          "task.params.reward.judge.template={question} {answr}"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "answr" in out.stderr and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    ok = subprocess.run([sys.executable, "-m", "masrl", "config", "show", str(example),
+                         "task.params.reward.judge.model=tiny"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_step_where_every_judge_call_fails_stops_the_run(tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    remote = {"base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "api_key_env": "MASRL_TEST_JUDGE_KEY",
+              "retries": 0, "timeout_s": 2}
+    cfg = {"name": "judge-fails", "output_dir": str(tmp_path / "run"),
+           "task": {"name": "dataset", "params": {"train": str(data), "reward": {"judge": {"remote": remote}}}},
+           "workflow": {"name": "single"}, "agents": {"Solver": {"policy": "p", "max_new_tokens": 4}},
+           "policies": {"p": {"model": "tiny", "tiny": TINY}}, "logging": {"progress": False},
+           "trainer": {"total_steps": 1, "batch_size": 2, "group_size": 2}, "eval": {"every": 0}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**__import__("os").environ, "MASRL_TEST_JUDGE_KEY": "sk-secret-456"}
+    out = subprocess.run([sys.executable, "-m", "masrl", "train", str(path)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert "every judge call of the step failed" in last and f"127.0.0.1:{port}" in last, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "sk-secret-456" not in out.stderr + out.stdout
+    written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
+    assert "sk-secret-456" not in written
