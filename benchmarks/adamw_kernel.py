@@ -1,4 +1,4 @@
-"""One AdamW step, reference (foreach) vs fused kernel, on the parameter shapes masrl trains (issue #19).
+"""One AdamW step, reference (foreach) vs fused kernel, on the parameter shapes masrl trains.
 
 Shapes come from the models' configs (built on the meta device, then real float32 tensors with random
 gradients): the tiny quickstart policy (all parameters), SmolLM2-135M (full fine-tuning) and SmolLM2's
@@ -6,7 +6,7 @@ LoRA adapters (r=16 on q/k/v/o/gate/up/down, two agents, as ``examples/smollm2_a
 Process CPU seconds of one ``optimizer.step()``, min over ``--reps`` after a warm-up step. Also reports
 what ``policies.<p>.optim.fused: auto`` picks for each and the largest difference between the two
 kernels' updated parameters after one step. Also the step's gradient-norm + clip: the norm measured twice
-(once for the metric, once inside ``clip_grad_norm_``, as before round 4) vs once (``update._step_norm`` +
+(once for the metric, once inside ``clip_grad_norm_``) vs once (``update._step_norm`` +
 ``clip_grads_with_norm_``), and whether the clipped gradients are bit-identical.
 
     python benchmarks/adamw_kernel.py [--threads 1] [--reps 5]

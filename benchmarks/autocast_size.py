@@ -11,7 +11,7 @@ rule (masrl.models.precision).
     python benchmarks/autocast_size.py                    # 4 widths, 3 timed steps each
     python benchmarks/autocast_size.py --hidden 128 576 --steps 2 --repeats 2
 
-``--decode`` (session 10): the in-process engine's decode step alone, bf16 autocast vs float32, tiny Llamas of
+``--decode``: the in-process engine's decode step alone, bf16 autocast vs float32, tiny Llamas of
 hidden 128 / 192 / 256 / 384 / 576 (4 layers, 32-wide heads, MLP 3x), 64 and 16 rows, prompts of 18/24 tokens, 40
 new tokens; process CPU, median of 5 alternated engine calls. It sets ``AUTO_BF16_MIN_HIDDEN`` (rollout/engine.py):
 under ``auto`` narrower models decode in float32.
@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     ap.add_argument("--hidden-size", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--autocast", help=argparse.SUPPRESS)
-    ap.add_argument("--decode", action="store_true", help="the engine's decode step alone, by width (session 10)")
+    ap.add_argument("--decode", action="store_true", help="the engine's decode step alone, by width")
     a = ap.parse_args(argv)
     if a.decode:
         decode_by_width()

@@ -1,4 +1,4 @@
-"""torch.compile (inductor, CPU) as a speed lever for the tiny model: does it pay over a 40-step run? (issue #7)
+"""torch.compile (inductor, CPU) as a speed lever for the tiny model: does it pay over a 40-step run?
 
 Not wired into masrl (measured negative result, see docs/performance.md#levers); this script patches
 the two hot spots in-process so that the lever can be re-measured:

@@ -1,5 +1,5 @@
-"""What a decode step of the quickstart's tiny model costs by batch rows and context length (issue #19, team vs
-single): per configuration, the process CPU time of the prefill (+ first token) and of each further decode step,
+"""What a decode step of the quickstart's tiny model costs by batch rows and context length (why a team's
+later turns decode slower than a single agent): per configuration, the process CPU time of the prefill (+ first token) and of each further decode step,
 best of 2, one thread, no stop token (every row runs its budget), no prefix reuse.
 
     python benchmarks/decode_context.py

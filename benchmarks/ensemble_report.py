@@ -1,4 +1,4 @@
-"""Ensemble-selection and RL-Focal report on the real prediction data (issue #8).
+"""Ensemble-selection and RL-Focal report on the real prediction data.
 
     python benchmarks/ensemble_report.py                    # all datasets, 5 seeds
     python benchmarks/ensemble_report.py --datasets bbh --seeds 3

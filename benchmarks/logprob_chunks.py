@@ -1,4 +1,4 @@
-"""SmolLM2-135M update with ``trainer.logprob_chunk_tokens`` on vs off (issue #19, lever 1): time and peak RSS.
+"""SmolLM2-135M update with ``trainer.logprob_chunk_tokens`` on vs off: time and peak RSS.
 
 One fresh process per setting (peak RSS is per process), run one after the other. The update is
 the SmolLM2 LoRA example's (examples/smollm2_arith_lora.yaml): per-agent LoRA r=16 on a frozen base,

@@ -1,4 +1,4 @@
-"""Page faults and time with glibc's malloc defaults vs masrl's settings (``masrl.runtime.malloc``, issue #19).
+"""Page faults and time with glibc's malloc defaults vs masrl's settings (``masrl.runtime.malloc``).
 
 Every measurement runs in its own process (the settings are process-wide and cannot be undone), alternating
 ``default``, ``tuned``, ``default``, ``tuned``, ...; process CPU time and minor page faults

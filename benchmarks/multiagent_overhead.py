@@ -1,5 +1,5 @@
 """What a second agent costs: throughput of the two-agent quickstart team vs one agent, and memory
-per added agent for three agent -> policy mappings (issue #7).
+per added agent for three agent -> policy mappings.
 
 1. Throughput (tiny model, CPU, SFT skipped). The team is ``examples/quickstart.yaml``
    (``math_solver_verifier``: Solver -> Verifier -> Solver, both agents on one shared policy).

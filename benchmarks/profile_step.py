@@ -1,4 +1,4 @@
-"""Where one masrl RL step spends its time, and what the speed levers are worth (issue #7).
+"""Where one masrl RL step spends its time, and what the speed levers are worth.
 
 ``profile`` (default): one ``Trainer.train_step()`` of the quickstart (tiny model, SFT skipped,
 after one warm-up step) under cProfile (top Python functions by own time) and torch.profiler
@@ -22,15 +22,15 @@ built here, outside masrl):
                  budget filled in arrival order, with the padding overhead of each;
 * ``decode``   : the masrl engine's time per decode step vs the model forward alone (sampling and
                  bookkeeping overhead per step), tiny model; bare forwards under inference_mode vs no_grad;
-* ``sampler``  : (round 4) ``torch.multinomial`` vs the engine's inverse-CDF draw over SmolLM2's vocabulary;
-* ``decode_attention``: (round 4) the engine's decode steps with ``sdpa`` vs ``masrl.models.cpu_attention``;
-* ``train_attention``: (round 4, session 10) a training forward+backward under bf16 autocast with transformers'
+* ``sampler``  : ``torch.multinomial`` vs the engine's inverse-CDF draw over SmolLM2's vocabulary;
+* ``decode_attention``: the engine's decode steps with ``sdpa`` vs ``masrl.models.cpu_attention``;
+* ``train_attention``: a training forward+backward under bf16 autocast with transformers'
                  ``sdpa`` (bf16 flash kernel) vs masrl's CPU attention (float32 ``sdpa`` up to 256 keys),
                  SmolLM2 and the tiny model, left-padded rows of mixed lengths;
-* ``packed_linear``: (session 10) bf16 engine calls with autocast's ``F.linear`` vs oneDNN-prepacked weights
+* ``packed_linear``: bf16 engine calls with autocast's ``F.linear`` vs oneDNN-prepacked weights
                  (``masrl.models.packed_linear``), SmolLM2 with the packs reused and repacked every call (full
                  fine-tuning changes the weights every step), and the tiny model;
-* ``fast_decode``: (session 12) float32 engine calls with transformers' forward vs the lean decode step
+* ``fast_decode``: float32 engine calls with transformers' forward vs the lean decode step
                  (``masrl.models.fast_decode``): the tiny model at a team's and a single agent's batch shapes,
                  and SmolLM2 (its projections one by one: stacking them would exceed the memory limit);
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
@@ -39,10 +39,10 @@ built here, outside masrl):
     python benchmarks/profile_step.py                     # profile the quickstart step
     python benchmarks/profile_step.py --section levers    # prefill, adamw, bf16, kvcache, decode on SmolLM2/tiny
     python benchmarks/profile_step.py --section levers --levers compile
-    python benchmarks/profile_step.py --section levers --levers prefix   # round 3: prefix reuse, row compaction
-    python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # round 4
-    python benchmarks/profile_step.py --section levers --levers train_attention packed_linear --reps 5   # session 10
-    python benchmarks/profile_step.py --section levers --levers fast_decode --reps 5   # session 12
+    python benchmarks/profile_step.py --section levers --levers prefix   # prefix reuse, row compaction
+    python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # decode kernels
+    python benchmarks/profile_step.py --section levers --levers train_attention packed_linear --reps 5   # bf16 kernels
+    python benchmarks/profile_step.py --section levers --levers fast_decode --reps 5   # fast decode steps
 """
 from __future__ import annotations
 
@@ -598,7 +598,7 @@ def lever_prealloc(a):
             "results": ab(variants, a.reps)}
 
 
-ENGINE_VARIANTS = {  # name -> TransformersEngine options (round 3)
+ENGINE_VARIANTS = {  # name -> TransformersEngine options
     "plain (no reuse, no compaction)": {"prefix_cache": False, "compact_finished": False},
     "finished rows leave the batch": {"prefix_cache": False, "compact_finished": True},
     "+ prefix reuse (default)": {"prefix_cache": True, "compact_finished": True},
@@ -606,7 +606,7 @@ ENGINE_VARIANTS = {  # name -> TransformersEngine options (round 3)
 
 
 def lever_prefix(a, smollm2=None):
-    """The engine's round-3 levers on three workloads: a GRPO batch of the tiny model (vs_trl's
+    """The engine's prefix reuse and row compaction on three workloads: a GRPO batch of the tiny model (vs_trl's
     shape), the quickstart team's three turns (Solver, Verifier, Solver; each turn's prompt is the
     previous one + reply, as the quickstart renders it with a transcript-style template), and
     SmolLM2 with 2 prompts x 4 samples. Same seed for every variant: same tokens (tested)."""

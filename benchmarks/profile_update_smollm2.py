@@ -1,4 +1,4 @@
-"""torch.profiler trace of one masrl update on SmolLM2-135M (issue #7): where the update time goes.
+"""torch.profiler trace of one masrl update on SmolLM2-135M: where the update time goes.
 
 8 rows of 100 random prompt tokens + 32 response tokens, GRPO/PPO token-mean loss, fused AdamW,
 one warm-up update, then one profiled update. ``--autocast bfloat16`` runs it under

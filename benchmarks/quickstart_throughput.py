@@ -1,4 +1,4 @@
-"""Throughput of the quickstart RL step (examples/quickstart.yaml) on CPU (issue #7).
+"""Throughput of the quickstart RL step (examples/quickstart.yaml) on CPU.
 
 The quickstart config with SFT skipped (``sft.steps=0``), no evaluation and no logging; the
 model is the untrained tiny model, so turns run to their token budget more often than after SFT

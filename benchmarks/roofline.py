@@ -1,4 +1,4 @@
-"""How close masrl's training update gets to the machine's matmul peak (CPU roofline, issue #7).
+"""How close masrl's training update gets to the machine's matmul peak (CPU roofline).
 
 1. Matmul peak: ``torch.mm`` of square ``n x n`` matrices in float32 and bfloat16 for a few ``n``;
    GFLOP/s = 2 n^3 / time (median of ``--reps``), peak = max over sizes.

@@ -1,4 +1,4 @@
-"""Where one SmolLM2-135M update's memory goes (issue #19): the tensors autograd keeps for backward.
+"""Where one SmolLM2-135M update's memory goes: the tensors autograd keeps for backward.
 
 Builds the update's micro-batch as ``benchmarks/logprob_chunks.py`` does (the SmolLM2 LoRA example:
 per-agent LoRA r=16 on the frozen base, two agents; ``--full``: every weight trained), runs the

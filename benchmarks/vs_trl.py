@@ -1,4 +1,4 @@
-"""masrl vs TRL ``GRPOTrainer``: seconds per single-agent GRPO step on CPU, same workload (issue #7).
+"""masrl vs TRL ``GRPOTrainer``: seconds per single-agent GRPO step on CPU, same workload.
 
 Both sides train the *same* model (same weights, same tokenizer, loaded from the same folder) on
 the same prompts with the same step shape and hyper-parameters:
@@ -33,9 +33,9 @@ runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hit
     python benchmarks/vs_trl.py --model smollm2 --max-new-tokens 32 --steps 1 --repeats 1 \
         --autocast bfloat16 --rollout-autocast                     # masrl bf16 decoding too (TRL: float32)
 
-Defaults: masrl's shipped defaults (round 4: ``trainer.autocast: auto`` = bfloat16 update and decoding
+Defaults: masrl's shipped defaults (``trainer.autocast: auto`` = bfloat16 update and decoding
 on a CPU with native bf16, float32 elsewhere; ``trainer.logprob_chunk_tokens: 1024``) against TRL's float32.
-``--autocast float32`` is round 3's float32-with-float32 comparison; ``--autocast bfloat16`` forces bf16,
+``--autocast float32`` compares float32 with float32; ``--autocast bfloat16`` forces bf16,
 ``--rollout-autocast`` (the engine decodes under it too; already so with the trainer) and
 ``--micro-batch-tokens`` change masrl only; ``--trl-bf16`` sets TRL's ``bf16=True``. The optimizer kernel is the
 same on both sides: masrl's ``optim.fused`` (``--fused-adamw auto|true|false``, default ``auto`` = fused from 10M

@@ -239,7 +239,7 @@ def test_unused_policy(write_cfg, tiny_cfg, capsys):
     _fails_clearly(["train", path], capsys, "spare", "not used by any agent")
 
 
-# ----------------------------------------------------------------------------- round 2 (issue #15): the YAML itself
+# ----------------------------------------------------------------------------- the YAML itself
 
 def _with_bomb(cfg: dict, typed: bool, levels: int = 12) -> str:
     """The config with a billion-laughs block in workflow.params (9**levels values once every alias is
@@ -323,7 +323,7 @@ def test_numbers_out_of_range_name_their_key(write_cfg, capsys, over, key):
     _fails_clearly(["train", path], capsys, f"key '{key}", str(path))
 
 
-# ----------------------------------------------------------------------------- round 2: files the CLI reads
+# ----------------------------------------------------------------------------- files the CLI reads
 
 def test_config_not_utf8_names_the_file(write_cfg, tmp_path, capsys):
     path = tmp_path / "latin1.yaml"
@@ -418,7 +418,7 @@ def test_data_row_over_the_size_bound_is_skipped(tmp_path):
     assert rows == [(1, None, "row longer than 1,000 bytes"), (2, '{"q": "ok"}\n', "")]
 
 
-# ----------------------------------------------------------------------------- round 2: masrl ensemble
+# ----------------------------------------------------------------------------- masrl ensemble
 
 def _ensemble_rows(labels, answers_of=lambda y: [y, y, None]) -> list[dict]:
     return [{"id": str(i), "label": y, "predictions": {f"m{j}": {"answer": a} for j, a in enumerate(answers_of(y))}}
@@ -461,7 +461,7 @@ def test_ensemble_garbage_or_empty_file(tmp_path, capsys, content):
     assert code == 2 and "Traceback" not in err and str(path) in err, err
 
 
-# ----------------------------------------------------------------------------- round 2: masrl eval
+# ----------------------------------------------------------------------------- masrl eval
 
 def test_eval_question_over_the_context_is_skipped_not_tokenized(write_cfg, tmp_path, capsys):
     """A 2 MB question (the tiny model's context is 128 tokens) is refused by its length before it is
@@ -513,7 +513,7 @@ def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
     assert facts["agent/Solver/refused_prompts"] == 1
 
 
-# ----------------------------------------------------------------------------- round 2: bugs stay bugs
+# ----------------------------------------------------------------------------- bugs stay bugs
 
 def test_a_programming_error_is_not_bad_input(tmp_path, monkeypatch):
     """Every ValueError used to print "masrl: error" and exit 2, hiding bugs; only UserInputError (and
@@ -576,7 +576,7 @@ def test_ensemble_options_found_by_probing(tmp_path, capsys, argv, needle):
     assert code == 2 and "Traceback" not in err and needle in err, err
 
 
-# ----------------------------------------------------------------------------- round 3: adversarial probe (.ci/probe_cli.py)
+# ----------------------------------------------------------------------------- adversarial probe (.ci/probe_cli.py)
 
 BIG = "1" + "0" * 5000  # Python refuses to convert more than 4,300 digits: a ValueError from deep in a parser
 

@@ -1,4 +1,4 @@
-"""The tools experiment (issue #20): long arithmetic, the calculator_math workflow, the tool-using teacher,
+"""The tools experiment: long arithmetic, the calculator_math workflow, the tool-using teacher,
 and the example config training end to end with tool messages masked out of the loss."""
 import re
 from pathlib import Path

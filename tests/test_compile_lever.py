@@ -1,4 +1,4 @@
-"""torch.compile lever (issue #7): measured, not wired (docs/performance.md#levers, benchmarks/compile_lever.py).
+"""torch.compile lever: measured, not wired (docs/performance.md#levers, benchmarks/compile_lever.py).
 
 These pin the exactness of the benchmark's patched paths, so that the numbers it reports compare like
 with like and so that wiring the lever later starts from measured tolerances:

@@ -1,4 +1,4 @@
-"""Speed levers of issue #7 are exact where they claim to be, and bounded where they are not.
+"""The engine's and the update's speed levers are exact where they claim to be, and bounded where they are not.
 
 * the decode loop (preallocated KV cache, per-batch sampling plan, table lookup of stop tokens)
   returns the same tokens and log-probs as the previous loop (kept below as a reference);
@@ -22,7 +22,7 @@ SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "n
 
 
 def _reference_decode(engine: TransformersEngine, model, requests) -> list[GenResult]:
-    """The decode loop as it was before the issue #7 levers (growing cache, isin, masked indexing)."""
+    """The decode loop without the speed levers (growing cache, isin, masked indexing)."""
     batch = len(requests)
     lengths = [len(r.prompt_ids) for r in requests]
     width = max(lengths)

@@ -1,4 +1,4 @@
-"""Prefix reuse in the transformers engine (issue #7): a GRPO group's prompt is prefilled once, and a
+"""Prefix reuse in the transformers engine: a GRPO group's prompt is prefilled once, and a
 prompt that continues an earlier row of the same rollout reuses that row's keys and values.
 
 Every test compares against the same engine with ``prefix_cache=False`` (which is bitwise the old

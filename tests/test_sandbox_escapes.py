@@ -1,4 +1,4 @@
-"""Sandbox round 2 (issue #15): what an outside probe found, as adversarial tests.
+"""Sandbox escapes an outside probe found, as adversarial tests.
 
 Cleanup that never raises, never recurses and is bounded in time; a reward function that
 raises never takes a training step down; HumanEval asserts inside loops; a fresh session

@@ -1,4 +1,4 @@
-"""The policy-sharing study's per-cell quantities (E5, issue #16) from a sweep's run folders: peak and final
+"""The policy-sharing study's per-cell quantities (E5) from a sweep's run folders: peak and final
 held-out accuracy, cliffs, and per role the gradient share, token share, role-capture events, χ² drift and
 perplexity; plus a plot of each role's gradient share over RL steps (mean over seeds), one panel per cell.
 

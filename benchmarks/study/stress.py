@@ -1,4 +1,4 @@
-"""E3 (issue #16), stability under stress: the math and search teams at 1x, 3x and 10x their shipped learning rate,
+"""E3, stability under stress: the math and search teams at 1x, 3x and 10x their shipped learning rate,
 grpo vs drmas. Per (task, learning rate, estimator): runs, per-agent flagged spikes per run, max and median per-agent
 gradient norm, non-finite and skipped steps, held-out avg@4 after SFT and after RL, and the runs that end below
 their after-SFT accuracy; plus a plot of those against the learning rate.

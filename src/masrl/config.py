@@ -313,8 +313,8 @@ class TrainerConfig(_Strict):
     epochs: int = Field(1, gt=0, description="passes over each step's turns")
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch (the turns split in this many parts)")
     micro_batch_tokens: int = Field(4096, gt=0, description=(
-        "padded tokens (rows x longest row) per forward/backward micro-batch; 4096 since issue #7 (was 16384): "
-        "quickstart update 0.74-0.84x the time, peak RSS 1.5-1.6 -> 0.9 GB on CPU (docs/performance.md)"))
+        "padded tokens (rows x longest row) per forward/backward micro-batch; on the CPU quickstart 4096 takes "
+        "0.75-0.84x the update time of 16384 and 0.8-0.9 GB instead of 1.5-1.6 GB peak RSS (benchmarks/RESULTS.md)"))
     logprob_chunk_tokens: int = Field(1024, ge=0, description=(
         "> 0: the update, old/reference log-prob passes and SFT compute response-token log-probs and entropy "
         "from the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "

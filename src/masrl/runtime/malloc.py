@@ -5,7 +5,7 @@ threshold (128 KiB at start, raised as mapped blocks are freed, never above 32 M
 back to the kernel on ``free``; the next tensor of that size is faulted in again, one zero-filled 4 KiB page at a
 time. A training step makes and drops thousands of such tensors (activations, autocast's casts, the LM head's
 logits and gradients), so it pays a page fault for much of the memory it touches. Measured on the 2-core
-development machine (``python benchmarks/malloc_faults.py --update``, benchmarks/RESULTS.md "Session 11"):
+development machine (``python benchmarks/malloc_faults.py --update``, benchmarks/RESULTS.md "Allocator settings", AMD EPYC Zen 4):
 
 * one SmolLM2-135M update (8 rows x 132 tokens, bf16 autocast): ~360k minor faults and 8.1 CPU s (7.5-8.7) with
   glibc's defaults, ~3.5k faults and 5.6 CPU s with these settings;

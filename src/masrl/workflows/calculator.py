@@ -1,4 +1,4 @@
-"""Long arithmetic with a calculator tool: the experiment where tools matter (issue #20).
+"""Long arithmetic with a calculator tool: the experiment where tools matter.
 
 One Solver converses through ``team.chat``. With ``params.tools: calculator`` it sees the
 calculator's schema and may call it (``<tool_call>{"name": "calculator", "arguments":
