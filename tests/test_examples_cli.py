@@ -87,3 +87,9 @@ def test_wheel_outside_the_checkout_ships_the_examples(tmp_path):
     assert str(examples_root()) not in got.stdout  # listed from the wheel's copy, not the checkout
     listed = masrl("example", "list")
     assert str(env_dir) in listed.stdout and "gpu/search_drmas_hetero_7b_3b" in listed.stdout
+
+
+def test_get_into_a_dangling_symlink_is_refused(tmp_path, capsys):
+    (tmp_path / "examples").symlink_to(tmp_path / "nowhere")
+    assert main(["example", "get", "quickstart", "--dir", str(tmp_path)]) == 2
+    assert "symlink" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from masrl.errors import UserInputError
-from masrl.paths import REPO_ROOT, in_checkout
+from masrl.paths import REPO_ROOT, check_output_dir, in_checkout
 
 _REFERENCE = re.compile(r"examples/[\w./-]+\.(?:yaml|py|jsonl|json|txt)")
 
@@ -67,7 +67,7 @@ def write_examples(names: list[str], dest: Path, force: bool = False) -> list[tu
     if names == ["all"]:
         names = [n for n, _ in list_examples()]
     rels = sorted({rel for name in names for rel in example_files(name)})
-    target_root = Path(dest).expanduser() / "examples"
+    target_root = check_output_dir(Path(dest).expanduser() / "examples", "masrl example get --dir")
     plan = []
     for rel in rels:
         target = target_root / rel
