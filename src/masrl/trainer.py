@@ -30,7 +30,7 @@ from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.registry_names import check_run
-from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
+from masrl.rollout.runner import make_call, repeat_tasks, rollout_metrics, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_bench_tasks
 from masrl.training import checkpoint as ckpt
@@ -86,7 +86,7 @@ class Trainer:
                             score=score or self.source.score, prompts=self.cfg.workflow.prompts,
                             params=self.params,
                             format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
-                            on_turn=on_turn)
+                            on_turn=on_turn, tool_timeout_s=self.cfg.tools.timeout_s)
 
     def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
                      show: bool | None = None) -> list[Episode]:
@@ -224,6 +224,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
+        metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
         trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)
