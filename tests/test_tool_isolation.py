@@ -76,6 +76,13 @@ def test_any_tool_result_becomes_a_string_observation(value):
     assert result.message()["content"] == result.content
 
 
+def test_bytes_and_broken_objects_are_shown_as_text():
+    box = ToolBox([_returning(b"\xff\xfebytes")])
+    assert box.run(ToolCall("result", {})).content == "\ufffd\ufffdbytes"  # not a repr "b'...'"
+    box = ToolBox([_returning({"k": _BrokenStr(), "n": 1})])
+    assert box.run(ToolCall("result", {})).content == '{"k": "<_BrokenStr object that cannot be printed>", "n": 1}'
+
+
 def test_a_tool_whose_exception_cannot_be_printed_is_an_error_observation():
     def bad() -> str:
         """Raise an exception that cannot be printed."""
@@ -160,8 +167,10 @@ async def _flaky(task: Task, team: Team):
 
 def _flaky_config(tmp_path, failures: int) -> dict:
     FAILURES["left"] = failures
-    return tiny_config_dict(tmp_path, **{"workflow.name": "_test_flaky", "workflow.params": {}, "workflow.prompts": {},
-                                         "sft.steps": 0, "trainer.total_steps": 1, "eval.before_after": False})
+    return tiny_config_dict(tmp_path, **{"workflow.name": "_test_flaky", "workflow.params": {},
+                                         "workflow.prompts": {"Solver": "Q \ud800{question}\nS "},  # a lone surrogate
+                                         "agents.Solver.system_prompt": "sys \udfff", "sft.steps": 0,
+                                         "trainer.total_steps": 1, "eval.before_after": False})
 
 
 def test_an_episode_that_raises_is_invalid_and_counted_and_the_step_goes_on(tmp_path, caplog):
@@ -174,6 +183,7 @@ def test_an_episode_that_raises_is_invalid_and_counted_and_the_step_goes_on(tmp_
         [row] = [m for m in read_metrics(trainer.run_dir) if m.get("phase", "train") == "train"]
     assert row["rollout/episode_errors"] == 1.0 and row["step"] == 1
     assert row["agent/Solver/turns"] == 3 * 4 - 1  # the failed episode's turn is not trained
+    assert row["tool/errors"] == row["tool/timeouts"] == row["tool/calls"] == 0.0  # counted every step
     tracebacks = [r.exc_info[0] for r in caplog.records if r.exc_info]
     assert tracebacks == [KeyError]  # the first failure's traceback, once
 
@@ -182,11 +192,12 @@ def test_a_failed_episode_is_reward_0_without_turns():
     from masrl.rollout.runner import run_episodes
     from masrl.rollout.scheduler import RolloutScheduler
     from masrl.workflows.base import get_workflow
-    from masrl.workflows.testing import exact_match_score
+    from masrl.evaluation.runner import summarize_episodes
     from masrl.types import Turn
+    from masrl.workflows.testing import exact_match_score
 
     async def call(agent, prompt):
-        return Turn(agent, "p", [1], [2], [0.0], "\\boxed{1}")
+        return Turn(agent, "p", [1], [2], [0.0], "1")
 
     FAILURES["left"] = 1
     episodes = run_episodes(get_workflow("_test_flaky"), [Task("a", "1", "1"), Task("b", "1", "1")], [0, 1], call=call,
@@ -196,6 +207,8 @@ def test_a_failed_episode_is_reward_0_without_turns():
     assert not failed.valid and failed.reward == 0.0 and failed.turns == [] and not failed.correct
     assert failed.error.startswith("KeyError: 'the workflow broke on a'") and failed.episode_id == 0
     assert fine.valid and fine.error is None and len(fine.turns) == 1
+    summary = summarize_episodes(episodes, [1])
+    assert summary["episode_errors"] == 1.0 and summary["avg@n"] == 0.5  # a failed episode counts as wrong
 
 
 def test_every_episode_failing_stops_the_run_with_one_error_line(tmp_path, capsys):

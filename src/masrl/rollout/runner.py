@@ -21,7 +21,7 @@ from masrl.rollout.engine import GenRequest
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tools.chat_format import same_vocabulary
 from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts, abandoned_tool_threads
-from masrl.tools.text import safe_str
+from masrl.tools.text import safe_str, valid_text
 from masrl.types import Episode, Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 
@@ -51,14 +51,15 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
                                     + prompt.turn.info["refused"])
         room = policy.max_positions - acfg.max_new_tokens
         limit = max(room, 0) * max_token_chars(policy.tokenizer)
-        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt)
-        size = len(text) + (len(acfg.system_prompt or "") if isinstance(prompt, str) else 0)
+        system = valid_text(acfg.system_prompt) if acfg.system_prompt else None  # (the prompt was made valid by team.call)
+        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, system)
+        size = len(text) + (len(system or "") if isinstance(prompt, str) else 0)
         if size > limit:  # refused before tokenizing it
             return refused_turn(agent, acfg.policy, text, f"prompt of {size:,} characters cannot fit the "
                                 f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
                                 f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
         try:
-            prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
+            prompt_ids = policy.encode_prompt(prompt, system)
         except ConfigError as e:  # a continuation in a chat format: say which agent
             raise ConfigError(f"agent {agent!r}: {e}") from None
         info = {}
