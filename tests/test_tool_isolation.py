@@ -2,6 +2,7 @@
 capped in every format, text from outside is valid UTF-8 before it reaches a tokenizer, tools have a
 deadline, and an episode whose workflow raises is invalid on its own (counted) while the step goes on."""
 import json
+import threading
 import time
 
 import pytest
@@ -134,9 +135,13 @@ def test_a_lone_surrogate_in_a_tool_result_does_not_break_the_next_prompt():
 
 
 def test_a_tool_that_never_returns_is_cut_at_the_deadline():
+    from masrl.tools.execute import abandoned_tool_threads
+
+    release = threading.Event()
+
     def hang() -> str:
-        """Sleep for a long time."""
-        time.sleep(3600)
+        """Wait for an hour."""
+        release.wait(3600)
         return "never"
 
     t0 = time.monotonic()
@@ -149,6 +154,12 @@ def test_a_tool_that_never_returns_is_cut_at_the_deadline():
                            params={"tools": [Tool(hang)], "chat": {"timeout_s": 0.3}})
     assert episode.info["results"][0][1] == "timeout" and time.monotonic() - t0 < 5
     assert episode.tool_counts["timeouts"] == 1 and episode.tool_counts["calls"] == 1
+    assert abandoned_tool_threads() >= 2  # both threads still wait
+    release.set()
+    deadline = time.monotonic() + 5
+    while abandoned_tool_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert abandoned_tool_threads() == 0
 
 
 # --- rollout isolation: one episode's exception is that episode's, not the step's
