@@ -169,7 +169,8 @@ def test_parsing_is_linear_on_adversarial_megabyte(piece):
 def test_too_many_calls_in_one_reply_is_one_error():
     parsed = parse_tool_calls(render_tool_call("lookup", {"key": "a"}) * 40, TOOLS)
     assert len(parsed.calls) == 32 and [e.message for e in parsed.errors] == [
-        "more than 32 tool calls in one reply; the rest were not read"]
+        "more than 32 tool calls in one reply: the first 32 were read, 8 more were dropped"]
+    assert parsed.dropped == 8
 
 
 # ---------------------------------------------------------------------------------- execution

@@ -287,6 +287,15 @@ class RolloutConfig(_Strict):
         "max_new_tokens (rows are also limited by trainer.max_rollout_batch)"))
 
 
+class ToolsConfig(_Strict):
+    """Limits of the tools agents call through ``team.chat`` (docs/reliability.md, "User code: tools and episodes")."""
+
+    timeout_s: float = Field(5.0, gt=0.0, le=86400.0, description=(
+        "deadline of one tool call (a tool's own timeout_s, workflow.params.tool_timeout_s or team.chat(timeout_s=) "
+        "win); a call past it is a timeout observation, counted in tool/timeouts, its thread abandoned "
+        "(tool/abandoned_threads)"))
+
+
 class SFTConfig(_Strict):
     """Cold-start supervised stage on teacher demonstrations (``steps: 0`` turns it off)."""
 
@@ -532,6 +541,7 @@ class RunConfig(_Strict):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig, description="per-role instruments")
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="local or Ray worker groups")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="the rollout engine")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="limits of the agents' tool calls")
 
     @model_validator(mode="after")
     def _runtime_names_policies(self):

@@ -130,5 +130,6 @@ def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
                             "correct": e.correct, "answer": e.answer, "pred": e.info.get("pred"),
                             "turns": [{"agent": t.agent, "policy": t.policy, "prompt": t.prompt_text,
                                        "response": t.text, "valid": t.valid, "tokens": len(t.response_ids)}
-                                      for t in e.turns]})
+                                      for t in e.turns],
+                            **({"error": e.error} if e.error else {})})  # its workflow raised (invalid episode)
     return results, samples, ckpt_path, out

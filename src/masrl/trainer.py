@@ -34,7 +34,7 @@ from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.registry_names import check_run
-from masrl.rollout.runner import make_call, repeat_tasks, run_episodes
+from masrl.rollout.runner import make_call, repeat_tasks, rollout_metrics, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tasks.registry import load_bench_tasks
 from masrl.tasks.reward_guard import (GuardedScore, RewardCounts, RewardError, RewardLedger,
@@ -99,7 +99,7 @@ class Trainer:
                                     score=GuardedScore(score or self.source.score, self.rewards),
                                     prompts=self.cfg.workflow.prompts, params=self.params,
                                     format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
-                                    on_turn=on_turn)
+                                    on_turn=on_turn, tool_timeout_s=self.cfg.tools.timeout_s)
         finally:
             self.last_reward_counts = self.rewards.take()
         check_failures(self.last_reward_counts, self.cfg.task.reward_max_error_share, where)
@@ -258,6 +258,7 @@ class Trainer:
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
         metrics.update(self.last_reward_counts.metrics())
+        metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
         trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)

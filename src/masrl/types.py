@@ -52,7 +52,12 @@ class Turn:
 
 @dataclass
 class Episode:
-    """One run of a workflow on one task: its turns and the team reward (outcome)."""
+    """One run of a workflow on one task: its turns and the team reward (outcome).
+
+    ``error``: why the episode is invalid (its workflow raised: ``"KeyError: ..."``); an invalid episode
+    has reward 0, no turns (nothing of it is trained) and counts as wrong. ``tool_counts``: its tool calls
+    (``masrl.tools.execute.ToolCounts`` as a dict).
+    """
 
     task: Task
     turns: list[Turn]
@@ -61,6 +66,12 @@ class Episode:
     info: dict[str, Any] = field(default_factory=dict)
     group_id: int = 0
     episode_id: int = 0
+    error: str | None = None
+    tool_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
 
     @property
     def correct(self) -> bool:

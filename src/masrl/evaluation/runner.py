@@ -18,6 +18,9 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: st
                for _, eps in sorted(by_task.items())]
     summary = dict(summarize_groups(results, ks)[bench])
     summary.update(agent_facts(episodes))
+    failed = sum(not e.valid for e in episodes)
+    if failed:  # episodes whose workflow raised: scored wrong (masrl.rollout.runner)
+        summary["episode_errors"] = float(failed)
     return summary
 
 

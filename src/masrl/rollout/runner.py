@@ -1,16 +1,36 @@
-"""Run a workflow over many tasks concurrently; agent calls go through the rollout scheduler."""
+"""Run a workflow over many tasks concurrently; agent calls go through the rollout scheduler.
+
+Episodes are isolated: an exception inside one episode's workflow (a tool, a parser, tokenization,
+user code) makes that episode invalid (``Episode.error``, reward 0, no turns: nothing of it is
+trained) and the others go on. The first failure seen by a scheduler is logged with its traceback,
+later ones as one line per rollout; ``rollout/episode_errors`` counts them per step. When every
+episode of a rollout fails there is nothing to learn from: :class:`EpisodeError` stops the run
+with the first error. A :class:`~masrl.errors.UserInputError` (a config problem such as an
+unknown workflow param) is not an episode's failure and stops the run as it is.
+"""
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from dataclasses import fields
 from typing import Callable, Mapping, Sequence
 
 from masrl.config import AgentConfig
-from masrl.errors import ConfigError
+from masrl.errors import ConfigError, UserInputError
 from masrl.rollout.engine import GenRequest
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.tools.chat_format import same_vocabulary
+from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts, abandoned_tool_threads
+from masrl.tools.text import safe_str, valid_text
 from masrl.types import Episode, Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 from masrl.workflows.batch_score import score_pending, scores_in_batches
+
+log = logging.getLogger(__name__)
+
+
+class EpisodeError(UserInputError):
+    """Every episode of a rollout failed (its workflow raised): the run stops, naming the first error."""
 
 
 def repeat_tasks(tasks: Sequence[Task], n: int) -> tuple[list[Task], list[int]]:
@@ -32,14 +52,15 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
                                     + prompt.turn.info["refused"])
         room = policy.max_positions - acfg.max_new_tokens
         limit = max(room, 0) * max_token_chars(policy.tokenizer)
-        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, acfg.system_prompt)
-        size = len(text) + (len(acfg.system_prompt or "") if isinstance(prompt, str) else 0)
+        system = valid_text(acfg.system_prompt) if acfg.system_prompt else None  # (the prompt was made valid by team.call)
+        text = prompt if isinstance(prompt, str) else policy.render_prompt(prompt, system)
+        size = len(text) + (len(system or "") if isinstance(prompt, str) else 0)
         if size > limit:  # refused before tokenizing it
             return refused_turn(agent, acfg.policy, text, f"prompt of {size:,} characters cannot fit the "
                                 f"{policy.max_positions}-token context of policy {acfg.policy!r} with "
                                 f"max_new_tokens {acfg.max_new_tokens} (at most {limit:,} characters)")
         try:
-            prompt_ids = policy.encode_prompt(prompt, acfg.system_prompt)
+            prompt_ids = policy.encode_prompt(prompt, system)
         except ConfigError as e:  # a continuation in a chat format: say which agent
             raise ConfigError(f"agent {agent!r}: {e}") from None
         info = {}
@@ -92,13 +113,15 @@ def check_continuation(policies: Mapping, agent: str, policy: str, prompt: Conti
 
 def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[int], *, call,
                  scheduler: RolloutScheduler, score: ScoreFn, prompts: Mapping[str, str],
-                 params: Mapping, format_penalty: float,
+                 params: Mapping, format_penalty: float, tool_timeout_s: float = DEFAULT_TIMEOUT_S,
                  on_episode: Callable[[Episode], None] | None = None,
                  on_turn: Callable[[Turn], None] | None = None) -> list[Episode]:
     """One episode per task (tasks repeat G times for a group); results in input order.
 
-    ``on_episode`` / ``on_turn``: called with each episode / agent turn as it finishes (progress of a long
-    evaluation: a workflow's episodes finish together in its last round, its turns once per round)."""
+    An episode whose workflow raises is invalid on its own (see the module docstring); when all of them
+    fail, :class:`EpisodeError`. ``on_episode`` / ``on_turn``: called with each episode / agent turn as it
+    finishes (progress of a long evaluation: a workflow's episodes finish together in its last round, its
+    turns once per round)."""
     if on_turn is not None:
         inner = call
 
@@ -108,20 +131,73 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
             return turn
 
     defer = scores_in_batches(score)  # a judge: every final answer scored in one batch after the rollout
+    failures: list[tuple[Episode, BaseException]] = []
 
     async def one(index: int, task: Task) -> Episode:
         team = Team(task, spec, call, score, prompts=prompts, params=params, format_penalty=format_penalty,
-                    defer_score=defer)
-        episode = await spec.fn(task, team)
+                    defer_score=defer, tool_timeout_s=tool_timeout_s)
+        try:
+            episode = await spec.fn(task, team)
+            if not isinstance(episode, Episode):
+                raise TypeError(f"workflow {spec.name!r} returned {safe_str(type(episode).__name__)}, not an "
+                                "Episode (end it with `return team.finish(answer)`)")
+        except UserInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this episode's failure, not the rollout's
+            episode = failed_episode(task, team, e)
+            failures.append((episode, e))
         episode.group_id = group_ids[index]
         episode.episode_id = index
+        episode.tool_counts = team.tool_counts.as_dict()
         if on_episode is not None and not defer:
             on_episode(episode)
         return episode
 
     episodes = scheduler.run([one(i, t) for i, t in enumerate(tasks)])
+    report_failures(spec, episodes, failures, scheduler)
     if defer:
         score_pending(episodes, score)
         for episode in episodes if on_episode is not None else ():
             on_episode(episode)
     return episodes
+
+
+def failed_episode(task: Task, team: Team, error: BaseException) -> Episode:
+    """The invalid episode of a workflow that raised ``error``: reward 0, wrong, no turns (none is trained)."""
+    return Episode(task=task, turns=[], reward=0.0, answer=None,
+                   info={"correct": False, "reason": "episode_error", "turns_before_error": len(team.turns)},
+                   error=f"{safe_str(type(error).__name__)}: {safe_str(error, 500)}")
+
+
+def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: list[tuple[Episode, BaseException]],
+                    scheduler: RolloutScheduler) -> None:
+    """Log the rollout's failed episodes (the scheduler's first one with its traceback); raise
+    :class:`EpisodeError` when every episode failed."""
+    if not failures:
+        return
+    failures = sorted(failures, key=lambda f: f[0].episode_id)
+    first, error = failures[0]
+    where = f"episode {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
+    if scheduler.stats.episode_errors == 0:
+        log.error("%s raised; the episode is invalid (reward 0, not trained), the other episodes go on; later "
+                  "failures are counted in rollout/episode_errors without a traceback", where, exc_info=error)
+    scheduler.stats.episode_errors += len(failures)
+    if len(failures) == len(episodes):
+        raise EpisodeError(f"every episode of the rollout failed ({len(failures)} of {len(episodes)}), so there is "
+                           f"nothing to train on; the first: {first.error} in {where}; fix the workflow "
+                           "(the traceback of the first failure is logged above)")
+    log.warning("%d of %d episodes failed and are invalid (reward 0, not trained); the first: %s in %s",
+                len(failures), len(episodes), first.error, where)
+
+
+def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
+    """Per-rollout counts: ``rollout/episode_errors`` (invalid episodes), ``tool/<count>`` summed over the
+    episodes' tool calls (:class:`~masrl.tools.execute.ToolCounts`) and ``tool/abandoned_threads`` (tool
+    threads still running past their deadline)."""
+    tools: Counter = Counter()
+    for e in episodes:
+        tools.update(e.tool_counts)
+    out = {"rollout/episode_errors": float(sum(not e.valid for e in episodes))}
+    out.update({f"tool/{f.name}": float(tools[f.name]) for f in fields(ToolCounts)})
+    out["tool/abandoned_threads"] = float(abandoned_tool_threads())
+    return out

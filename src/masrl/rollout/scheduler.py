@@ -36,6 +36,7 @@ class RolloutStats:
     generate_seconds: float = 0.0
     batch_sizes: list[int] = field(default_factory=list)
     decode_steps: int = 0  # continuous batching: engine steps (each admits, decodes one token per row)
+    episode_errors: int = 0  # episodes whose workflow raised (masrl.rollout.runner.run_episodes)
 
 
 # (episode index, calls so far) of the episode whose code is running; asyncio tasks that an episode

@@ -2,20 +2,46 @@
 
 Pure-Python tools run in a daemon thread that the caller waits for until the deadline; a tool
 past its deadline is reported as a timeout and left to finish in the background (its result
-is dropped), so a tool must not hold resources it cannot release on its own. Tools that
-execute untrusted code go through the sandbox (:func:`masrl.tools.builtin.python_tool`),
-which enforces its own time and memory limits in a separate process.
+is dropped; :func:`abandoned_tool_threads` counts those still running, and past
+``MAX_ABANDONED`` of them further calls are refused rather than piling up threads), so a tool
+must not hold resources it cannot release on its own. Tools that execute untrusted code go
+through the sandbox (:func:`masrl.tools.builtin.python_tool`), which enforces its own time and
+memory limits in a separate process.
+
+Every way out of a call is a string observation (:meth:`ToolBox.run` never raises): the value is
+turned into text in the worker thread too (so a ``__str__`` that hangs is bounded by the
+deadline), with :func:`format_result`; an object that cannot be printed, a ``str`` subclass
+with broken methods, bytes, a result too large (cut, with a note) and lone surrogates (U+FFFD)
+all give valid UTF-8 text.
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Sequence
 
 from masrl.tools.core import Tool, as_tools
 from masrl.tools.parsing import CallError, ToolCall
+from masrl.tools.text import safe_str, valid_text
+
+DEFAULT_TIMEOUT_S = 5.0
+MAX_ABANDONED = 64  # tool threads still running past their deadline; beyond this, calls are refused
+_abandoned: list[threading.Thread] = []
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_tool_threads() -> int:
+    """Tool threads of this process still running past their deadline (their results will be dropped)."""
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+        return len(_abandoned)
+
+
+def _abandon(worker: threading.Thread) -> None:
+    with _abandoned_lock:
+        _abandoned.append(worker)
 
 
 @dataclass
@@ -37,38 +63,76 @@ class ToolResult:
         return {"role": "tool", "name": self.name or "unknown", "content": self.content}
 
 
+@dataclass
+class ToolCounts:
+    """Tool calls counted per episode (``Episode.tool_counts``) and per step (``tool/*`` metrics): ``calls``
+    run or answered, of which ``errors`` (the tool raised, or its result could not be shown), ``timeouts``
+    (past the deadline; the thread is abandoned) and ``invalid`` (malformed, unknown tool, bad arguments);
+    ``dropped``: call attempts past the per-reply cap, not read."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    invalid: int = 0
+    dropped: int = 0
+
+    def add(self, result: ToolResult) -> None:
+        self.calls += 1
+        self.errors += result.status == "error"
+        self.timeouts += result.status == "timeout"
+        self.invalid += result.status == "invalid"
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
 class ToolBox:
     """The tools an agent may call, with the execution limits.
 
     ``timeout_s``: default deadline per call (a tool's own ``timeout_s`` wins);
-    ``max_result_chars``: longer results are cut, with a note saying so.
+    ``max_result_chars``: longer results are cut, with a note saying so. ``counts``: the calls run so far.
     """
 
-    def __init__(self, tools: Sequence[Tool] | Mapping[str, Tool], *, timeout_s: float = 10.0,
+    def __init__(self, tools: Sequence[Tool] | Mapping[str, Tool], *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_result_chars: int = 4000):
-        if timeout_s <= 0:
-            raise ValueError(f"tool timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < float("inf"):
+            raise ValueError(f"tool timeout_s must be a finite number > 0, got {timeout_s}")
         self.tools = as_tools(tools)
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
+        self.counts = ToolCounts()
 
     def run(self, call: ToolCall | CallError) -> ToolResult:
         """Execute one parsed call (a :class:`CallError` becomes an ``invalid`` result). Never raises."""
+        try:
+            result = self._run(call)
+        except Exception as e:  # noqa: BLE001 - a call that cannot even start is an observation too
+            name = getattr(call, "name", None)
+            result = ToolResult(safe_str(name, 200) if isinstance(name, str) else None, f"Error: the call could not run ({safe_str(e, 300)})", "error")
+        self.counts.add(result)
+        return result
+
+    def _run(self, call: ToolCall | CallError) -> ToolResult:
         if isinstance(call, CallError):
-            return ToolResult(call.name, f"Error: {call.message}", "invalid")
+            return ToolResult(call.name, valid_text(f"Error: {call.message}"), "invalid")
         t = self.tools.get(call.name)
         if t is None:  # parsed without the tool list
-            return ToolResult(call.name, f"Error: unknown tool {call.name!r}; tools: {sorted(self.tools)}", "invalid")
+            return ToolResult(call.name, valid_text(f"Error: unknown tool {call.name!r}; tools: {sorted(self.tools)}"),
+                              "invalid")
+        running = abandoned_tool_threads()
+        if running >= MAX_ABANDONED:
+            return ToolResult(t.name, f"Error: {t.name} was not run: {running} tool calls are still running past "
+                                      "their deadline", "error")
         return self._run_with_deadline(t, call.arguments, t.timeout_s or self.timeout_s)
 
     def _run_with_deadline(self, t: Tool, arguments: dict, timeout_s: float) -> ToolResult:
         box: dict[str, Any] = {}
 
-        def target() -> None:
+        def target() -> None:  # the result is turned into text here, within the deadline
             try:
-                box["value"] = t(**arguments)
+                box["text"] = self.observe(t(**arguments))
             except BaseException as e:  # noqa: BLE001 - anything the tool does is reported to the model
-                box["error"] = e
+                box["error"] = self._cut(f"Error: {safe_str(type(e).__name__)}: {safe_str(e, self.max_result_chars)}")
 
         t0 = time.monotonic()
         worker = threading.Thread(target=target, name=f"tool-{t.name}", daemon=True)
@@ -76,26 +140,32 @@ class ToolBox:
         worker.join(timeout_s)
         duration = time.monotonic() - t0
         if worker.is_alive():
+            _abandon(worker)
             return ToolResult(t.name, f"Error: {t.name} timed out after {timeout_s:g} s", "timeout", duration)
-        if "error" in box:
-            e = box["error"]
-            return ToolResult(t.name, self._cut(f"Error: {type(e).__name__}: {e}"), "error", duration)
-        return ToolResult(t.name, self._cut(format_result(box.get("value"))), "ok", duration)
+        if "text" in box:
+            return ToolResult(t.name, box["text"], "ok", duration)
+        return ToolResult(t.name, box.get("error", f"Error: {t.name} ended without a result"), "error", duration)
+
+    def observe(self, value: Any) -> str:
+        """The observation text of a tool's return value: :func:`format_result`, cut to ``max_result_chars``."""
+        return self._cut(format_result(value))
 
     def _cut(self, text: str) -> str:
         if len(text) <= self.max_result_chars:
-            return text
-        return text[:self.max_result_chars] + f"\n[cut: {len(text)} characters, showing {self.max_result_chars}]"
+            return valid_text(text)
+        return valid_text(text[:self.max_result_chars]) + \
+            f"\n[cut: {len(text)} characters, showing {self.max_result_chars}]"
 
 
 def format_result(value: Any) -> str:
-    """A tool's return value as message text: strings as they are, anything else as JSON."""
+    """A tool's return value as message text: strings as they are, bytes as UTF-8 (bad bytes replaced),
+    anything else as JSON (what JSON cannot encode by :func:`~masrl.tools.text.safe_str`). Never raises;
+    the text is an exact ``str`` (lone surrogates are kept here; :meth:`ToolBox.observe` replaces them)."""
     if isinstance(value, str):
-        return value
+        return str.__str__(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
     try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        try:
-            return str(value)
-        except ValueError as e:  # e.g. an integer over Python's digit limit
-            return f"Error: the result cannot be shown ({e})"
+        return json.dumps(value, ensure_ascii=False, default=safe_str)
+    except Exception:  # noqa: BLE001 - keys JSON cannot take, cycles, digits past Python's limit, deep nesting
+        return safe_str(value)

@@ -12,8 +12,10 @@ Formats (``formats=`` of :func:`parse_tool_calls`, tried in this order):
 
 A reply either has no call attempt (``attempted`` is False: a final answer), or every
 attempt becomes a :class:`ToolCall` or a :class:`CallError` (malformed JSON, no name,
-arguments that are not an object, an unknown tool, arguments against the schema); after
-``MAX_ATTEMPTS`` attempts one error says so and the rest of the reply is not read.
+arguments that are not an object, an unknown tool, arguments against the schema). At most
+``MAX_ATTEMPTS`` attempts are read from one reply, in every format (``<tool_call>`` blocks, a
+sequence of JSON objects, the items of a JSON list): past it one error says how many more there
+were (``ParsedCalls.dropped``; for a sequence of JSON objects at least 1: the rest is not read).
 Scanning uses ``str.find`` and ``json`` decoding only, so the time is linear in the text.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ class ParsedCalls:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[CallError] = field(default_factory=list)
     format: str | None = None  # the format the attempts were read in
+    dropped: int = 0  # call attempts past MAX_ATTEMPTS, not read
 
     @property
     def attempted(self) -> bool:
@@ -90,7 +93,7 @@ def _hermes(text: str) -> ParsedCalls:
     out = ParsedCalls()
     pos = text.find(HERMES_OPEN)
     while pos >= 0:
-        if _too_many(out, pos):
+        if _too_many(out, pos, text.count(HERMES_OPEN, pos)):
             break
         start = pos + len(HERMES_OPEN)
         end = text.find(HERMES_CLOSE, start)
@@ -114,24 +117,30 @@ def _bare_json(text: str) -> ParsedCalls:
     decoder = json.JSONDecoder()
     pos = 0
     while pos < len(body):
-        if _too_many(out, pos):
+        if _too_many(out, pos, 1, "the rest of the reply was not read"):
             break
         try:
             value, end = decoder.raw_decode(body, pos)
         except (ValueError, RecursionError) as e:
             out.errors.append(CallError(f"malformed JSON: {_short(e)}", body[pos:pos + _RAW_LIMIT], pos))
             return out
-        for item in value if isinstance(value, list) else [value]:
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if _too_many(out, pos, len(items) - i):
+                return out
             _add_value(out, item, body[pos:end], pos)
         pos = _skip_separators(body, end)
     return out
 
 
-def _too_many(out: ParsedCalls, position: int) -> bool:
+def _too_many(out: ParsedCalls, position: int, left: int, note: str = "") -> bool:
+    """Whether the reply is at its cap; then one error says so and ``left`` attempts count as dropped."""
     if len(out.calls) + len(out.errors) < MAX_ATTEMPTS:
         return False
-    out.errors.append(CallError(f"more than {MAX_ATTEMPTS} tool calls in one reply; the rest were not read",
-                                position=position))
+    out.dropped += left
+    what = note or f"{left} more {'was' if left == 1 else 'were'} dropped"
+    out.errors.append(CallError(f"more than {MAX_ATTEMPTS} tool calls in one reply: the first {MAX_ATTEMPTS} "
+                                f"were read, {what}", position=position))
     return True
 
 

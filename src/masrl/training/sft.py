@@ -14,6 +14,7 @@ from masrl.config import AgentConfig, SFTConfig
 from masrl.errors import ConfigError
 from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
+from masrl.tools.text import valid_text
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy, use_fused_adamw
 from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows, trainer_forward
@@ -34,7 +35,7 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     async def one(task: Task) -> list[Turn]:
         async def call(agent: str, prompt) -> Turn:  # a string, a Continuation or a ChatPrompt
             policy = policies[agents[agent].policy]
-            system_prompt = agents[agent].system_prompt
+            system_prompt = valid_text(agents[agent].system_prompt or "") or None  # lone surrogates -> U+FFFD
             shown = prompt
             if isinstance(prompt, Continuation):  # the teacher reads the transcript as the model will see it
                 check_continuation(policies, agent, agents[agent].policy, prompt)

@@ -13,6 +13,8 @@ transcript: :class:`Continuation`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import inspect
 import re
@@ -22,6 +24,9 @@ from typing import Any, Awaitable, Callable, Mapping
 from masrl.errors import ConfigError
 from masrl.tasks.reward_guard import GuardedScore
 from masrl.tasks.rewards import import_failure
+from masrl.tools.chat_format import ChatPrompt
+from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts
+from masrl.tools.text import valid_text
 from masrl.types import Episode, ScoreFn, Task, Turn
 
 WorkflowFn = Callable[[Task, "Team"], Awaitable[Episode]]
@@ -149,7 +154,8 @@ class Team:
 
     def __init__(self, task: Task, spec: WorkflowSpec, call: CallFn, score: ScoreFn,
                  prompts: Mapping[str, str] | None = None, params: Mapping[str, Any] | None = None,
-                 format_penalty: float = 0.0, defer_score: bool = False):
+                 format_penalty: float = 0.0, defer_score: bool = False,
+                 tool_timeout_s: float = DEFAULT_TIMEOUT_S):
         self.task = task
         # finish() leaves the final answer's score to one batch after the rollout (masrl.workflows.batch_score)
         self.defer_score = defer_score
@@ -161,6 +167,8 @@ class Team:
         self.turns: list[Turn] = []
         self.format_penalty = format_penalty
         self.tool_calls = 0  # tool calls made in this episode (team.chat's cap counts them)
+        self.tool_counts = ToolCounts()  # their outcomes (Episode.tool_counts, tool/* metrics)
+        self.tool_timeout_s = tool_timeout_s  # team.chat's default deadline per tool call (tools.timeout_s)
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -177,7 +185,7 @@ class Team:
         if agent not in self.spec.agents:
             raise ValueError(f"workflow {self.spec.name!r} called unknown agent {agent!r}; "
                              f"its agents are {list(self.spec.agents)}")
-        turn = await self._call(agent, prompt)
+        turn = await self._call(agent, valid_prompt(prompt))
         turn.turn_index = len(self.turns)
         self.turns.append(turn)
         return turn
@@ -213,4 +221,29 @@ class Team:
         result = self.score(answer)
         reward = float(result["reward"])
         info = {**{k: v for k, v in result.items() if k != "reward"}, **info}
-        return Episode(task=self.task, turns=list(self.turns), reward=reward, answer=answer, info=info)
+        return Episode(task=self.task, turns=list(self.turns), reward=reward, answer=answer, info=info,
+                       tool_counts=self.tool_counts.as_dict())
+
+
+def valid_prompt(prompt: Any) -> Any:
+    """``prompt`` with its text valid UTF-8 (lone surrogates as U+FFFD: :func:`masrl.tools.text.valid_text`):
+    every prompt passes here on its way to a tokenizer, so task strings, retrieved passages and tool
+    results of any source are covered. Text that is valid already is kept as it is."""
+    if isinstance(prompt, str):
+        return valid_text(prompt)
+    if isinstance(prompt, Continuation):
+        return Continuation(prompt.turn, valid_text(prompt.text))
+    if isinstance(prompt, ChatPrompt):
+        return dataclasses.replace(prompt, messages=_valid_values(prompt.messages), tools=_valid_values(prompt.tools))
+    return prompt
+
+
+def _valid_values(value: Any) -> Any:
+    """Strings inside lists and dicts (chat messages, content parts, tool schemas) as valid UTF-8."""
+    if isinstance(value, str):
+        return valid_text(value)
+    if isinstance(value, list):
+        return [_valid_values(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _valid_values(v) for k, v in value.items()}
+    return value

@@ -15,10 +15,12 @@ the loop. Tool output is only ever in later prompts, never in a response, so it 
 
 A malformed call, an unknown tool or arguments against the schema becomes a tool message
 ``Error: ...`` and marks the turn invalid (format penalty). A tool that raises or times out
-is reported the same way but the turn stays valid (the call was well formed). Every attempt
-counts toward the episode's cap (``max_calls``, default ``team.params["max_tool_calls"]``
-or 8); a reply with calls beyond the cap ends the loop (``stop="call_limit"``) and the
-calls left over are not run.
+is reported the same way but the turn stays valid (the call was well formed). The deadline
+of one call is ``timeout_s``, default ``team.params["tool_timeout_s"]``, else the run's
+``tools.timeout_s`` (5 s). Every attempt counts toward the episode's cap (``max_calls``,
+default ``team.params["max_tool_calls"]`` or 8); a reply with calls beyond the cap ends the
+loop (``stop="call_limit"``) and the calls left over are not run (counted as ``dropped`` in
+``team.tool_counts``, with the attempts past the parser's 32 per reply).
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
     from masrl.workflows.base import Team
 
 DEFAULT_MAX_TOOL_CALLS = 8
-DEFAULT_TOOL_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -59,7 +60,7 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
         raise ValueError(f"team.chat({agent!r}, messages): messages must be a non-empty list of "
                          "{'role': ..., 'content': ...} dicts")
     box = tools if isinstance(tools, ToolBox) else ToolBox(
-        tools, timeout_s=timeout_s or team.params.get("tool_timeout_s", DEFAULT_TOOL_TIMEOUT_S))
+        tools, timeout_s=timeout_s or team.params.get("tool_timeout_s", team.tool_timeout_s))
     cap = max_calls if max_calls is not None else team.params.get("max_tool_calls", DEFAULT_MAX_TOOL_CALLS)
     schemas = tool_schemas(box.tools) or None
     out = ChatResult(text="")
@@ -77,10 +78,12 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
             turn.valid = False
         attempts = parsed.in_order()
         room = max(0, cap - team.tool_calls)
+        team.tool_counts.dropped += parsed.dropped + max(0, len(attempts) - room)
         ran = []
         for attempt in attempts[:room]:
             result = await asyncio.to_thread(box.run, attempt)
             team.tool_calls += 1
+            team.tool_counts.add(result)
             ran.append(result)
             messages.append(result.message())
         out.results += ran
