@@ -169,3 +169,75 @@ def test_model_config_problems_are_one_line(tmp_path, capsys, given, needle):
     given = given.format(path=path, missing=tmp_path / "nope.json", bad_json=tmp_path / "bad.json", bad_heads=heads,
                          float_hidden=floats)
     one_error(["plan", QUICKSTART, "policies.shared.model=acme/m", "--model-config", given], capsys, needle)
+
+
+# ---------------------------------------------------------------------- masrl sweep: grid and manifest sizes
+
+def _spec(tmp_path, axes, seeds=(0,)) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", "base": QUICKSTART, "seeds": list(seeds), "axes": axes}))
+    return path
+
+
+@pytest.mark.parametrize("axes,seeds,needle", [
+    ({f"a{i}": {"key": "eval.n", "values": list(range(1, 101))} for i in range(3)}, [0],
+     "100 x 100 x 100 = 1,000,000 cells x 1 seeds = 1,000,000 runs; the limit is 10,000"),
+    ({"a": {"key": "eval.n", "values": list(range(1, 101))}}, list(range(101)), "10,100 runs; the limit is 10,000"),
+    ({"a": {"key": "eval.n", "values": [1]}}, list(range(5000)), "5,000 seeds; the limit is 1,000"),
+], ids=["million_cells", "cells_x_seeds", "seeds"])
+def test_sweep_grid_over_the_cap_is_refused_before_expanding(tmp_path, capsys, axes, seeds, needle):
+    """A 10^6-cell grid's dry run built a million configs (it hung)."""
+    t0 = time.monotonic()
+    one_error(["sweep", _spec(tmp_path, axes, seeds), "--dry-run", "--out", tmp_path / "out"], capsys, needle)
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "out").exists()
+
+
+def _manifest(out: Path, seeds, cells=("a=1",)) -> Path:
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"name": "s", "axes": {"a": ["1"]}, "seeds": list(seeds),
+                                                "cells": list(cells)}))
+    return out
+
+
+@pytest.mark.parametrize("what", ["seeds", "runs", "bytes"])
+def test_sweep_report_refuses_a_manifest_larger_than_any_sweep_writes(tmp_path, capsys, what):
+    """An 8 MB sweep.json naming 10^6 seeds: the report listed a million runs (it hung)."""
+    out = tmp_path / "sw"
+    if what == "seeds":
+        _manifest(out, range(10 ** 6))  # 7.9 MB
+        needle = "1,000,000 seeds = 1,000,000 runs"
+    elif what == "runs":
+        _manifest(out, range(100), [f"a={i}" for i in range(101)])
+        needle = "101 cells x 100 seeds = 10,100 runs"
+    else:
+        out.mkdir()
+        (out / "sweep.json").write_bytes(b" " * (17 << 20))
+        needle = "17,825,792 bytes; the limit is 16,777,216"
+    t0 = time.monotonic()
+    one_error(["sweep", "report", out], capsys, needle, "sweep.json")
+    assert time.monotonic() - t0 < 10 and not (out / "summary.md").exists()
+
+
+# ---------------------------------------------------------------------- numeric options of the other subcommands
+
+@pytest.mark.parametrize("argv,option", [
+    (["eval", QUICKSTART, "--n", "nan"], "--n"),
+    (["eval", QUICKSTART, "--limit", BIG], "--limit"),
+    (["export", "run", "--out", "x", "--step", "inf"], "--step"),
+    (["export", "run", "--out", "x", "--max-shard-size", "1e400GB"], "--max-shard-size"),
+    (["sweep", "spec.yaml", "--jobs", "nan"], "--jobs"),
+    (["sweep", "spec.yaml", "--jobs", "1000001"], "--jobs"),
+    (["sweep", "spec.yaml", "--gpus-per-run", "inf"], "--gpus-per-run"),
+    (["ensemble", "select", "--data", "p.jsonl", "--k", BIG], "--k"),
+    (["ensemble", "select", "--data", "p.jsonl", "--split-frac", "inf"], "--split-frac"),
+    (["ensemble", "rl-focal", "--data", "p.jsonl", "--episodes", "1e400"], "--episodes"),
+    (["ensemble", "rl-focal", "--data", "p.jsonl", "--gamma", "nan"], "--gamma"),
+    (["ensemble", "collect", QUICKSTART, "--bench", "test", "--temperature", "inf"], "--temperature"),
+    (["serve-retriever", "--corpus", "synthetic_kb", "--topk", "nan"], "--topk"),
+    (["serve-retriever", "--corpus", "synthetic_kb", "--max-queries", BIG], "--max-queries"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(v[:1] + v[-2:-1] + [v[-1][:8]]))
+def test_numeric_option_out_of_range_is_one_argparse_line(tmp_path, monkeypatch, capsys, argv, option):
+    """nan / inf / 10^400 reached the command (a traceback, a hang or a run with a nonsense value) before."""
+    monkeypatch.chdir(tmp_path)
+    line = one_error(argv, capsys, f"argument {option}", "give ")
+    assert len(line) < 300

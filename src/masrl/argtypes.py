@@ -33,13 +33,14 @@ def _fmt(value: Number) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:g}"
 
 
-def describe_range(kind: type, low: Number | None, high: Number | None, low_open: bool = False) -> str:
+def describe_range(kind: type, low: Number | None, high: Number | None, low_open: bool = False,
+                   high_open: bool = False) -> str:
     """``an integer in 1..1,000,000``, ``a finite number > 0 and <= 100,000``, ..."""
     what = "an integer" if kind is int else "a finite number"
-    if low is not None and high is not None and not low_open:
+    if low is not None and high is not None and not (low_open or high_open):
         return f"{what} in {_fmt(low)}..{_fmt(high)}"
     parts = ([f"{'>' if low_open else '>='} {_fmt(low)}"] if low is not None else []) + \
-        ([f"<= {_fmt(high)}"] if high is not None else [])
+        ([f"{'<' if high_open else '<='} {_fmt(high)}"] if high is not None else [])
     return f"{what} {' and '.join(parts)}" if parts else what
 
 
@@ -54,12 +55,12 @@ def parse_number(kind: type, text: str) -> Number:
 
 
 def bounded(kind: type, low: Number | None = None, high: Number | None = None, *,
-            low_open: bool = False) -> Callable[[str], Number]:
-    """An argparse ``type=``: ``kind`` (int or float), finite, ``low <= value <= high`` (``low < value``
-    with ``low_open``). Every refusal is one ``argparse.ArgumentTypeError`` naming value and range."""
+            low_open: bool = False, high_open: bool = False) -> Callable[[str], Number]:
+    """An argparse ``type=``: ``kind`` (int or float), finite, ``low <= value <= high`` (strict with
+    ``low_open`` / ``high_open``). Every refusal is one ``argparse.ArgumentTypeError`` naming value and range."""
     if kind not in (int, float):
         raise TypeError(f"bounded() takes int or float, not {kind!r}")
-    allowed = describe_range(kind, low, high, low_open)
+    allowed = describe_range(kind, low, high, low_open, high_open)
 
     def parse(text: str) -> Number:
         try:
@@ -68,7 +69,8 @@ def bounded(kind: type, low: Number | None = None, high: Number | None = None, *
             what = "an integer" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{shown(text)} is not {what}; give {allowed}") from None
         below = low is not None and (value <= low if low_open else value < low)
-        if (kind is float and not math.isfinite(value)) or below or (high is not None and value > high):
+        above = high is not None and (value >= high if high_open else value > high)
+        if (kind is float and not math.isfinite(value)) or below or above:
             raise argparse.ArgumentTypeError(f"{shown(text)} is out of range; give {allowed}")
         return value
 

@@ -5,6 +5,11 @@ import argparse
 import sys
 import time
 
+from masrl.argtypes import MAX_COUNT, bounded
+
+
+MAX_QUERY_CHARS = 10 ** 7
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve-retriever`` subcommand; its ``func(args)`` returns an exit code."""
@@ -19,11 +24,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "hybrid"],
                    help="dense and hybrid need `pip install masrl[embed]`")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--topk", type=int, default=3, help="topk when a request gives none")
-    p.add_argument("--max-topk", type=int, default=50, help="larger topk requests are capped to this")
-    p.add_argument("--max-queries", type=int, default=512, help="most queries per request")
-    p.add_argument("--max-query-chars", type=int, default=2000, help="longer queries are truncated")
+    p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
+    p.add_argument("--topk", type=bounded(int, 1, MAX_COUNT), default=3, help="topk when a request gives none")
+    p.add_argument("--max-topk", type=bounded(int, 1, MAX_COUNT), default=50, help="larger topk requests are capped to this")
+    p.add_argument("--max-queries", type=bounded(int, 1, MAX_COUNT), default=512, help="most queries per request")
+    p.add_argument("--max-query-chars", type=bounded(int, 1, MAX_QUERY_CHARS), default=2000, help="longer queries are truncated")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk index cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run_serve_retriever)
@@ -40,12 +45,6 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    if not 1 <= args.port <= 65535:
-        print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
-        return 2
-    if args.topk < 1 or args.max_topk < 1 or args.max_queries < 1 or args.max_query_chars < 1:
-        print("error: --topk, --max-topk, --max-queries and --max-query-chars must be >= 1", file=sys.stderr)
-        return 2
     spec = ("synthetic_kb" if args.corpus == "synthetic_kb" else
             {"type": args.retriever, "corpus": args.corpus, "format": args.format, "cache": not args.no_cache})
     start = time.perf_counter()
