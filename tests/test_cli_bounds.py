@@ -241,3 +241,9 @@ def test_numeric_option_out_of_range_is_one_argparse_line(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     line = one_error(argv, capsys, f"argument {option}", "give ")
     assert len(line) < 300
+
+
+def test_model_config_that_no_policy_uses_is_still_read(tmp_path, capsys):
+    """A mistyped path is not ignored because every policy is tiny."""
+    one_error(["plan", QUICKSTART, "--model-config", tmp_path / "nope.json"], capsys, "does not exist")
+    one_error(["plan", QUICKSTART, "--model-config", _config_json(tmp_path)], capsys, "every policy", "POLICY=PATH")

@@ -26,7 +26,7 @@ from typing import Sequence
 from masrl.argtypes import MAX_COUNT, MAX_TOKENS, shown
 from masrl.errors import ConfigError
 from masrl.models.precision import resolve_autocast
-from masrl.plan.shapes import ModelShape, model_shape
+from masrl.plan.shapes import ModelShape, model_shape, read_model_config
 
 GiB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -132,12 +132,17 @@ def model_config_paths(cfg, given: Sequence[str]) -> dict[str, str]:
     for item in given:
         policy, sep, path = item.partition("=")
         if sep and policy in cfg.policies:
-            out[policy] = path
+            targets = [policy]
         elif sep and not Path(item).exists() and "/" not in policy:
             raise ConfigError(f"--model-config {shown(item)}: no policy {shown(policy)} in the config; give "
                               f"POLICY=PATH with one of {', '.join(cfg.policies)}, or a path alone")
         else:
-            out.update({n: item for n, p in cfg.policies.items() if p.model != "tiny"})
+            path, targets = item, [n for n, p in cfg.policies.items() if p.model != "tiny"]
+        read_model_config(path)  # a path given is read even where no policy uses it: a typo is not ignored
+        if not targets:
+            raise ConfigError(f"--model-config {shown(item)}: every policy of the config is a tiny model; give "
+                              "POLICY=PATH to plan one with that shape")
+        out.update({n: path for n in targets})
     return out
 
 
