@@ -176,8 +176,57 @@ def cases(f: dict, d: Path) -> list[tuple[str, list[str], str]]:
         ("serve-list", ["serve-retriever", "--corpus", str(d / "ens_list.jsonl"), "--format", "json_list"], "error"),
         ("serve-port", ["serve-retriever", "--corpus", "synthetic_kb", "--port", "70000"], "error"),
         ("serve-topk", ["serve-retriever", "--corpus", "synthetic_kb", "--topk", "0"], "error"),
+        # masrl plan: numbers out of range, impossible model shapes, models not known offline
+        ("plan-hetero-example", ["plan", str(EXAMPLES / "gpu" / "search_drmas_hetero_7b_3b.yaml")], "any"),
+        ("plan-unknown-model", ["plan", str(f["cfg"]), "policies.shared.model=acme/no-such-model"], "error"),
+        ("plan-model-config-missing", ["plan", str(f["cfg"]), "--model-config", str(d / "nope.json")], "error"),
+        ("plan-model-config-binary", ["plan", str(f["cfg"]), "policies.shared.model=acme/m", "--model-config",
+                                      str(f["binary"])], "error"),
+        ("plan-model-config-list", ["plan", str(f["cfg"]), "policies.shared.model=acme/m", "--model-config",
+                                    str(f["list"])], "error"),
+        ("plan-model-config-policy", ["plan", str(f["cfg"]), "--model-config", "nobody=x.json"], "error"),
+        ("plan-model-config-shape", ["plan", str(f["cfg"]), "policies.shared.model=acme/m", "--model-config",
+                                     str(d / "shape_bad.json")], "error"),
+        ("plan-mbt-huge", ["plan", str(f["cfg"]), "trainer.micro_batch_tokens=" + "9" * 400], "error"),
+    ]
+    for key, value in [("num_attention_heads", "0"), ("hidden_size", "-64"), ("num_attention_heads", "5"),
+                       ("num_key_value_heads", "3"), ("num_hidden_layers", "0"), ("intermediate_size", "1e400")]:
+        c.append((f"plan-tiny-{key}={value}", ["plan", str(f["cfg"]), f"policies.shared.tiny.{key}={value}"], "error"))
+    numbers = ["nan", "inf", "-inf", "1e400", "9" * 400, "-1", "0", "1e308", "abc", ""]
+    for name, argv in [("plan", ["plan", str(f["cfg"])]), ("eval", ["eval", str(f["cfg"])]),
+                       ("export", ["export", str(d / "badrun"), "--out", str(d / "expn")]),
+                       ("sweep", ["sweep", str(d / "spec_ok.yaml"), "--dry-run", "--out", str(d / "swn")]),
+                       ("ens", ["ensemble", "rl-focal", "--data", str(d / "ens_ok.jsonl")]),
+                       ("ens-collect", ["ensemble", "collect", str(f["cfg"]), "--bench", "test"]),
+                       ("serve", ["serve-retriever", "--corpus", "synthetic_kb"])]:
+        for option in NUMERIC_OPTIONS[name]:
+            for value in numbers:
+                if value in OK_VALUES.get(option, ()):
+                    continue
+                c.append((f"num {name} {option} {value[:12]!r}", [*argv, option, value], "error"))
+    c += [
+        ("sweep-grid-million", ["sweep", str(d / "spec_million.yaml"), "--dry-run", "--out", str(d / "swm")], "error"),
+        ("sweep-seeds-many", ["sweep", str(d / "spec_seeds.yaml"), "--dry-run", "--out", str(d / "sws")], "error"),
+        ("sweep-report-million", ["sweep", "report", str(d / "sw_million")], "error"),
+        ("sweep-report-huge", ["sweep", "report", str(d / "sw_huge")], "error"),
+        ("data-path-unknown", ["data", "path", "no_such_set"], "error"),
+        ("data-path-dotdot", ["data", "path", "../../etc/passwd"], "error"),
+        ("data-verify-unknown", ["data", "verify", "no_such_set"], "error"),
+        ("data-get-unknown", ["data", "get", "no_such_set", "--dir", str(d / "datadir")], "error"),
     ]
     return c
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# every numeric option of each subcommand (the probe feeds each one nan, inf, 10^400, negatives, zero, junk)
+NUMERIC_OPTIONS = {"plan": ["--gpus", "--gpu-gib", "--prompt-tokens"], "eval": ["--n", "--limit"],
+                   "export": ["--step", "--max-shard-size"], "sweep": ["--jobs", "--nice", "--gpus-per-run"],
+                   "ens": ["--seeds", "--window", "--episodes", "--gamma", "--alpha", "--split-frac"],
+                   "ens-collect": ["--limit", "--n-samples", "--seed", "--temperature"],
+                   "serve": ["--port", "--topk", "--max-topk", "--max-queries", "--max-query-chars"]}
+# values that are in range for an option (not refused; left out of the cases above)
+OK_VALUES = {"--prompt-tokens": ("0",), "--step": ("0",), "--nice": ("-1", "0"), "--gpus-per-run": ("0",),
+             "--gamma": ("0",), "--alpha": ("-1", "0"), "--seed": ("0",), "--temperature": ("0",)}
 
 
 def more_fixtures(f: dict, d: Path) -> None:
@@ -223,6 +272,17 @@ def more_fixtures(f: dict, d: Path) -> None:
     (d / "ens_two_rows.jsonl").write_text("\n".join(json.dumps(r) for r in ok[:2]) + "\n")
     (d / "ens_bigint.jsonl").write_text("\n".join(json.dumps(r) for r in ok) + '\n{"id": 1' + "0" * 5000 + "}\n")
     (d / "ens_shape.jsonl").write_text("\n".join(json.dumps(r) for r in shape) + "\n")
+    (d / "shape_bad.json").write_text(json.dumps({"hidden_size": 1000, "num_hidden_layers": 2, "num_attention_heads": 7,
+                                                  "intermediate_size": 64, "vocab_size": 100}))
+    values = list(range(1, 101))
+    (d / "spec_million.yaml").write_text(yaml.safe_dump({**spec, "axes": {f"a{i}": {"key": "eval.n", "values": values}
+                                                                          for i in range(3)}}))
+    (d / "spec_seeds.yaml").write_text(yaml.safe_dump({**spec, "seeds": list(range(5000))}))
+    (d / "sw_million").mkdir()
+    (d / "sw_million" / "sweep.json").write_text(json.dumps({"name": "m", "axes": {"a": ["1"]}, "seeds": list(range(10 ** 6)),
+                                                             "cells": ["a=1"]}))
+    (d / "sw_huge").mkdir()
+    (d / "sw_huge" / "sweep.json").write_bytes(b" " * (17 << 20))
 
 
 def run_forked(argv: list[str], cwd: Path, timeout: float) -> tuple[int | str, str]:

@@ -428,7 +428,10 @@ def _ensemble_rows(labels, answers_of=lambda y: [y, y, None]) -> list[dict]:
 def _ensemble(argv, capsys) -> tuple[int, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code = main(["ensemble", *map(str, argv)])
+        try:
+            code = main(["ensemble", *map(str, argv)])
+        except SystemExit as e:  # argparse refuses a bounded option
+            code = e.code
     return code, capsys.readouterr().err
 
 
@@ -565,8 +568,8 @@ def test_config_values_checked_outside_the_schema(write_cfg, capsys, over, needl
     (["select", "--out", "{data}"], "is a file, not a folder"),
     (["select", "--combiner", "os:system"], "must be a function fn(item_id, proposals)"),
     (["select", "--method", "proxy-fitness", "--weights", "nan,nan,nan"], "finite numbers"),
-    (["rl-focal", "--seeds", "1", "--episodes", "-1"], "--episodes must be >= 1"),
-    (["rl-focal", "--seeds", "1", "--gamma", "5"], "--gamma must be in [0, 1]"),
+    (["rl-focal", "--seeds", "1", "--episodes", "-1"], "argument --episodes: '-1' is out of range"),
+    (["rl-focal", "--seeds", "1", "--gamma", "5"], "argument --gamma: '5' is out of range; give a finite number in 0..1"),
 ], ids=["out_is_a_file", "summarizer_signature", "nan_weights", "negative_episodes", "gamma"])
 def test_ensemble_options_found_by_probing(tmp_path, capsys, argv, needle):
     """A FileExistsError / TypeError traceback, or exit 0 on nonsense, before."""

@@ -7,6 +7,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from masrl.argtypes import MAX_COUNT, MAX_TOKENS, bounded, shown
 from masrl.config import load_config
 from masrl.errors import ConfigError, UserInputError, clip_lines
 from masrl.paths import check_output_dir
@@ -120,7 +121,8 @@ def _cmd_plan(args) -> int:
     from masrl.plan import format_plan, plan
 
     cfg = load_config(args.config, args.overrides)
-    report = plan(cfg, devices=args.gpus, device_gib=args.gpu_gib, prompt_tokens=args.prompt_tokens)
+    report = plan(cfg, devices=args.gpus, device_gib=args.gpu_gib, prompt_tokens=args.prompt_tokens,
+                  model_configs=args.model_config)
     print(format_plan(report))
     return 0 if report["fits"] else 1
 
@@ -131,35 +133,14 @@ def _cmd_sweep(args) -> int:
     return sweep_main(args.argv)
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= ``low`` (argparse prints the error and exits 2)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below the minimum {low}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
-    return value
-
-
 _SIZE_UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+MAX_SHARD_BYTES = 10 ** 15
+MAX_STEP = 10 ** 9
+MAX_DEVICE_GIB = 1e5
 
 
 def _byte_size(text: str) -> str | int:
-    """An argparse type: a size like ``5GB``, ``500MB`` (given on as text) or a byte count (an int), >= 1 byte."""
+    """An argparse type: a size like ``5GB``, ``500MB`` (given on as text) or a byte count (an int), 1 byte to 1PB."""
     number, unit = text.strip().upper(), "B"
     for name in _SIZE_UNITS:
         if number.endswith(name):
@@ -168,9 +149,9 @@ def _byte_size(text: str) -> str | int:
     try:
         value = float(number) * _SIZE_UNITS.get(unit, 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB, or bytes)") from None
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be at least one byte")
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a size (e.g. 5GB, 500MB, or bytes)") from None
+    if not math.isfinite(value) or not 1 <= value <= MAX_SHARD_BYTES:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is out of range; give a size from 1 byte to 1000TB")
     return text.strip().upper() if unit != "B" else int(value)
 
 
@@ -203,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--checkpoint", help="RUN_DIR or RUN_DIR/checkpoints/step_N")
     ev.add_argument("--bench", default="test", help="comma-separated benchmarks; 'test' = the task's held-out split")
-    ev.add_argument("--n", type=int, default=None, help="samples per task")
+    ev.add_argument("--n", type=bounded(int, 1, MAX_COUNT), default=None, help="samples per task")
     ev.add_argument("--k", default=None, help="comma-separated k values for pass@k")
-    ev.add_argument("--limit", type=int, default=None, help="tasks per benchmark")
+    ev.add_argument("--limit", type=bounded(int, 1, MAX_STEP), default=None, help="tasks per benchmark")
     ev.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval or runs/eval)")
     ev.add_argument("--strict", action="store_true", help="fail on malformed data rows instead of skipping them")
     ev.set_defaults(func=_cmd_eval)
@@ -217,9 +198,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*")
-    pl.add_argument("--gpus", type=_int_at_least(1), default=None, help="devices (default: the config's worker groups)")
-    pl.add_argument("--gpu-gib", type=_positive_float, default=80.0, help="memory of one device in GiB")
-    pl.add_argument("--prompt-tokens", type=_int_at_least(0), default=512, help="assumed longest prompt, in tokens")
+    pl.add_argument("--gpus", type=bounded(int, 1, MAX_COUNT), default=None,
+                    help="devices (default: the config's worker groups)")
+    pl.add_argument("--gpu-gib", type=bounded(float, 0, MAX_DEVICE_GIB, low_open=True), default=80.0,
+                    help="memory of one device in GiB")
+    pl.add_argument("--prompt-tokens", type=bounded(int, 0, MAX_TOKENS), default=512,
+                    help="assumed longest prompt, in tokens")
+    pl.add_argument("--model-config", action="append", default=[], metavar="[POLICY=]PATH",
+                    help="a model's config.json (or its folder) for a model masrl plan does not know offline; "
+                         "POLICY= for one policy, else every pretrained policy (repeatable)")
     pl.set_defaults(func=_cmd_plan)
 
     sweep = sub.add_parser("sweep", add_help=False, help="run a grid of configs x seeds (masrl sweep SPEC.yaml), "
@@ -230,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export", help="write trained policies as Hugging Face model / PEFT adapter folders")
     exp.add_argument("run_dir", help="a masrl run folder (config.yaml + checkpoints/)")
     exp.add_argument("--out", required=True, help="folder to create (one sub-folder per policy)")
-    exp.add_argument("--step", type=int, default=None, help="checkpoint step (default: the last valid one)")
+    exp.add_argument("--step", type=bounded(int, 0, MAX_STEP), default=None, help="checkpoint step (default: the last valid one)")
     exp.add_argument("--policy", action="append", default=None, help="policy to export (repeatable; default: all)")
     exp.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into full weights")
     exp.add_argument("--max-shard-size", type=_byte_size, default="5GB", help="safetensors shard size (default 5GB)")

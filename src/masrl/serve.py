@@ -110,27 +110,25 @@ def run_serve(args) -> int:
 
 
 def register(sub) -> None:
+    from masrl.argtypes import bounded
+
     p = sub.add_parser("serve", help="serve a trained team (a run folder or an export) as an OpenAI-compatible "
                                      "endpoint: model = an agent's name")
     p.add_argument("path", help="a run folder (its newest checkpoint that loads) or a masrl export folder; "
                                 "key=value overrides may follow (agents.Solver.temperature=0)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    p.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
     p.add_argument("--api-key", default=None, help="the key clients must send (default: any)")
-    p.add_argument("--batch-window-ms", type=float, default=5.0,
+    p.add_argument("--batch-window-ms", type=bounded(float, 0.0, 1000.0), default=5.0,
                    help="requests within this window are generated together (default 5)")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per call (default 600)")
-    p.add_argument("--max-seconds", type=float, default=None, help="stop after this many seconds (default: "
-                                                                   "serve until interrupted)")
+    p.add_argument("--request-timeout", type=bounded(float, 1.0, 86400.0), default=600.0,
+                   help="seconds per call (default 600)")
+    p.add_argument("--max-seconds", type=bounded(float, 0.0, 1e7), default=None,
+                   help="stop after this many seconds (default: serve until interrupted)")
     p.set_defaults(func=_cmd_serve, overrides=[])
 
 
 def _cmd_serve(args) -> int:
-    for name, value, low, high in (("--port", args.port, 0, 65535), ("--batch-window-ms", args.batch_window_ms, 0, 1000),
-                                   ("--request-timeout", args.request_timeout, 1, 86400),
-                                   ("--max-seconds", args.max_seconds, 0, 1e7)):
-        if value is not None and not low <= value <= high:  # also false for nan
-            raise UserInputError(f"{name} must be in [{low}, {high}], got {value}")
     if args.max_seconds is not None:
         args.max_seconds = time.monotonic() + args.max_seconds
     return run_serve(args)

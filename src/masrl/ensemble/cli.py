@@ -11,9 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from masrl.argtypes import MAX_COUNT, bounded
 from masrl.paths import write_text_atomic
 
 __all__ = ["register", "main"]
+MAX_ALPHA = 1e6  # size penalty of RL-Focal
+MAX_LIMIT = 10 ** 9  # tasks per benchmark ("at most"; more than the benchmark holds is harmless)
+MAX_TEMPERATURE = 100.0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -21,7 +25,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label-field", default="label", help="gold field (default: label; e.g. label_rlfocal)")
     p.add_argument("--split", default="auto", help="auto | first | field:NAME (default auto: split_rlfocal / "
                                                    "split_routerdc field if present, else first 80%% of each task)")
-    p.add_argument("--split-frac", type=float, default=0.8, help="training fraction for --split first")
+    p.add_argument("--split-frac", type=bounded(float, 0, 1, low_open=True, high_open=True), default=0.8, help="training fraction for --split first")
     p.add_argument("--models", default=None, help="comma-separated subset of the pool")
     p.add_argument("--lenient", action="store_true", help="skip malformed rows with a warning instead of failing")
     p.add_argument("--out", default=None, help="write markdown + JSON (+ PNG) reports to this folder")
@@ -51,28 +55,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _common(p)
     _selector_opts(p)
     p.add_argument("--method", default="forward", choices=list(SELECTORS))
-    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--k", type=bounded(int, 1, MAX_COUNT), default=3)
     p.set_defaults(func=_guard(cmd_select))
 
     p = sub.add_parser("compare", help="every selector side by side (table + accuracy-vs-cost PNG)")
     _common(p)
     _selector_opts(p)
-    p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--k", type=bounded(int, 1, MAX_COUNT), nargs="+", default=[2, 3, 4])
     p.add_argument("--methods", default=None, help="comma-separated selectors (default: all that apply)")
     p.set_defaults(func=_guard(cmd_compare), out_default="ensemble_compare")
 
     p = sub.add_parser("rl-focal", help="train RL-Focal (Decider + Fusion) and evaluate on the test split")
     _common(p)
-    p.add_argument("--seeds", type=int, default=5, help="number of seeds (0..n-1), default 5")
+    p.add_argument("--seeds", type=bounded(int, 1, MAX_COUNT), default=5, help="number of seeds (0..n-1), default 5")
     p.add_argument("--preset", default="auto", help="hyper-parameter preset: bbh | mmlu | gsm8k | gpqa | musr | "
                                                     "none | auto (from the file name)")
-    p.add_argument("--alpha", type=float, default=None, help="size penalty (overrides the preset)")
+    p.add_argument("--alpha", type=bounded(float, -MAX_ALPHA, MAX_ALPHA), default=None, help="size penalty (overrides the preset)")
     p.add_argument("--weights", default=None, help="state fitness weights focal,vote,fleiss (overrides the preset)")
-    p.add_argument("--window", type=int, default=50)
-    p.add_argument("--episodes", type=int, default=20)
+    p.add_argument("--window", type=bounded(int, 1, MAX_COUNT), default=50)
+    p.add_argument("--episodes", type=bounded(int, 1, MAX_COUNT), default=20)
     p.add_argument("--algo", choices=("reinforce", "ppo"), default="reinforce")
     p.add_argument("--reward", choices=("spec", "reference"), default="spec")
-    p.add_argument("--gamma", type=float, default=0.0)
+    p.add_argument("--gamma", type=bounded(float, 0, 1), default=0.0)
     p.add_argument("--test-window", choices=("train", "stream"), default="train")
     p.add_argument("--fusion-loss", choices=("ce", "reinforce"), default="ce")
     p.add_argument("--no-fusion", action="store_true")
@@ -88,13 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. workflow.params.n_proposers=5")
     p.add_argument("--bench", required=True, help="comma-separated benchmarks; 'test' = the task's held-out split; "
                                                   "each becomes one `task` of the file")
-    p.add_argument("--limit", type=int, default=None, help="tasks per benchmark (default: eval.limit)")
+    p.add_argument("--limit", type=bounded(int, 1, MAX_LIMIT), default=None, help="tasks per benchmark (default: eval.limit)")
     p.add_argument("--out", default=None, help="output JSONL (default: RUN_DIR/ensemble/<bench>.jsonl with "
                                                "--checkpoint, else runs/ensemble/<bench>.jsonl)")
     p.add_argument("--checkpoint", default=None, help="RUN_DIR or RUN_DIR/checkpoints/step_N: the trained weights")
-    p.add_argument("--n-samples", type=int, default=1, help="episodes per task, one row each (id suffix #j)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the config's seed)")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--n-samples", type=bounded(int, 1, MAX_COUNT), default=1, help="episodes per task, one row each (id suffix #j)")
+    p.add_argument("--seed", type=bounded(int, 0, 2 ** 32 - 1), default=None, help="sampling seed (default: the config's seed)")
+    p.add_argument("--temperature", type=bounded(float, 0, MAX_TEMPERATURE), default=None,
                    help="sampling temperature (default: eval.temperature, else each agent's)")
     p.add_argument("--strict", action="store_true", help="fail on malformed benchmark rows instead of skipping them")
     p.set_defaults(func=_guard(_cmd_collect))
@@ -232,12 +236,7 @@ def cmd_rlfocal(args) -> int:
         kw["alpha"] = args.alpha
     if args.weights is not None:
         kw["fitness_weights"] = _weights(args.weights)
-    if args.seeds < 1:
-        raise InputError("--seeds must be >= 1")
-    if args.window < 1 or args.episodes < 1:
-        raise InputError(f"--window and --episodes must be >= 1, got {args.window} and {args.episodes}")
-    if not 0.0 <= args.gamma <= 1.0 or not math.isfinite(kw.get("alpha", 0.0)):
-        raise InputError(f"--gamma must be in [0, 1] and --alpha a finite number, got {args.gamma} and {args.alpha}")
+    # --seeds, --window, --episodes, --gamma and --alpha are bounded by their argparse types
     cfg = RLFocalConfig(window=args.window, episodes=args.episodes, algo=args.algo, reward=args.reward,
                         gamma=args.gamma, test_window=args.test_window, fusion=not args.no_fusion,
                         fusion_loss=args.fusion_loss, **kw)

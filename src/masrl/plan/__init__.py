@@ -20,9 +20,13 @@ H attention heads, S = prompt_tokens + the longest max_new_tokens of the policy'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
 
+from masrl.argtypes import MAX_COUNT, MAX_TOKENS, shown
+from masrl.errors import ConfigError
 from masrl.models.precision import resolve_autocast
-from masrl.plan.shapes import ModelShape, model_shape
+from masrl.plan.shapes import ModelShape, model_shape, read_model_config
 
 GiB = 2 ** 30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -75,9 +79,10 @@ def activation_bytes(shape: ModelShape, tokens: int, seq: int, response_tokens: 
     return tokens * shape.layers * per_token_layer + shape.layers * attention + logits
 
 
-def plan_policy(cfg, name: str, prompt_tokens: int = 512, cuda: bool = True) -> PolicyPlan:
+def plan_policy(cfg, name: str, prompt_tokens: int = 512, cuda: bool = True,
+                model_config: str | None = None) -> PolicyPlan:
     pcfg = cfg.policies[name]
-    shape = model_shape(pcfg)
+    shape = model_shape(pcfg, model_config, policy=name)
     place = cfg.runtime.for_policy(name) if cfg.runtime.kind == "ray" else None
     world = place.workers if place is not None else 1
     fsdp = cfg.runtime.strategy == "fsdp"
@@ -120,10 +125,45 @@ def counted(plan: PolicyPlan) -> dict[str, float]:
     return {k: v for k, v in plan.terms.items() if k not in ("activations_ckpt", "activations_no_ckpt")}
 
 
-def plan(cfg, devices: int | None = None, device_gib: float = 80.0, prompt_tokens: int = 512) -> dict:
+def model_config_paths(cfg, given: Sequence[str]) -> dict[str, str]:
+    """``--model-config [POLICY=]PATH`` items -> policy: path. Without ``POLICY=`` a path applies to every
+    policy with a pretrained model (not ``tiny``); a later item for the same policy wins."""
+    out: dict[str, str] = {}
+    for item in given:
+        policy, sep, path = item.partition("=")
+        if sep and policy in cfg.policies:
+            targets = [policy]
+        elif sep and not Path(item).exists() and "/" not in policy:
+            raise ConfigError(f"--model-config {shown(item)}: no policy {shown(policy)} in the config; give "
+                              f"POLICY=PATH with one of {', '.join(cfg.policies)}, or a path alone")
+        else:
+            path, targets = item, [n for n, p in cfg.policies.items() if p.model != "tiny"]
+        read_model_config(path)  # a path given is read even where no policy uses it: a typo is not ignored
+        if not targets:
+            raise ConfigError(f"--model-config {shown(item)}: every policy of the config is a tiny model; give "
+                              "POLICY=PATH to plan one with that shape")
+        out.update({n: path for n in targets})
+    return out
+
+
+def check_plan_inputs(cfg, prompt_tokens: int, device_gib: float) -> None:
+    """Bounds on the numbers the plan multiplies (one error line naming the key), so that every figure is finite."""
+    values = {"--prompt-tokens": (prompt_tokens, MAX_TOKENS), "--gpu-gib": (device_gib, 1e5),
+              "trainer.micro_batch_tokens": (cfg.trainer.micro_batch_tokens, MAX_TOKENS),
+              "trainer.max_rollout_batch": (cfg.trainer.max_rollout_batch, MAX_COUNT)}
+    values.update({f"agents.{a}.max_new_tokens": (acfg.max_new_tokens, MAX_TOKENS) for a, acfg in cfg.agents.items()})
+    for key, (value, high) in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= high:  # nan fails too
+            raise ConfigError(f"masrl plan: {key} = {shown(value)} is out of range; give a number in 0..{high:,}")
+
+
+def plan(cfg, devices: int | None = None, device_gib: float = 80.0, prompt_tokens: int = 512,
+         model_configs: Sequence[str] = ()) -> dict:
     """Per policy its terms, per device the sum under the placement, and the verdict."""
+    check_plan_inputs(cfg, prompt_tokens, device_gib)
+    shapes = model_config_paths(cfg, model_configs)
     policies = {n: plan_policy(cfg, n, prompt_tokens, cuda=cfg.trainer.device != "cpu" or
-                               cfg.runtime.gpus_per_worker > 0) for n in cfg.policies}
+                               cfg.runtime.gpus_per_worker > 0, model_config=shapes.get(n)) for n in cfg.policies}
     for p in policies.values():
         if "vllm" in p.terms:
             p.terms["vllm"] = cfg.rollout.gpu_memory_utilization * device_gib * GiB

@@ -5,9 +5,11 @@ Sits just below the CLI: it may import anything in masrl; nothing but ``masrl.cl
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
+from masrl.argtypes import MAX_COUNT, bounded
+
+MAX_GPUS_PER_RUN = 1024
 USAGE = "masrl sweep SPEC.yaml [options]  |  masrl sweep report DIR [--baseline-arm AXIS=LABEL ...]"
 
 
@@ -17,11 +19,12 @@ def run_parser() -> argparse.ArgumentParser:
                                 epilog="summarize with: masrl sweep report DIR")
     p.add_argument("spec", help="sweep spec (YAML): name, base, out, seeds, overrides, axes")
     p.add_argument("--out", help="output folder (default: the spec's 'out')")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
-    p.add_argument("--nice", type=int, default=0, help="start each run under `nice -n N`")
+    p.add_argument("--jobs", type=bounded(int, 1, MAX_COUNT), default=1, help="runs at a time (default 1)")
+    p.add_argument("--nice", type=bounded(int, -20, 19), default=0,
+                   help="start each run under `nice -n N` (-20..19, what nice accepts)")
     p.add_argument("--ray", metavar="ADDRESS", help="run each run as a Ray task on this cluster "
                    "('auto', 'ray://host:10001', or 'local' to start one here)")
-    p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --ray: GPUs each run's task asks for")
+    p.add_argument("--gpus-per-run", type=bounded(float, 0, MAX_GPUS_PER_RUN), default=0.0, help="with --ray: GPUs each run's task asks for")
     p.add_argument("--quick", action="store_true", help="2 RL steps, tiny SFT and eval: a smoke test, not a result")
     p.add_argument("--dry-run", action="store_true", help="print every run's command line and whether it is "
                    "finished, run nothing")
@@ -54,12 +57,6 @@ def main(argv: list[str]) -> int:
         print(f"\nusage: {USAGE}")
         return 0 if argv else 2
     args = run_parser().parse_args(argv)
-    if args.jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
-    if not -20 <= args.nice <= 19:
-        raise ConfigError(f"--nice must be in -20..19 (what nice accepts), got {args.nice}")
-    if not math.isfinite(args.gpus_per_run) or args.gpus_per_run < 0:
-        raise ConfigError(f"--gpus-per-run must be a finite number >= 0, got {args.gpus_per_run}")
     if args.gpus_per_run and not args.ray:
         raise ConfigError("--gpus-per-run needs --ray (local runs use the devices their config names)")
     from masrl.sweep.run import sweep

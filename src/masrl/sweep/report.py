@@ -18,10 +18,11 @@ from masrl.paths import write_text_atomic
 from masrl.config import ConfigError
 from masrl.errors import UserInputError, decode_utf8
 from masrl.sweep.run import read_report
-from masrl.sweep.spec import cell_name, parse_cell_name
+from masrl.sweep.spec import MAX_RUNS, MAX_SEEDS, cell_name, parse_cell_name
 from masrl.sweep.stats import mean_ci, paired
 
 TRAIN_REWARD_WINDOW = 10  # train_reward_final: mean team/reward over the last 10 RL steps
+MAX_MANIFEST_BYTES = 16 << 20  # OUT/sweep.json: 10,000 runs' cell names and the spec take a few MB at most
 
 
 @dataclass
@@ -164,17 +165,28 @@ def _last_line(log: Path) -> str:
 
 def read_manifest(path: Path) -> dict:
     """OUT/sweep.json as ``masrl sweep`` writes it (axes: {axis: [labels]}, seeds: [int], cells: [cell names]),
-    or one ``ConfigError`` naming the file and what is wrong with it (truncated, not JSON, wrong types)."""
+    or one ``ConfigError`` naming the file and what is wrong with it (truncated, not JSON, wrong types, larger
+    than any sweep writes: its size is checked before it is read, its counts before anything is expanded)."""
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"masrl sweep report: {path}: {why}; re-run `masrl sweep SPEC` to rewrite it, or delete it "
                            "to report the run folders found")
     try:
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise refuse(f"{size:,} bytes; the limit is {MAX_MANIFEST_BYTES:,} (a sweep of {MAX_RUNS:,} runs "
+                         "writes far less)")
         manifest = json.loads(decode_utf8(path.read_bytes(), path, "sweep manifest"))
     except (OSError, ValueError, RecursionError, UserInputError) as e:  # unreadable, not UTF-8/JSON, too deep
+        if isinstance(e, ConfigError):
+            raise
         raise refuse(f"not a readable JSON file ({e})") from None
     if not isinstance(manifest, dict):
         raise refuse("not a JSON object")
     axes, seeds, cells = manifest.get("axes"), manifest.get("seeds"), manifest.get("cells")
+    if isinstance(seeds, list) and isinstance(cells, list) and (
+            len(seeds) > MAX_SEEDS or len(seeds) * len(cells) > MAX_RUNS):
+        raise refuse(f"{len(cells):,} cells x {len(seeds):,} seeds = {len(cells) * len(seeds):,} runs; the limits are "
+                     f"{MAX_RUNS:,} runs and {MAX_SEEDS:,} seeds")
     if not (isinstance(axes, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
                                            for v in axes.values())):
         raise refuse("'axes' is not a mapping of axis -> list of labels")
@@ -187,8 +199,9 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[str, str], ...], int]], str]:
-    """(axes -> labels in order, expected (labels, seed) runs, sweep name) from sweep.json, else the folders."""
+def found_runs(out: Path) -> list[tuple[tuple[tuple[str, str], ...], int]]:
+    """(labels, seed) of the run folders and records in OUT (``<cell>/seed<S>[.log|.json]``), at most
+    ``MAX_RUNS``: a folder holding more is refused before it is all listed."""
     found = []
     for cell_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         labels = parse_cell_name(cell_dir.name)
@@ -197,12 +210,22 @@ def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[st
         seeds = {int(p.name[4:].split(".")[0]) for p in cell_dir.iterdir()
                  if p.name.startswith("seed") and p.name[4:].split(".")[0].isdigit()}
         found += [(labels, s) for s in sorted(seeds)]
+        if len(found) > MAX_RUNS:
+            raise ConfigError(f"masrl sweep report: {out} holds more than {MAX_RUNS:,} runs (<axis>=<label>__.../"
+                              "seed<S>); report a sweep's own output folder, or split it")
+    return found
+
+
+def discover(out: Path) -> tuple[dict[str, list[str]], list[tuple[tuple[tuple[str, str], ...], int]], str]:
+    """(axes -> labels in order, expected (labels, seed) runs, sweep name) from sweep.json, else the folders."""
     manifest_path = out / "sweep.json"
-    if manifest_path.is_file():
-        manifest = read_manifest(manifest_path)
+    manifest = read_manifest(manifest_path) if manifest_path.is_file() else None  # refused before any listing
+    found = found_runs(out)
+    if manifest is not None:
         axes = {a: list(labels) for a, labels in manifest["axes"].items()}
         expected = [(parse_cell_name(c), s) for s in manifest["seeds"] for c in manifest["cells"]]
-        return axes, expected + [r for r in found if r not in expected], manifest.get("name", out.name)
+        known = set(expected)
+        return axes, expected + [r for r in found if r not in known], manifest.get("name", out.name)
     if not found:
         raise ConfigError(f"masrl sweep report: {out} has no sweep.json and no run folders "
                           "(<axis>=<label>__.../seed<S>); is it a sweep's output folder?")

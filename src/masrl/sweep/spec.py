@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # axis names and labels 
 Scalar = Union[bool, int, float, str]
 MAX_CELL_NAME_BYTES = 255  # a cell's folder name (axis=label__...): the limit of ext4, XFS, APFS, NTFS
 RESERVED = ("seed", "output_dir", "logging.progress")  # set by the sweep itself
+MAX_RUNS = 10_000  # cells x seeds of one sweep (each run is a `masrl train` process)
+MAX_SEEDS = 1_000
 
 
 class _Strict(BaseModel):
@@ -94,6 +97,19 @@ class SweepSpec(_Strict):
         if any(not 0 <= seed < 2 ** 32 for seed in seeds):
             raise ValueError(f"seeds must be in 0..{2 ** 32 - 1} (what torch and numpy accept)")
         return seeds
+
+    @model_validator(mode="after")
+    def _grid_size(self):
+        """cells x seeds, computed before anything is expanded: a grid too large is refused at once."""
+        if len(self.seeds) > MAX_SEEDS:
+            raise ValueError(f"{len(self.seeds):,} seeds; the limit is {MAX_SEEDS:,}: split the seeds over several specs")
+        cells = math.prod(len(axis.arms) for axis in self.axes.values())
+        if cells * len(self.seeds) > MAX_RUNS:
+            sizes = " x ".join(str(len(axis.arms)) for axis in self.axes.values())
+            raise ValueError(f"the grid is {sizes} = {cells:,} cells x {len(self.seeds):,} seeds = "
+                             f"{cells * len(self.seeds):,} runs; the limit is {MAX_RUNS:,} runs: use fewer axis values "
+                             "or seeds, or split the sweep into several specs (each with its own out)")
+        return self
 
     @model_validator(mode="after")
     def _names_and_reserved_keys(self):

@@ -5,6 +5,11 @@ import argparse
 import sys
 import time
 
+from masrl.argtypes import MAX_COUNT, bounded
+
+
+MAX_QUERY_CHARS = 10 ** 7
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add the ``serve-retriever`` subcommand; its ``func(args)`` returns an exit code."""
@@ -19,14 +24,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "hybrid"],
                    help="dense and hybrid need `pip install masrl[embed]`")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--topk", type=int, default=3, help="topk when a request gives none")
-    p.add_argument("--max-topk", type=int, default=50, help="larger topk requests are capped to this")
-    p.add_argument("--max-queries", type=int, default=512, help="most queries per request")
-    p.add_argument("--max-query-chars", type=int, default=2000, help="longer queries are truncated")
-    p.add_argument("--max-connections", type=int, default=256, help="most open connections")
-    p.add_argument("--max-connections-per-client", type=int, default=128, help="most open connections from one address")
-    p.add_argument("--header-timeout", type=float, default=10.0,
+    p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
+    p.add_argument("--topk", type=bounded(int, 1, MAX_COUNT), default=3, help="topk when a request gives none")
+    p.add_argument("--max-topk", type=bounded(int, 1, MAX_COUNT), default=50, help="larger topk requests are capped to this")
+    p.add_argument("--max-queries", type=bounded(int, 1, MAX_COUNT), default=512, help="most queries per request")
+    p.add_argument("--max-query-chars", type=bounded(int, 1, MAX_QUERY_CHARS), default=2000, help="longer queries are truncated")
+    p.add_argument("--max-connections", type=bounded(int, 1, MAX_COUNT), default=256, help="most open connections")
+    p.add_argument("--max-connections-per-client", type=bounded(int, 1, MAX_COUNT), default=128,
+                   help="most open connections from one address")
+    p.add_argument("--header-timeout", type=bounded(float, 0.0, 86400.0, low_open=True), default=10.0,
                    help="seconds a connection may take to send a whole request head before it is closed")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the on-disk index cache")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -44,18 +50,6 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    if not 1 <= args.port <= 65535:
-        print(f"error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
-        return 2
-    counts = (args.topk, args.max_topk, args.max_queries, args.max_query_chars, args.max_connections,
-              args.max_connections_per_client)
-    if min(counts) < 1:
-        print("error: --topk, --max-topk, --max-queries, --max-query-chars, --max-connections and "
-              "--max-connections-per-client must be >= 1", file=sys.stderr)
-        return 2
-    if not 0 < args.header_timeout < float("inf"):
-        print(f"error: --header-timeout must be a number of seconds > 0, got {args.header_timeout}", file=sys.stderr)
-        return 2
     spec = ("synthetic_kb" if args.corpus == "synthetic_kb" else
             {"type": args.retriever, "corpus": args.corpus, "format": args.format, "cache": not args.no_cache})
     start = time.perf_counter()
