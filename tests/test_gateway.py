@@ -281,3 +281,28 @@ def test_masrl_serve_a_run_folder(tiny_cfg, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert yaml.safe_load((cfg.run_dir / "config.yaml").read_text())["name"] == "test"
+
+
+def test_a_failing_program_fails_only_its_episode(tiny_cfg, tmp_path):
+    """The rollout isolates an episode whose program raises: invalid with the reason, the others go on."""
+    from masrl.config import config_from_dict
+    from masrl.trainer import Trainer
+
+    (tmp_path / "flaky.py").write_text(AGENT_PROGRAM + '''
+
+calls = {"n": 0}
+
+
+def flaky(task, client_kwargs):
+    calls["n"] += 1
+    if calls["n"] == 1:
+        raise RuntimeError("the program broke")
+    return run(task, client_kwargs)
+''')
+    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {"entry": f"{tmp_path / 'flaky.py'}:flaky",
+                                                               "timeout_s": 120}))
+    with Trainer(cfg) as trainer:
+        episodes = trainer.rollout(trainer.source.train[:3], [0, 1, 2], seed=1)
+    failed = [e for e in episodes if e.error]
+    assert len(failed) == 1 and "the program broke" in failed[0].error and failed[0].reward == 0.0
+    assert all(len(e.turns) == 2 for e in episodes if not e.error)
