@@ -306,3 +306,48 @@ def flaky(task, client_kwargs):
     failed = [e for e in episodes if e.error]
     assert len(failed) == 1 and "the program broke" in failed[0].error and failed[0].reward == 0.0
     assert all(len(e.turns) == 2 for e in episodes if not e.error)
+
+
+def test_tool_call_round_trip_and_request_bounds(gateway):
+    """A reply with a call comes back as tool_calls; the tool's answer goes into the next prompt as a tool
+    message; unknown fields, streaming and n out of range are 400s that make no turn."""
+    call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+    class _Tooly(_Scripted):
+        async def __call__(self, agent, prompt):
+            turn = await super().__call__(agent, prompt)
+            turn.text = call_text if len(self.prompts) == 1 else "5"
+            return turn
+
+    backend = _Tooly()
+    team = Team(Task(id="t", question="q", answer=""), _spec(), backend, lambda t, a: {"reward": 0.0})
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+    def client(session):
+        c = openai.OpenAI(**session.client_kwargs, max_retries=0)
+        msgs = [{"role": "user", "content": "2+3?"}]
+        first = c.chat.completions.create(model="Planner", messages=msgs, tools=tools)
+        call = first.choices[0].message.tool_calls[0]
+        msgs += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        second = c.chat.completions.create(model="Planner", messages=msgs, tools=tools)
+        errors = {}
+        for name, kwargs in {"unknown": {"extra_body": {"frobnicate": 1}}, "stream": {"extra_body": {"stream": True}},
+                             "n": {"n": 99}}.items():
+            try:
+                c.chat.completions.create(model="Planner", messages=[{"role": "user", "content": "x"}], **kwargs)
+            except openai.BadRequestError as e:
+                errors[name] = e.body
+        return first, call, second, errors
+
+    _, (first, call, second, errors) = _drive(gateway, team, client)
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert second.choices[0].message.content == "5" and second.choices[0].finish_reason == "stop"
+    assert backend.prompts[1].messages[-1] == {"role": "tool", "content": "5", "tool_call_id": call.id}
+    assert backend.prompts[1].prefix is not None  # the call's ids are extended, not re-rendered
+    assert backend.prompts[1].tools == tools
+    assert errors["unknown"]["code"] == "unknown_parameter" and errors["n"]["param"] == "n"
+    assert "stream" in errors["stream"]["message"]
+    assert len(team.turns) == 2

@@ -80,7 +80,13 @@ def _load(path: Path, overrides: list[str]):
                          "(export.json + config.yaml)")
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def run_serve(args) -> int:
+    if args.host not in LOCAL_HOSTS and not args.api_key:
+        raise UserInputError(f"masrl serve --host {args.host}: a non-local address needs --api-key (clients must "
+                             "send it); the default 127.0.0.1 serves this machine only")
     from masrl.gateway import EpisodeSession, Gateway
     from masrl.rollout.runner import make_call
     from masrl.trainer import Trainer
@@ -96,6 +102,7 @@ def run_serve(args) -> int:
         gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout)
         gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1")
         gateway.default_key = args.api_key
+        gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
         print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
         try:
             while args.max_seconds is None or time.monotonic() < args.max_seconds:

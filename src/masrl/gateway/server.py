@@ -40,6 +40,12 @@ from masrl.types import Turn
 MAX_BODY = 4 * 1024 * 1024
 MAX_N = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI request fields: served, or accepted and not applied (sampling is the agent's config); others are a 400
+_COMMON = {"model", "n", "temperature", "top_p", "max_tokens", "stop", "logprobs", "seed", "presence_penalty",
+           "frequency_penalty", "user", "logit_bias", "stream", "stream_options", "metadata", "store", "service_tier"}
+CHAT_FIELDS = _COMMON | {"messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs",
+                         "max_completion_tokens", "response_format", "reasoning_effort", "modalities", "prediction"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "echo", "best_of"}
 
 
 class GatewayError(Exception):
@@ -111,6 +117,7 @@ class Gateway:
         self.refused = 0  # requests that named no live episode
         self.default: EpisodeSession | None = None  # masrl serve: one standing session, no episodes
         self.default_key: str | None = None         # ... that only this key may use (None: any)
+        self.max_new_tokens: dict[str, int] = {}    # agent -> its max_new_tokens (bounds max_tokens)
         gateway = self
 
         class Handler(_Handler):
@@ -177,21 +184,32 @@ class Gateway:
             raise GatewayError(404, f"no route {method} {route}; the gateway serves POST /v1/chat/completions, "
                                "POST /v1/completions and GET /v1/models", "not_found")
         request = _json_object(body)
+        chat = route == "/v1/chat/completions"
+        unknown = sorted(set(request) - (CHAT_FIELDS if chat else COMPLETION_FIELDS))
+        if unknown:
+            raise GatewayError(400, f"unrecognized request argument(s): {', '.join(map(str, unknown))[:200]}",
+                               "unknown_parameter", param=str(unknown[0])[:100])
+        if request.get("stream"):
+            raise GatewayError(400, "stream is not supported by the masrl gateway; send stream: false", param="stream")
         agent = request.get("model")
         if agent not in session.team.agents:
-            raise GatewayError(404, f"model {agent!r} is not an agent of this team; the agents are "
+            raise GatewayError(404, f"model {str(agent)[:100]!r} is not an agent of this team; the agents are "
                                f"{list(session.team.agents)}", "model_not_found", param="model")
         n = _bounded_int(request.get("n", 1), "n", 1, MAX_N)
-        if route == "/v1/chat/completions":
+        budget = self.max_new_tokens.get(agent)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if request.get(name) is not None:
+                _bounded_int(request[name], name, 1, budget or 10 ** 7)
+        if chat:
             messages, tools = _messages(request.get("messages")), _tools(request.get("tools"))
-            turns = self._run(session, session.chat(agent, messages, tools, n))
+            turns = _fitted(self._run(session, session.chat(agent, messages, tools, n)))
             return 200, _chat_response(agent, turns, bool(tools), bool(request.get("logprobs")))
         prompt = request.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise GatewayError(400, "prompt must be a string (one prompt per request)", param="prompt")
-        turns = self._run(session, session.complete(agent, prompt, n))
+        turns = _fitted(self._run(session, session.complete(agent, prompt, n)))
         return 200, _completion_response(agent, turns, request.get("logprobs") is not None)
 
     def _run(self, session: EpisodeSession, coro) -> list[Turn]:
@@ -204,6 +222,16 @@ class Gateway:
                                "timeout", kind="server_error") from None
         session.calls += len(turns)
         return turns
+
+
+def _fitted(turns: list[Turn]) -> list[Turn]:
+    """The turns of a call, or a 400 when the prompt could not fit the agent's context (the turn is recorded
+    invalid, nothing was generated)."""
+    refused = next((t for t in turns if "refused" in t.info), None)
+    if refused is not None:
+        raise GatewayError(400, f"the prompt does not fit: {refused.info['refused']}", "context_length_exceeded",
+                           param="messages")
+    return turns
 
 
 def _split_path(path: str) -> tuple[str | None, str]:
