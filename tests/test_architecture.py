@@ -51,3 +51,17 @@ def test_contracts_catch_a_wrong_way_import_and_a_cycle(tmp_path):
     assert result.returncode != 0
     assert "masrl.rollout.base -> masrl.training.policy" in result.stdout
     assert "No cycles are allowed in masrl.models" in result.stdout
+
+
+def test_every_top_level_module_is_in_the_layer_contract():
+    """A new module or package of masrl gets a place in the import rule (pyproject.toml's layers)."""
+    import re
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "layers")["layers"]
+    listed = {name.split(".", 1)[1] for layer in layers for name in re.findall(r"masrl\.\w+", layer)}
+    src = ROOT / "src" / "masrl"
+    modules = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
+    packages = {p.parent.name for p in src.glob("*/__init__.py")}
+    assert sorted((modules | packages) - listed) == []

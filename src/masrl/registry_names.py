@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from masrl.config import ConfigError, RunConfig
+from masrl.config import RunConfig
+from masrl.errors import ConfigError
 
 
 def check_names(cfg: RunConfig) -> None:

@@ -47,7 +47,7 @@ _HOW_TO = ("ensemble collect needs a proposers -> summarizer team: set workflow.
 
 
 def _no_proposals(where: str, name: str, detail: str = "") -> ValueError:
-    from masrl.config import ConfigError
+    from masrl.errors import ConfigError
 
     return ConfigError(f"{where}: workflow {name!r} records no proposals (episode.info['proposals']{detail}); "
                        + _HOW_TO)

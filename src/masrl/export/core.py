@@ -27,8 +27,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from masrl.config import ConfigError, RunConfig, load_config
-from masrl.errors import UserInputError
+from masrl.config import RunConfig, load_config
+from masrl.errors import ConfigError, UserInputError
 from masrl.paths import check_output_dir
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.training import checkpoint as ckpt

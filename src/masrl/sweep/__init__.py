@@ -41,7 +41,7 @@ def report_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from masrl.config import ConfigError
+    from masrl.errors import ConfigError
     from masrl.paths import check_output_dir
 
     if argv[:1] == ["report"]:

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from masrl.paths import write_text_atomic
-from masrl.config import ConfigError
-from masrl.errors import UserInputError, decode_utf8
+from masrl.errors import ConfigError, UserInputError, decode_utf8
 from masrl.sweep.run import read_report
 from masrl.sweep.spec import MAX_RUNS, MAX_SEEDS, cell_name, parse_cell_name
 from masrl.sweep.stats import mean_ci, paired

@@ -23,7 +23,8 @@ import itertools
 from pathlib import Path
 from typing import Any, Iterator
 
-from masrl.config import ConfigError, TaskConfig
+from masrl.config import TaskConfig
+from masrl.errors import ConfigError
 from masrl.tasks.math_data import DatasetLoadError
 from masrl.tasks.rows import BadRow, RowPos, detect_row_format, iter_records, parse_rows
 from masrl.types import Task

@@ -31,7 +31,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from masrl.config import ConfigError
+from masrl.errors import ConfigError
 from masrl.tasks.reward_guard import call_with_deadline, checked_reward
 from masrl.types import Episode, Task, Turn
 
