@@ -125,3 +125,14 @@ def test_rollback_restores_the_last_checkpoint_before_the_first_breach(tiny_cfg,
 def test_bad_action_is_a_config_error(tiny_cfg):
     with pytest.raises(Exception, match="monitoring.collapse.action"):
         config_from_dict(tiny_cfg(**{"monitoring.collapse.action": "panic"}))
+
+
+def test_a_resumed_monitor_stops_only_on_a_new_event():
+    m = CollapseMonitor(["A"], action="stop", min_history=1, patience=1)
+    _feed(m, [{"team/reward": 0.5}, {"team/reward": 0.1}])
+    assert m.stop_requested and m.first_breach() == 2
+    resumed = CollapseMonitor(["A"], action="stop", min_history=1, patience=1)
+    resumed.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert not resumed.stop_requested and len(resumed.events) == 1
+    _feed(resumed, [{"team/reward": 0.5}, {"team/reward": 0.5}, {"team/reward": 0.1}], start=3)
+    assert resumed.stop_requested and resumed.first_breach() == 5

@@ -358,7 +358,7 @@ class Trainer:
     def _end_on_collapse(self) -> None:
         """``monitoring.collapse.action`` stop / rollback: RL ends after this step; rollback restores the
         newest checkpoint saved before the first breach (its weights only: RL does not go on)."""
-        event, action = self.collapse.events[0], self.cfg.monitoring.collapse.action
+        event, action = self.collapse.stop_event, self.cfg.monitoring.collapse.action
         print(f"[masrl] RL ends at step {self.step} of {self.cfg.trainer.total_steps}: {event.describe()} "
               f"(monitoring.collapse.action: {action})", file=sys.stderr)
         if action != "rollback":

@@ -65,6 +65,7 @@ class CollapseMonitor:
         self.streak: dict[str, list[int]] = {}   # signal -> steps of the current run of breaches
         self.fired: set[str] = set()             # signals whose current run has already raised an event
         self.events: list[CollapseEvent] = []
+        self.stop_event: CollapseEvent | None = None  # the first event of this process under stop / rollback
 
     def signals(self) -> list[str]:
         return ["team/reward", *(f"agent/{a}/{s}" for a in self.agents for s in _AGENT_SIGNALS)]
@@ -102,14 +103,19 @@ class CollapseMonitor:
                 new.append(event)
                 logger.warning("step %d: %s (monitoring.collapse.action: %s)", step, event.describe(), self.action)
         self.events.extend(new)
+        if new and self.action != "log" and self.stop_event is None:
+            self.stop_event = new[0]
         return new
 
     @property
     def stop_requested(self) -> bool:
-        return self.action != "log" and bool(self.events)
+        """An event under ``stop``/``rollback`` since this monitor was built or loaded (a resumed run that
+        stopped before goes on until a new event)."""
+        return self.stop_event is not None
 
     def first_breach(self) -> int | None:
-        return min((e.first_breach for e in self.events), default=None)
+        """The first step of the breaches that raised the stopping event."""
+        return self.stop_event.first_breach if self.stop_event is not None else None
 
     def state_dict(self) -> dict:
         return {"history": {k: list(v) for k, v in self.history.items()}, "streak": dict(self.streak),
