@@ -1,5 +1,6 @@
 """``masrl example``: the shipped configs listed and written out, in a checkout and from a wheel installed
 outside it (the README's quickstart line must run after a wheel install)."""
+import os
 import subprocess
 import sys
 import venv
@@ -67,17 +68,18 @@ def test_wheel_outside_the_checkout_ships_the_examples(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     python = env_dir / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the venv's own masrl, not a source tree
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--ignore-installed", str(wheel)], check=True, capture_output=True, timeout=300, env=env)
     work = tmp_path / "work"
     work.mkdir()
 
     def masrl(*args):
         return subprocess.run([str(python), "-m", "masrl", *args], cwd=work, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=300, env=env)
 
     where = subprocess.run([str(python), "-c", "import masrl, masrl.paths as p; print(masrl.__file__, p.in_checkout())"],
-                           cwd=work, capture_output=True, text=True, check=True).stdout.split()
+                           cwd=work, capture_output=True, text=True, check=True, env=env).stdout.split()
     assert where[0].startswith(str(env_dir)) and where[1] == "False", where
     got = masrl("example", "get", "quickstart")
     assert got.returncode == 0, got.stderr
