@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
+import sys
 from datetime import date
 from pathlib import Path
 
 from masrl.monitoring.collapse import replay
+from masrl.versions import git_sha
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _benchutil import cpu_model  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict]:
@@ -51,24 +54,6 @@ def evaluate_run(metrics: Path) -> dict:
             "replay_matches_trainer": (sorted((e.signal, e.step) for e in events) == logged) if logged else None}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def summarize(results: list[dict]) -> dict:
     collapsed = [r for r in results if r["drop_eval_step"] is not None]
     stable = [r for r in results if r["drop_eval_step"] is None]
@@ -82,8 +67,8 @@ def summarize(results: list[dict]) -> dict:
 
 def write(results: list[dict], out: Path, sweeps: list[str]) -> None:
     summary = summarize(results)
-    meta = {"command": "python benchmarks/study/collapse_eval.py " + " ".join(sweeps), "commit": _commit(),
-            "date": date.today().isoformat(), "cpu": _cpu()}
+    meta = {"command": "python benchmarks/study/collapse_eval.py " + " ".join(sweeps),
+            "commit": (git_sha() or "unknown")[:7], "date": date.today().isoformat(), "cpu": cpu_model()}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
     lines = [f"# Collapse detector on E3 ({', '.join(sweeps)})", "",
              f"`{meta['command']}` — masrl {meta['commit']}, {meta['date']}, {meta['cpu']}", "",

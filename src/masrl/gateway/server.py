@@ -85,8 +85,7 @@ class EpisodeSession:
 
     def _prefix(self, agent: str, messages: list[dict]) -> ChatPrefix | None:
         last = self.last.get(agent)
-        if last is None or not last.turn.prompt_ids or "refused" in last.turn.info \
-                or "prompt_truncated_from" in last.turn.info:
+        if last is None:
             return None
         n = len(last.messages)
         if len(messages) <= n or messages[:n] != last.messages:
@@ -94,7 +93,7 @@ class EpisodeSession:
         reply = messages[n]
         if reply.get("role") != "assistant" or reply.get("content") != last.turn.text:
             return None
-        return ChatPrefix(n, list(last.turn.prompt_ids), list(last.turn.response_ids))
+        return ChatPrefix.of(last.turn, n)
 
     async def chat(self, agent: str, messages: list[dict], tools: list[dict] | None, n: int) -> list[Turn]:
         prefix = self._prefix(agent, messages)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from statistics import median
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -89,7 +90,7 @@ class CollapseMonitor:
                 continue
             value = float(value)
             hist = self.history.setdefault(signal, deque(maxlen=self.window))
-            baseline = _median(hist) if len(hist) >= self.min_history else None
+            baseline = median(hist) if len(hist) >= self.min_history else None
             if baseline is None or not self.breaches(signal, value, baseline):
                 hist.append(value)
                 self.streak.pop(signal, None)
@@ -126,12 +127,6 @@ class CollapseMonitor:
         self.streak = {k: list(v) for k, v in state.get("streak", {}).items()}
         self.fired = set(state.get("fired", []))
         self.events = [CollapseEvent(**e) for e in state.get("events", [])]
-
-
-def _median(values) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def replay(metrics_rows: list[Mapping[str, Any]], agents: list[str], **kwargs: Any) -> list[CollapseEvent]:

@@ -68,6 +68,14 @@ class ChatPrefix:
     prompt_ids: list[int]
     response_ids: list[int]
 
+    @classmethod
+    def of(cls, turn: Any, n_messages: int) -> "ChatPrefix | None":
+        """What the next call extends: ``turn``'s full prompt ids and its reply, or None for a turn that
+        cannot be extended (refused, or its prompt cut to fit the context)."""
+        if not turn.prompt_ids or "prompt_truncated_from" in turn.info or "refused" in turn.info:
+            return None
+        return cls(n_messages, list(turn.prompt_ids), list(turn.response_ids))
+
 
 @dataclass
 class ChatPrompt:

@@ -69,7 +69,7 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
         turn = await team.call(agent, ChatPrompt(list(messages), schemas, prefix=prefix))
         out.turns.append(turn)
         out.text = turn.text
-        prefix = _prefix_of(turn, len(messages))
+        prefix = ChatPrefix.of(turn, len(messages))
         messages.append({"role": "assistant", "content": turn.text})
         parsed = parse_tool_calls(turn.text, box.tools, formats)
         if not parsed.attempted:
@@ -92,10 +92,3 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
             turn.info["tool_call_limit"] = True
             out.stop = "call_limit"
             return out
-
-
-def _prefix_of(turn: Turn, n_messages: int) -> ChatPrefix | None:
-    """What the next call extends: this turn's full prompt ids and its reply (not a refused or cut prompt)."""
-    if not turn.prompt_ids or "prompt_truncated_from" in turn.info or "refused" in turn.info:
-        return None
-    return ChatPrefix(n_messages, list(turn.prompt_ids), list(turn.response_ids))

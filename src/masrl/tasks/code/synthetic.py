@@ -122,6 +122,11 @@ def code_synth_score(mode: str = "fraction", timeout_s: float = 1.0):
     return make_code_score(mode, timeout_s=float(timeout_s), total_timeout_s=3.0 * float(timeout_s))
 
 
+def _blocks(prompt: str) -> list[str]:
+    """The fenced programs in a prompt, in order."""
+    return re.findall(r"```\n(.*?)\n```", prompt, flags=re.S)
+
+
 def _squash(text: str) -> str:
     return re.sub(r"\s+", "", text)
 
@@ -155,28 +160,28 @@ class CodeSynthTeacher:
             return program.replace(a, b, 1)
         return program.replace("return ", "return 1+", 1) if "[" not in program else program.replace("xs", "xs[1:]", 1)
 
-    def _right(self, text: str, task: Task) -> bool:
-        from masrl.tasks.code.extract import extract_code
-
-        return _squash(extract_code(text)) == _squash(task.meta["reference_solution"])
+    @staticmethod
+    def _right(code: str, task: Task) -> bool:
+        """``code`` is the reference program, whitespace aside."""
+        return _squash(code) == _squash(task.meta["reference_solution"])
 
     def verdict(self, prompt: str, task: Task) -> str:
-        blocks = re.findall(r"```\n(.*?)\n```", prompt, flags=re.S)
-        ok = bool(blocks) and self._right(f"{FENCE}\n{blocks[-1]}\n{FENCE}", task)
+        blocks = _blocks(prompt)
+        ok = bool(blocks) and self._right(blocks[-1], task)
         if self.rng.random() < self.verifier_noise:
             ok = not ok
         return "\\boxed{Correct}" if ok else "\\boxed{Incorrect}"
 
     def choose(self, prompt: str, task: Task) -> str:
-        blocks = re.findall(r"```\n(.*?)\n```", prompt, flags=re.S)
-        right = [i for i, b in enumerate(blocks, 1) if self._right(f"{FENCE}\n{b}\n{FENCE}", task)]
+        blocks = _blocks(prompt)
+        right = [i for i, b in enumerate(blocks, 1) if self._right(b, task)]
         if right and self.rng.random() >= self.verifier_noise:
             return f"\\boxed{{{right[0]}}}"
         return f"\\boxed{{{self.rng.randint(1, max(len(blocks), 1))}}}"
 
     def combine(self, prompt: str, task: Task) -> str:
-        blocks = re.findall(r"```\n(.*?)\n```", prompt, flags=re.S)
-        right = [b for b in blocks if self._right(f"{FENCE}\n{b}\n{FENCE}", task)]
+        blocks = _blocks(prompt)
+        right = [b for b in blocks if self._right(b, task)]
         chosen = right[0] if right else (blocks[0] if blocks else task.meta["reference_solution"])
         return f"{FENCE}\n{chosen}\n{FENCE}"
 
