@@ -8,9 +8,9 @@ import warnings
 import pytest
 
 from masrl.paths import data_dir
-from masrl.tasks.retrieval import (BM25Retriever, CorpusError, CorpusWarning, HybridRetriever, Passage,
+from masrl.retrieval import (BM25Retriever, CorpusError, CorpusWarning, HybridRetriever, Passage,
                                    Retriever, build_retriever, format_passages, load_corpus, resolve_retriever)
-from masrl.tasks.retrieval.base import split_contents
+from masrl.retrieval.base import split_contents
 
 CORPUS = [
     ("Marie Curie", "Marie Curie was a physicist and chemist who conducted research on radioactivity."),
@@ -193,7 +193,7 @@ def test_hybrid_reciprocal_rank_fusion():
 def test_build_retriever_specs(tmp_path, jsonl_corpus):
     fixed = _Fixed(["a"])
     assert build_retriever(fixed) is fixed
-    from masrl.tasks.retrieval import HttpRetriever
+    from masrl.retrieval import HttpRetriever
 
     http = build_retriever("http://127.0.0.1:9/")
     assert isinstance(http, HttpRetriever) and http.url == "http://127.0.0.1:9/retrieve"

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from masrl.tasks.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
-from masrl.tasks.retrieval.server import BackgroundServer, ServerLimits
+from masrl.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
+from masrl.retrieval.server import BackgroundServer, ServerLimits
 
 PASSAGES = [Passage(str(i), f"Topic {name}", f"{name} is a common word about {name} things.")
             for i, name in enumerate(["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"])]
@@ -142,7 +142,7 @@ def test_cli_serve_retriever_subprocess(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(p.to_document()) + "\n" for p in PASSAGES))
     port = _free_port()
-    code = ("import argparse, sys; from masrl.tasks.retrieval.cli import register; "
+    code = ("import argparse, sys; from masrl.retrieval.cli import register; "
             "p = argparse.ArgumentParser(); sub = p.add_subparsers(); register(sub); "
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
@@ -173,7 +173,7 @@ def test_cli_serve_retriever_subprocess(tmp_path):
 def test_cli_missing_corpus_is_one_clear_line(tmp_path, capsys):
     import argparse
 
-    from masrl.tasks.retrieval.cli import register
+    from masrl.retrieval.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -208,7 +208,7 @@ def test_http_retriever_retries_server_errors():
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masrl.tasks.retrieval.server import _BadRequest, parse_retrieve_request
+from masrl.retrieval.server import _BadRequest, parse_retrieve_request
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

@@ -1,4 +1,4 @@
-"""The sandbox (masrl.tasks.code.sandbox): API, limits and adversarial programs.
+"""The sandbox (masrl.sandbox): API, limits and adversarial programs.
 
 Every adversarial test runs under each isolation level that works on this machine:
 ``namespaces`` (root: mount/net/pid namespaces + a fresh unprivileged uid), ``userns``
@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 
 if sys.platform == "linux":
-    from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, SandboxResult, run_python
+    from masrl.sandbox import Limits, Sandbox, SandboxError, SandboxResult, run_python
 
 UID_RANGE = (1_500_000_000, 1_600_000_000)
 # "basic-setuid": the no-namespace fallback with a Python that an unprivileged uid can run (the
@@ -94,7 +94,7 @@ def test_run_python_hello():
 
 
 def test_describe_reports_isolation():
-    from masrl.tasks.code.sandbox import sandbox_capabilities
+    from masrl.sandbox import sandbox_capabilities
 
     info = sandbox_capabilities()
     assert info["isolation"] in ("namespaces", "userns", "basic")
@@ -445,7 +445,7 @@ def test_network_switch(sb):
 
 ORPHAN_HARNESS = """
 import os, sys, threading, time
-from masrl.tasks.code.sandbox import Sandbox
+from masrl.sandbox import Sandbox
 sb = Sandbox(isolation=sys.argv[1], python=sys.argv[2], tmp_root=sys.argv[4])
 sb.resolve()
 threading.Thread(target=lambda: sb.run("import time\\ntime.sleep(60)", timeout_s=100), daemon=True).start()

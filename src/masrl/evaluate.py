@@ -7,7 +7,8 @@ from pathlib import Path
 
 from masrl.config import load_config
 from masrl.errors import ConfigError
-from masrl.paths import check_output_dir, write_text_atomic
+from masrl.io.atomic import write_text_atomic
+from masrl.paths import check_output_dir
 
 
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:

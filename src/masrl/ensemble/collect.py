@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from masrl.ensemble.data import InputError
-from masrl.paths import check_output_file, write_text_atomic
+from masrl.io.atomic import write_text_atomic
+from masrl.paths import check_output_file
 from masrl.types import Episode, Task
 
 __all__ = ["WORKFLOWS_WITH_PROPOSALS", "check_workflow", "proposer_slots", "episode_rows", "collect",

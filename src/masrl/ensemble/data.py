@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from masrl.errors import UserInputError
-from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
+from masrl.io.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
 
 __all__ = ["EnsembleData", "MalformedRowWarning", "load_jsonl", "from_records", "resolve_data_path",
            "split_indices", "Split"]
@@ -250,7 +250,7 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
 
     ``strict=True`` raises ``ValueError("<source>:<line>: <what is wrong>")`` at the first
     malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each (the
-    first 10, then a count: :mod:`masrl.tasks.rows`) and records them all in ``.skipped``.
+    first 10, then a count: :mod:`masrl.io.rows`) and records them all in ``.skipped``.
     ``models`` keeps only those models (in that order).
     """
     positioned = ((RowPos(str(i + line_offset), i, i + line_offset), obj) for i, obj in enumerate(records))
