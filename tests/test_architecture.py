@@ -108,3 +108,39 @@ def test_the_layer_table_check_sees_a_missing_or_moved_layer():
     i = next(k for k, r in enumerate(rows) if r.startswith("| `masrl.sandbox`"))
     rows[i], rows[i + 1] = rows[i + 1], rows[i]  # services and config swapped
     assert _doc_layers("\n".join(rows)) != _contract_layers()
+
+
+def _private_imports(src: Path) -> list[str]:
+    """``from masrl.x import _name`` / ``import masrl.x._mod`` across packages: a private name (or a private
+    module) is used only inside the package that defines it."""
+    import ast
+
+    found = []
+    for f in sorted(src.rglob("*.py")):
+        module = ".".join(f.relative_to(src).with_suffix("").parts)
+        package = module.rsplit(".", 1)[0] if f.name != "__init__.py" else module.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("masrl"):
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("masrl")]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                for i, part in enumerate(parts):
+                    if part.startswith("_") and not part.startswith("__"):
+                        owner = ".".join(parts[:i])  # the package the private name belongs to
+                        if package != owner and not package.startswith(owner + "."):
+                            found.append(f"{module}:{node.lineno} imports {target}")
+                        break
+    return found
+
+
+def test_no_private_name_is_imported_across_packages(tmp_path):
+    assert _private_imports(ROOT / "src") == []
+    pkg = tmp_path / "masrl" / "rollout"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text("from masrl.sandbox import _child\nfrom masrl.training.fsdp import _full\n")
+    assert _private_imports(tmp_path) == ["masrl.rollout.x:1 imports masrl.sandbox._child",
+                                          "masrl.rollout.x:2 imports masrl.training.fsdp._full"]

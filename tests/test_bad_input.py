@@ -496,7 +496,7 @@ def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
     import asyncio
 
     from masrl.config import config_from_dict
-    from masrl.evaluation.runner import agent_facts
+    from masrl.evaluation.summary import agent_facts
     from masrl.rollout.runner import make_call
     from masrl.rollout.scheduler import RolloutScheduler
     from masrl.training.policy import build_policy

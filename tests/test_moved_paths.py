@@ -19,6 +19,7 @@ MODULES = [  # (old module, a name in it, new module)
     ("masrl.tasks.retrieval.synthetic_kb", "synthetic_kb_retriever", "masrl.tasks.synthetic_kb"),
     ("masrl.tasks.rows", "read_rows", "masrl.io.rows"),
     ("masrl.tasks.lines", "text_lines", "masrl.io.lines"),
+    ("masrl.evaluation.runner", "summarize_episodes", "masrl.evaluation.summary"),
 ] + [(f"masrl.tasks.retrieval.{p.stem}", None, f"masrl.retrieval.{p.stem}")
      for p in sorted(SHIMS.glob("*.py")) if p.stem not in ("__init__", "synthetic_kb")]
 
@@ -74,6 +75,7 @@ def test_an_unknown_name_is_still_an_attribute_error():
 
 
 OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|code\.sandbox|code\._(child|cgroup|cleanup))"
+                       r"|masrl\.evaluation\.runner\b|evaluation/runner\.py"
                        r"|tasks/(retrieval/|rows\.py|lines\.py|code/(sandbox|_child|_cgroup|_cleanup)\.py)"
                        r"|from masrl\.tasks\.code import[^\n]*\b(run_python|Sandbox|Limits|SandboxError|SandboxResult"
                        r"|Isolation|default_sandbox|sandbox_capabilities)\b"
@@ -99,7 +101,8 @@ def test_masrl_itself_uses_only_the_new_paths():
             if not f.is_file() or f.suffix not in (".py", ".md", ".yaml", ".yml", ".toml", ".sh", "") or rel in ALLOWED:
                 continue
             if rel.startswith("src/masrl/tasks/retrieval/") or rel in (
-                    "src/masrl/tasks/rows.py", "src/masrl/tasks/lines.py", "src/masrl/tasks/code/sandbox.py"):
+                    "src/masrl/tasks/rows.py", "src/masrl/tasks/lines.py", "src/masrl/tasks/code/sandbox.py",
+                    "src/masrl/evaluation/runner.py"):
                 continue  # the deprecated modules themselves
             try:
                 text = f.read_text(encoding="utf-8")

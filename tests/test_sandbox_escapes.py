@@ -9,7 +9,6 @@ works here and stays fast.
 from __future__ import annotations
 
 import ast
-import atexit
 import logging
 import os
 import subprocess
@@ -22,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import FAST_TMP, cached_sandbox
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 
@@ -32,29 +32,10 @@ if sys.platform == "linux":
 
 MODES = ["namespaces", "userns", "basic"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-# a tmpfs for the work directories where there is one: removing thousands of entries on a busy
-# disk takes seconds that have nothing to do with what is tested
-FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-_SANDBOXES: dict = {}
 
 
 def _sandbox(mode: str, **kwargs) -> "Sandbox":
-    key = (mode, tuple(sorted(kwargs.items())))
-    if key not in _SANDBOXES:
-        root = tempfile.mkdtemp(prefix="masrl-test-sbx-", dir=FAST_TMP)
-        os.chmod(root, 0o711)  # the execution's uid must reach its work dir
-        atexit.register(_cleanup.remove_tree, root, 10.0)
-        try:
-            sb = Sandbox(max_workers=2, isolation=mode, tmp_root=root,
-                         limits=Limits(timeout_s=10, memory_mb=512, nproc=16), **kwargs)
-            sb.resolve()
-        except SandboxError as e:
-            sb = e
-        _SANDBOXES[key] = sb
-    sb = _SANDBOXES[key]
-    if isinstance(sb, Exception):
-        pytest.skip(f"isolation {mode!r} not available here: {str(sb)[:200]}")
-    return sb
+    return cached_sandbox(mode, own_tmp=True, **kwargs)
 
 
 @pytest.fixture(params=MODES)

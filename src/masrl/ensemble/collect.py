@@ -101,7 +101,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     :func:`masrl.rollout.runner.repeat_tasks` makes them). Raises ``ValueError`` if an episode has
     no proposals or the proposer set changes between episodes.
     """
-    from masrl.ensemble.data import _vocab_key
+    from masrl.ensemble.data import answer_key as _vocab_key
     from masrl.workflows.common import normalize_answer
 
     rows: list[dict] = []
