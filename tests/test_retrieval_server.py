@@ -170,6 +170,21 @@ def test_cli_serve_retriever_subprocess(tmp_path):
         proc.wait(timeout=10)
 
 
+def test_masrl_serve_retriever_knows_the_synthetic_kb_in_a_fresh_process(tmp_path):
+    """``masrl serve-retriever --corpus synthetic_kb``: the spec a task registers is known to the command (a
+    fresh interpreter, so nothing else imported the task); the port is taken, so it stops after indexing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
+        result = subprocess.run([sys.executable, "-m", "masrl", "serve-retriever", "--corpus", "synthetic_kb",
+                                 "--port", str(port), "--log-level", "critical"],
+                                env=env, capture_output=True, text=True, timeout=300)
+    assert "index over 60 passages ready" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1 and "cannot serve" in result.stderr
+
+
 def test_cli_missing_corpus_is_one_clear_line(tmp_path, capsys):
     import argparse
 

@@ -90,7 +90,9 @@ def build_retriever(spec: Any) -> Retriever:
     if kind in _REGISTERED:
         return _REGISTERED[kind](**opts)
     if kind not in RETRIEVER_TYPES:
-        raise ConfigError(f"unknown retriever type {kind!r}; expected one of {retriever_types()}")
+        raise ConfigError(f"unknown retriever type {kind!r}; expected one of {retriever_types()} (a type that a "
+                          f"package registers is known once the package is imported: synthetic_kb comes with "
+                          f"masrl.tasks.synthetic_kb)")
     if kind == "http":
         if "url" not in opts:
             raise ConfigError("retriever type 'http' needs 'url'")
