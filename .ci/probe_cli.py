@@ -356,7 +356,7 @@ def main() -> int:
         import importlib  # import once; children fork from here
         for mod in ("masrl.cli", "masrl.trainer", "masrl.evaluate", "masrl.registry_names", "masrl.sweep.run",
                     "masrl.sweep.report", "masrl.ensemble.cli", "masrl.ensemble.selectors", "masrl.export",
-                    "masrl.plan", "masrl.monitoring.plots", "masrl.tasks.retrieval.server"):
+                    "masrl.plan", "masrl.monitoring.plots", "masrl.retrieval.server"):
             importlib.import_module(mod)
     bad = 0
     with tempfile.TemporaryDirectory() as top:

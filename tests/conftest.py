@@ -53,3 +53,52 @@ def tiny():
 @pytest.fixture
 def tiny_cfg(tmp_path):
     return lambda **over: tiny_config_dict(tmp_path, **over)
+
+
+# ----------------------------------------------------------------------------- sandboxes shared by the sandbox tests
+# "basic-setuid": the no-namespace fallback with a Python that an unprivileged uid can run (the system one),
+# so that as root it still drops to a fresh uid
+SANDBOX_MODES = ["namespaces", "userns", "basic", "basic-setuid"]
+SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
+# a tmpfs for work directories where there is one: removing thousands of entries on a busy disk takes
+# seconds that have nothing to do with what is tested
+FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+_SANDBOXES: dict = {}
+
+
+def cached_sandbox(mode: str, *, max_workers: int = 2, own_tmp: bool = False, **kwargs):
+    """One resolved ``Sandbox`` per ``(mode, settings)`` for the whole test run, with the tests' limits
+    (10 s, 512 MB, 16 processes); the test is skipped where that isolation does not work here.
+
+    ``own_tmp``: work directories in a fresh folder (on :data:`FAST_TMP`), removed at exit, so a test can
+    count what is left in it; ``kwargs`` go to ``Sandbox``.
+    """
+    import atexit
+    import tempfile
+
+    from masrl.sandbox import Limits, Sandbox, SandboxError, _cleanup
+
+    key = (mode, max_workers, own_tmp, tuple(sorted(kwargs.items())))
+    if key not in _SANDBOXES:
+        if mode == "basic-setuid":
+            if os.geteuid() != 0 or SYSTEM_PYTHON is None:
+                pytest.skip("needs root and a system Python")
+            kwargs["python"] = SYSTEM_PYTHON
+        if own_tmp:
+            root = tempfile.mkdtemp(prefix="masrl-test-sbx-", dir=FAST_TMP)
+            os.chmod(root, 0o711)  # the execution's uid must reach its work dir
+            atexit.register(_cleanup.remove_tree, root, 10.0)
+            kwargs["tmp_root"] = root
+        try:
+            sb = Sandbox(max_workers=max_workers, isolation=mode.split("-")[0],
+                         limits=Limits(timeout_s=10, memory_mb=512, nproc=16), **kwargs)
+            sb.resolve()
+            if mode == "basic-setuid" and not sb.isolation.setuid:
+                raise SandboxError("the system Python is not reachable by other users")
+        except SandboxError as e:
+            sb = e
+        _SANDBOXES[key] = sb
+    sb = _SANDBOXES[key]
+    if isinstance(sb, Exception):
+        pytest.skip(f"isolation {mode!r} not available here: {str(sb)[:200]}")
+    return sb

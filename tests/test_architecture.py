@@ -65,3 +65,82 @@ def test_every_top_level_module_is_in_the_layer_contract():
     modules = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
     packages = {p.parent.name for p in src.glob("*/__init__.py")}
     assert sorted((modules | packages) - listed) == []
+
+
+def _contract_layers() -> list[set[str]]:
+    import re
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = [set(re.findall(r"masrl\.(\w+)", layer)) for layer in next(c for c in contracts if c["id"] == "layers")["layers"]]
+    if layers and layers[0] == {"__main__"}:  # the docs show __main__ with the cli
+        main = layers.pop(0)
+        layers[0] |= main
+    return layers
+
+
+def _doc_layers(text: str) -> list[set[str]]:
+    import re
+
+    section = text.split("| layer (top to bottom) |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in section.splitlines()[2:] if line.startswith("|")]
+    layers = []
+    for row in rows:
+        first = re.split(r"(?<!\\)\|", row)[1]  # the first cell ("\|" separates modules inside it)
+        names = set(re.findall(r"`masrl\.(\w+)`", first)) | ({"__main__"} if "`__main__`" in first else set())
+        layers.append(names)
+    return layers
+
+
+def test_the_layer_table_in_the_docs_is_the_contract():
+    """docs/architecture.md lists the layers of pyproject.toml's contract, top to bottom, module for module."""
+    doc = _doc_layers((ROOT / "docs" / "architecture.md").read_text())
+    assert doc == _contract_layers()
+
+
+def test_the_layer_table_check_sees_a_missing_or_moved_layer():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    doc = _doc_layers(text)
+    assert {"sandbox", "retrieval"} in doc and {"io"} in doc
+    dropped = text.replace("| `masrl.io` |", "| `masrl.iox` |")
+    assert _doc_layers(dropped) != _contract_layers()
+    rows = text.split("\n")
+    i = next(k for k, r in enumerate(rows) if r.startswith("| `masrl.sandbox`"))
+    rows[i], rows[i + 1] = rows[i + 1], rows[i]  # services and config swapped
+    assert _doc_layers("\n".join(rows)) != _contract_layers()
+
+
+def _private_imports(src: Path) -> list[str]:
+    """``from masrl.x import _name`` / ``import masrl.x._mod`` across packages: a private name (or a private
+    module) is used only inside the package that defines it."""
+    import ast
+
+    found = []
+    for f in sorted(src.rglob("*.py")):
+        module = ".".join(f.relative_to(src).with_suffix("").parts)
+        package = module.rsplit(".", 1)[0] if f.name != "__init__.py" else module.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("masrl"):
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("masrl")]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                for i, part in enumerate(parts):
+                    if part.startswith("_") and not part.startswith("__"):
+                        owner = ".".join(parts[:i])  # the package the private name belongs to
+                        if package != owner and not package.startswith(owner + "."):
+                            found.append(f"{module}:{node.lineno} imports {target}")
+                        break
+    return found
+
+
+def test_no_private_name_is_imported_across_packages(tmp_path):
+    assert _private_imports(ROOT / "src") == []
+    pkg = tmp_path / "masrl" / "rollout"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text("from masrl.sandbox import _child\nfrom masrl.training.fsdp import _full\n")
+    assert _private_imports(tmp_path) == ["masrl.rollout.x:1 imports masrl.sandbox._child",
+                                          "masrl.rollout.x:2 imports masrl.training.fsdp._full"]

@@ -10,7 +10,7 @@ import yaml
 
 from masrl.cli import main
 from masrl.tasks.math_data import MalformedRowWarning, load_gsm8k
-from masrl.tasks.rows import MalformedRowError
+from masrl.io.rows import MalformedRowError
 from masrl.tasks.qa import QADataError, QADataWarning, load_qa
 
 # errors happen before training; should one not, the run is still instant
@@ -381,7 +381,7 @@ def test_serve_retriever_non_utf8_corpus_names_the_file(tmp_path, capsys, name):
 
 
 def test_corpus_non_utf8_line_is_one_skipped_row(tmp_path):
-    from masrl.tasks.retrieval.corpus import CorpusError, CorpusWarning, load_corpus
+    from masrl.retrieval.corpus import CorpusError, CorpusWarning, load_corpus
 
     corpus = tmp_path / "corpus.jsonl"
     good = json.dumps({"id": "a", "contents": "\"A\"\nfine"}).encode()
@@ -410,7 +410,7 @@ def test_plot_skips_garbage_lines_among_records(tmp_path, capsys):
 
 def test_data_row_over_the_size_bound_is_skipped(tmp_path):
     """Rows are read a bounded chunk at a time: an oversized row is reported, never held whole."""
-    from masrl.tasks.lines import text_lines
+    from masrl.io.lines import text_lines
 
     path = tmp_path / "rows.jsonl"
     path.write_bytes(b'{"q": "' + b"x" * 5000 + b'"}\n{"q": "ok"}\n')
@@ -496,7 +496,7 @@ def test_prompt_over_the_context_is_an_invalid_turn_not_tokenized(tiny_cfg):
     import asyncio
 
     from masrl.config import config_from_dict
-    from masrl.evaluation.runner import agent_facts
+    from masrl.evaluation.summary import agent_facts
     from masrl.rollout.runner import make_call
     from masrl.rollout.scheduler import RolloutScheduler
     from masrl.training.policy import build_policy
@@ -541,7 +541,7 @@ def test_user_input_errors_share_one_type():
     from masrl.models.hub import ModelLoadError
     from masrl.tasks.math_data import DatasetLoadError
     from masrl.tasks.qa import QADataError
-    from masrl.tasks.retrieval.corpus import CorpusError
+    from masrl.retrieval.corpus import CorpusError
     from masrl.training.checkpoint import CheckpointError
 
     for error in (ConfigError, DatasetLoadError, CheckpointError, ModelLoadError, QADataError, CorpusError, InputError,
@@ -603,8 +603,8 @@ def test_number_with_5000_digits_is_one_clear_error(write_cfg, tmp_path, capsys,
 
 
 def test_json_number_with_5000_digits_in_data_is_a_counted_bad_row(tmp_path):
-    """The one reader of data rows (tasks.rows) caught only JSONDecodeError: the ValueError escaped."""
-    from masrl.tasks.rows import iter_records, load_json
+    """The one reader of data rows (io.rows) caught only JSONDecodeError: the ValueError escaped."""
+    from masrl.io.rows import iter_records, load_json
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text(f'{{"question": "q", "answer": {BIG}}}\n{{"question": "q", "answer": 1}}\n')
@@ -674,7 +674,7 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
     fills mid-write leaves the previous file whole and no half-written one."""
     from pathlib import Path
 
-    from masrl.paths import write_text_atomic
+    from masrl.io.atomic import write_text_atomic
 
     target = tmp_path / "eval.json"
     target.write_text('{"old": true}')

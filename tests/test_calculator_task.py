@@ -67,7 +67,7 @@ def test_the_example_configs_load(name):
 def test_the_two_calculator_arms_differ_only_in_the_tools():
     """E6 compares tools_calculator with tools_calculator_notools: the task (2-term expressions, products
     included, so copying is easy and mental arithmetic hard), SFT, noise and RL must be identical."""
-    from masrl.config import read_yaml_file
+    from masrl.io.bounded_yaml import read_yaml_file
 
     arms = [read_yaml_file(ROOT / "examples" / f"{n}.yaml") for n in ("tools_calculator", "tools_calculator_notools")]
     for arm in arms:
@@ -79,7 +79,8 @@ def test_the_two_calculator_arms_differ_only_in_the_tools():
 def test_the_tool_team_trains_end_to_end_with_tool_tokens_masked(tmp_path):
     """examples/tools_calculator.yaml at tiny sizes: SFT, 2 RL steps; the episodes hold tool messages and the
     merged rows train the call and the answer with the tool output (and template markers) masked out."""
-    from masrl.config import apply_overrides, config_from_dict, read_yaml_file
+    from masrl.config import apply_overrides, config_from_dict
+    from masrl.io.bounded_yaml import read_yaml_file
     from masrl.trainer import Trainer
 
     data = apply_overrides(read_yaml_file(ROOT / "examples" / "tools_calculator.yaml"), [

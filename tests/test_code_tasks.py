@@ -148,7 +148,7 @@ def test_real_humaneval():
 # scoring: synthetic tasks (no data needed)
 # ----------------------------------------------------------------------------------------
 if sys.platform == "linux":
-    from masrl.tasks.code.sandbox import Sandbox
+    from masrl.sandbox import Sandbox
     from masrl.tasks.code.scoring import make_code_score, score_code, score_many
 
 ADD = Task("t/add", "Write add(a, b).", {

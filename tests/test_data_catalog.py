@@ -114,7 +114,7 @@ def test_get_a_multi_file_entry_from_a_folder(empty_data):
 
 @needs_data
 def test_corpus_by_name(empty_data):
-    from masrl.tasks.retrieval.corpus import CorpusError, load_corpus
+    from masrl.retrieval.corpus import CorpusError, load_corpus
 
     with pytest.raises(CorpusError, match="masrl data get searchr1_example_corpus --from"):
         load_corpus("searchr1_example_corpus")

@@ -11,7 +11,7 @@ from masrl.config import TaskConfig, config_from_dict, load_config
 from masrl.paths import data_dir
 from masrl.tasks.dataset import load_rows_as_tasks
 from masrl.tasks.math_data import DatasetLoadError
-from masrl.tasks.rows import MalformedRowWarning
+from masrl.io.rows import MalformedRowWarning
 from masrl.tasks.registry import load_task_source
 from masrl.trainer import Trainer
 

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "masrl"
 OPTIONAL = {"gguf": "smollm", "fastapi": "server", "uvicorn": "server", "httpx": "server", "pandas": None,
             "accelerate": None, "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio", "datasets": "hf"}
-TOP_LEVEL_OK = {"tasks/retrieval/server.py",  # the server module itself; its one entry point checks first
-                "tasks/retrieval/guard.py"}  # imported only by server.py
+TOP_LEVEL_OK = {"retrieval/server.py",  # the server module itself; its one entry point checks first
+                "retrieval/guard.py"}  # imported only by server.py
 
 
 def _module_level_imports(path: Path) -> set[str]:
@@ -47,7 +47,7 @@ def test_core_dependencies_leave_the_optional_packages_to_extras():
 
 
 def test_missing_httpx_names_the_server_extra(monkeypatch):
-    from masrl.tasks.retrieval import HttpRetriever
+    from masrl.retrieval import HttpRetriever
 
     monkeypatch.setitem(sys.modules, "httpx", None)
     with pytest.raises(ImportError, match=r"pip install masrl\[server\]"):
@@ -58,7 +58,7 @@ def test_serve_retriever_without_fastapi_names_the_server_extra(monkeypatch, cap
     from masrl.cli import main
 
     monkeypatch.setitem(sys.modules, "fastapi", None)
-    monkeypatch.delitem(sys.modules, "masrl.tasks.retrieval.server", raising=False)
+    monkeypatch.delitem(sys.modules, "masrl.retrieval.server", raising=False)
     assert main(["serve-retriever", "--corpus", "synthetic_kb"]) == 2
     assert "pip install masrl[server]" in capsys.readouterr().err
 

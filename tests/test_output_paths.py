@@ -192,7 +192,8 @@ BOM = "\ufeff"
 
 
 def test_a_config_and_a_sweep_spec_with_a_byte_order_mark_load(tmp_path, tiny_cfg, capsys):
-    from masrl.config import load_config, read_yaml_file
+    from masrl.config import load_config
+    from masrl.io.bounded_yaml import read_yaml_file
 
     path = tmp_path / "bom.yaml"
     path.write_text(BOM + yaml.safe_dump(tiny_cfg(**QUICK)), encoding="utf-8")
@@ -208,7 +209,7 @@ def test_a_config_and_a_sweep_spec_with_a_byte_order_mark_load(tmp_path, tiny_cf
 def test_data_rows_with_a_byte_order_mark_load(tmp_path, suffix):
     import gzip
 
-    from masrl.tasks.rows import iter_records
+    from masrl.io.rows import iter_records
 
     rows = [{"question": "1+1", "answer": "2"}, {"question": "2+2", "answer": "4"}]
     text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)

@@ -8,9 +8,9 @@ import warnings
 import pytest
 
 from masrl.paths import data_dir
-from masrl.tasks.retrieval import (BM25Retriever, CorpusError, CorpusWarning, HybridRetriever, Passage,
+from masrl.retrieval import (BM25Retriever, CorpusError, CorpusWarning, HybridRetriever, Passage,
                                    Retriever, build_retriever, format_passages, load_corpus, resolve_retriever)
-from masrl.tasks.retrieval.base import split_contents
+from masrl.retrieval.base import split_contents
 
 CORPUS = [
     ("Marie Curie", "Marie Curie was a physicist and chemist who conducted research on radioactivity."),
@@ -193,14 +193,17 @@ def test_hybrid_reciprocal_rank_fusion():
 def test_build_retriever_specs(tmp_path, jsonl_corpus):
     fixed = _Fixed(["a"])
     assert build_retriever(fixed) is fixed
-    from masrl.tasks.retrieval import HttpRetriever
+    from masrl.retrieval import HttpRetriever
 
     http = build_retriever("http://127.0.0.1:9/")
     assert isinstance(http, HttpRetriever) and http.url == "http://127.0.0.1:9/retrieve"
     assert isinstance(build_retriever(str(jsonl_corpus)), BM25Retriever)
     bm25 = build_retriever({"type": "bm25", "corpus": str(jsonl_corpus), "k1": 1.2, "cache": False})
     assert bm25.settings["k1"] == 1.2
+    import masrl.tasks.synthetic_kb  # noqa: F401 - registers the synthetic_kb type
+
     assert resolve_retriever({"type": "synthetic_kb", "seed": 3}) is resolve_retriever({"seed": 3, "type": "synthetic_kb"})
+    assert isinstance(build_retriever("synthetic_kb"), BM25Retriever)
     with pytest.raises(ValueError, match="unknown retriever type"):
         build_retriever({"type": "faiss"})
     with pytest.raises(ValueError, match="needs 'corpus'"):
@@ -263,3 +266,47 @@ def test_real_hotpotqa_bm25_gold_recall():
         gold = {t for t, _ in q["supporting_facts"]}
         recall.append(len(gold & {p.title for p in top}) / len(gold))
     assert sum(recall) / len(recall) > 0.6  # measured 0.76 with bm25s 0.3.16
+
+
+def test_a_registered_retriever_type_is_built_from_a_spec(monkeypatch):
+    import masrl.retrieval as retrieval
+
+    monkeypatch.setattr(retrieval, "_REGISTERED", {})
+    monkeypatch.setattr(retrieval, "_SHORTHANDS", set())
+    made = []
+
+    def build(**opts):
+        made.append(opts)
+        return _Fixed(["x"])
+
+    with pytest.raises(ValueError, match=r"unknown retriever type 'mine'.*synthetic_kb comes with masrl.tasks"):
+        build_retriever({"type": "mine"})
+    retrieval.register_retriever_type("mine", build, shorthand=True)
+    assert retrieval.retriever_types() == ("bm25", "dense", "hybrid", "http", "mine")
+    assert isinstance(build_retriever({"type": "mine", "size": 3}), _Fixed)
+    assert isinstance(build_retriever("mine"), _Fixed)
+    assert made == [{"size": 3}, {}]
+    with pytest.raises(ValueError, match="built in"):
+        retrieval.register_retriever_type("bm25", build)
+
+
+def test_passage_index_front_caps_topk_and_hands_text_queries():
+    """The search front BM25 and dense share: no queries, no results; topk 0 gives empty lists; topk is
+    capped to the corpus; queries reach top() as text."""
+    from masrl.retrieval import PassageIndex
+
+    class Echo(PassageIndex):
+        def __init__(self, n):
+            self.passages = [Passage(str(i), "", f"p{i}") for i in range(n)]
+            self.calls = []
+
+        def top(self, queries, k):
+            self.calls.append((queries, k))
+            return [self.passages[:k] for _ in queries]
+
+    index = Echo(3)
+    assert index.search([], 5) == [] and index.calls == []
+    assert index.search(["a", "b"], 0) == [[], []] and index.calls == []
+    assert [len(r) for r in index.search(["a", 7], 10)] == [3, 3]
+    assert index.calls == [(["a", "7"], 3)]
+    assert len(index) == 3

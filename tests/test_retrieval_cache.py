@@ -1,4 +1,4 @@
-"""The one index-cache step of the retrievers (tasks/retrieval/cache.py: cached_index)."""
+"""The one index-cache step of the retrievers (retrieval/cache.py: cached_index)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from masrl.tasks.retrieval.cache import cached_index
+from masrl.retrieval.cache import cached_index
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_built_once_then_loaded_and_stale_or_damaged_rebuilt(tmp_path, corpus, c
     [folder] = (tmp_path / "cache").glob("toy-c.jsonl-*")
     assert json.loads((folder / "meta.json").read_text()) == {"n": 4}
     assert _cache(tmp_path, corpus, builds) == {"n": 4} and len(builds) == 1  # loaded, not rebuilt
-    with caplog.at_level(logging.WARNING, logger="masrl.tasks.retrieval.cache"):
+    with caplog.at_level(logging.WARNING, logger="masrl.retrieval.cache"):
         _cache(tmp_path, corpus, builds, load_n=5)  # load says "does not match" -> rebuilt
         (folder / "index.json").write_text("garbage")
         _cache(tmp_path, corpus, builds)  # unreadable -> rebuilt
@@ -54,7 +54,7 @@ def test_dense_embeddings_cached_with_a_real_tiny_encoder(tmp_path, corpus, monk
     torch = pytest.importorskip("torch")
     from transformers import BertConfig, BertModel, BertTokenizer
 
-    from masrl.tasks.retrieval.dense import DenseRetriever, SentenceEncoder
+    from masrl.retrieval.dense import DenseRetriever, SentenceEncoder
 
     model_dir = tmp_path / "tiny-bert"
     model_dir.mkdir()

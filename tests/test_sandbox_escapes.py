@@ -9,7 +9,6 @@ works here and stays fast.
 from __future__ import annotations
 
 import ast
-import atexit
 import logging
 import os
 import subprocess
@@ -22,40 +21,21 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import FAST_TMP, cached_sandbox
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
 
 if sys.platform == "linux":
-    from masrl.tasks.code import _cleanup
-    from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, run_python
+    from masrl.sandbox import Limits, Sandbox, SandboxError, _cleanup, run_python
     from masrl.tasks.code.scoring import score_code
     from masrl.types import Task
 
 MODES = ["namespaces", "userns", "basic"]
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-# a tmpfs for the work directories where there is one: removing thousands of entries on a busy
-# disk takes seconds that have nothing to do with what is tested
-FAST_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-_SANDBOXES: dict = {}
 
 
 def _sandbox(mode: str, **kwargs) -> "Sandbox":
-    key = (mode, tuple(sorted(kwargs.items())))
-    if key not in _SANDBOXES:
-        root = tempfile.mkdtemp(prefix="masrl-test-sbx-", dir=FAST_TMP)
-        os.chmod(root, 0o711)  # the execution's uid must reach its work dir
-        atexit.register(_cleanup.remove_tree, root, 10.0)
-        try:
-            sb = Sandbox(max_workers=2, isolation=mode, tmp_root=root,
-                         limits=Limits(timeout_s=10, memory_mb=512, nproc=16), **kwargs)
-            sb.resolve()
-        except SandboxError as e:
-            sb = e
-        _SANDBOXES[key] = sb
-    sb = _SANDBOXES[key]
-    if isinstance(sb, Exception):
-        pytest.skip(f"isolation {mode!r} not available here: {str(sb)[:200]}")
-    return sb
+    return cached_sandbox(mode, own_tmp=True, **kwargs)
 
 
 @pytest.fixture(params=MODES)
@@ -236,7 +216,7 @@ KEY_PROBE = textwrap.dedent("""
 """)
 KEY_HARNESS = textwrap.dedent("""
     import ctypes, json, os, sys
-    from masrl.tasks.code.sandbox import Sandbox, SandboxError, run_python
+    from masrl.sandbox import Sandbox, SandboxError, run_python
     nr = {"x86_64": (250, 248), "aarch64": (219, 217)}[os.uname().machine]
     libc = ctypes.CDLL(None, use_errno=True)
     name = sys.argv[1].encode()
@@ -351,7 +331,7 @@ def test_cgroups_are_removed_after_each_execution():
     sb = _sandbox("namespaces")
     if not sb.cgroups:
         pytest.skip("no writable memory cgroup here")
-    from masrl.tasks.code import _cgroup
+    from masrl.sandbox import _cgroup
 
     parents = _cgroup.layout()[1].values()
     before = {p.name for d in parents for p in Path(d).glob("masrl-sbx-*")}
@@ -403,7 +383,7 @@ def test_reply_item_count_is_linear_and_right():
     does not take text inside strings for structure."""
     import json
 
-    from masrl.tasks.code.sandbox import _json_items
+    from masrl.sandbox.pipes import json_items as _json_items
 
     budget = 1 << 18
     hostile = {
@@ -457,21 +437,27 @@ def test_lone_surrogates_never_raise(sb):
 
 
 def test_sandbox_and_scoring_do_not_import_each_other():
-    import masrl.tasks.code.sandbox as sandbox_mod
+    """The sandbox is a service: none of its modules imports a task; the code scorer imports it."""
+    import masrl.sandbox as sandbox_mod
+    import masrl.tasks.code.scoring as scoring_mod
 
-    tree = ast.parse(Path(sandbox_mod.__file__).read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
-               {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not any(m and m.startswith("masrl.tasks.code.scoring") for m in imported)
-    assert "masrl.tasks.code.sandbox" in {n.module for n in ast.walk(ast.parse(
-        Path(sandbox_mod.__file__).with_name("scoring.py").read_text())) if isinstance(n, ast.ImportFrom)}
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        return ({n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} |
+                {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names})
+
+    files = sorted(Path(sandbox_mod.__file__).parent.glob("*.py"))
+    assert len(files) >= 8
+    for f in files:
+        assert not any(m.startswith("masrl.tasks") for m in imports(f)), f
+    assert "masrl.sandbox" in imports(Path(scoring_mod.__file__))
 
 
 def test_cgroup_v2_layout_and_limits(tmp_path, monkeypatch):
     """The cgroup v2 path (this machine has the memory controller on v1): a delegated parent
     whose children may use the memory controller gets one child per execution with
     memory.max = memory_mb, no swap, group OOM kill and pids.max; the OOM count is read back."""
-    from masrl.tasks.code import _cgroup
+    from masrl.sandbox import _cgroup
 
     (tmp_path / "svc" / "leaf").mkdir(parents=True)
     (tmp_path / "svc" / "cgroup.subtree_control").write_text("cpu memory pids\n")

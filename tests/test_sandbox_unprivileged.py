@@ -33,7 +33,7 @@ pytestmark = [
 HARNESS = textwrap.dedent(r"""
     import json, os, sys
     try:
-        from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError
+        from masrl.sandbox import Limits, Sandbox, SandboxError
     except Exception as e:
         print(json.dumps({"import_error": repr(e)})); sys.exit(0)
     secret, port, victim = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -6,7 +6,7 @@ import functools
 import pytest
 
 from masrl.tasks.qa import qa_score
-from masrl.tasks.retrieval import BM25Retriever, Passage
+from masrl.retrieval import BM25Retriever, Passage
 from masrl.types import Task
 from masrl.workflows.base import get_workflow
 from masrl.workflows.search import COMPACT_PROMPTS, SEARCH_PARAMS

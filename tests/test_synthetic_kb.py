@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 
 from masrl.tasks.qa import qa_score
-from masrl.tasks.retrieval.synthetic_kb import generate_kb, synthetic_kb, synthetic_kb_retriever
+from masrl.tasks.synthetic_kb import generate_kb, synthetic_kb, synthetic_kb_retriever
 from masrl.workflows.testing import run_scripted
 
 NAME = re.compile(r"^[A-Z][a-z]{4,5}$")
@@ -104,7 +104,7 @@ def test_workflow_solves_two_hop_task_with_scripted_team():
 
 
 def test_teacher_solves_every_task_through_the_workflow():
-    from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher
     from masrl.workflows.search import COMPACT_PROMPTS
 
     tasks, _ = synthetic_kb(seed=0, split="all")
@@ -152,7 +152,7 @@ def test_bad_relations_or_split_mode_are_refused():
 
 
 def test_teacher_noise_picks_the_other_entity_and_guesses_without_evidence():
-    from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher
 
     train, passages = synthetic_kb(seed=0, split="train", **HELD_OUT)
     by_id = {p.id: p for p in passages}
@@ -192,7 +192,7 @@ def test_cloze_questions_and_fixed_name_length():
 
 
 def test_teacher_quote_cites_the_sentence_it_answers_from():
-    from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher
 
     sizes = dict(HELD_OUT, question_style="cloze")
     train, passages = synthetic_kb(seed=0, split="train", **sizes)

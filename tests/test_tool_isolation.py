@@ -203,7 +203,7 @@ def test_a_failed_episode_is_reward_0_without_turns():
     from masrl.rollout.runner import run_episodes
     from masrl.rollout.scheduler import RolloutScheduler
     from masrl.workflows.base import get_workflow
-    from masrl.evaluation.runner import summarize_episodes
+    from masrl.evaluation.summary import summarize_episodes
     from masrl.types import Turn
     from masrl.workflows.testing import exact_match_score
 

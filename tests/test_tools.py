@@ -247,7 +247,7 @@ def test_python_tool_runs_in_the_sandbox_with_its_limits():
 
 
 def test_search_tool_over_a_bm25_retriever():
-    from masrl.tasks.retrieval import BM25Retriever, Passage
+    from masrl.retrieval import BM25Retriever, Passage
 
     index = BM25Retriever([Passage("1", "Paris", "Paris is the capital of France."),
                            Passage("2", "Berlin", "Berlin is the capital of Germany.")])

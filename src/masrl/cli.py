@@ -224,13 +224,23 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     exp.set_defaults(func=_cmd_export)
 
-    for module in ("masrl.ensemble.cli", "masrl.tasks.retrieval.cli", "masrl.catalog", "masrl.examples", "masrl.serve"):
+    for module in ("masrl.ensemble.cli", "masrl.retrieval.cli", "masrl.catalog", "masrl.examples", "masrl.serve"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ImportError:
             continue
-        mod.register(sub)
+        cmd = mod.register(sub)
+        if module == "masrl.retrieval.cli":
+            cmd.set_defaults(func=_cmd_serve_retriever)
     return parser
+
+
+def _cmd_serve_retriever(args: argparse.Namespace) -> int:
+    """``masrl serve-retriever`` with the task-defined retriever specs (``--corpus synthetic_kb``) registered."""
+    import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
+    from masrl.retrieval.cli import run_serve_retriever
+
+    return run_serve_retriever(args)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origi
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from masrl.errors import ConfigError, UserInputError, clip, quote, read_user_text  # noqa: F401 (ConfigError lives on here)
+from masrl.errors import ConfigError, clip, quote  # noqa: F401 (ConfigError lives on here)
+from masrl.io import bounded_yaml
+from masrl.io.bounded_yaml import YamlLimit, load_bounded
 
 
 SEED_MAX = 2**32 - 1  # the widest range every seeded generator (random, numpy, torch, vLLM) accepts
@@ -619,113 +621,30 @@ class RunConfig(_Strict):
 
 
 # ----------------------------------------------------------------------------- loading
+# (the bounded YAML reader is masrl.io.bounded_yaml)
 
-CONFIG_MAX_BYTES = 1 << 20  # a config file is a few KB
-YAML_MAX_DEPTH = 64  # nesting of mappings/lists in one config file
-YAML_MAX_NODES = 100_000  # values in a config once every alias is expanded (a real config has hundreds)
-
-
-class _YamlLimit(Exception):
-    def __init__(self, message: str, mark=None):
-        super().__init__(message)
-        self.mark = mark
+_MOVED_TO_IO = ("CONFIG_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_NODES", "load_yaml", "read_yaml_file")
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses nesting deeper than ``YAML_MAX_DEPTH`` while composing (the
-    composer recurses: 20,000 levels were a RecursionError) and aliases that expand to more than
-    ``YAML_MAX_NODES`` values or refer to themselves (an alias bomb expands exponentially)."""
+def __getattr__(name: str):
+    """The YAML reader's names this module held before they moved to :mod:`masrl.io.bounded_yaml`: they
+    still resolve, with a ``DeprecationWarning``, for one release."""
+    if name in _MOVED_TO_IO:
+        import warnings
 
-    def __init__(self, stream):
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent, index):
-        self._depth += 1
-        try:
-            if self._depth > YAML_MAX_DEPTH:
-                raise _YamlLimit(f"nested deeper than {YAML_MAX_DEPTH} levels", self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _construct_int(loader: "_BoundedLoader", node) -> int:
-    """YAML's int constructor, with Python's limit on digits (``sys.get_int_max_str_digits``) as a refusal
-    that names the place instead of a ``ValueError`` from deep inside PyYAML."""
-    try:
-        return yaml.SafeLoader.construct_yaml_int(loader, node)
-    except ValueError:
-        raise _YamlLimit(f"the number {str(node.value)[:20]}... has {len(str(node.value)):,} characters; "
-                         "Python converts at most 4,300 digits", node.start_mark) from None
-
-
-_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
-
-
-def _children(node) -> list:
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
-
-
-def _expanded_size(root) -> int:
-    """Values in the document with every alias expanded (iterative; shared nodes counted per use)."""
-    sizes: dict[int, int] = {}
-    stack, open_ = [(root, False)], set()
-    while stack:
-        node, done = stack.pop()
-        if done:
-            open_.discard(id(node))
-            sizes[id(node)] = min(1 + sum(sizes[id(c)] for c in _children(node)), YAML_MAX_NODES + 1)
-            continue
-        if id(node) in sizes:
-            continue
-        if id(node) in open_:
-            raise _YamlLimit("an alias refers to a value that contains it (a recursive structure)", node.start_mark)
-        open_.add(id(node))
-        stack.append((node, True))
-        stack.extend((c, False) for c in _children(node) if id(c) not in sizes)
-    return sizes[id(root)]
-
-
-def _load_bounded(text: str) -> Any:
-    loader = _BoundedLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is not None and _expanded_size(node) > YAML_MAX_NODES:
-            raise _YamlLimit(f"aliases expand to more than {YAML_MAX_NODES:,} values (an alias bomb?); "
-                             "write the values out or use fewer aliases", node.start_mark)
-        return loader.construct_document(node) if node is not None else None
-    finally:
-        loader.dispose()
-
-
-def _where(mark) -> str:
-    return f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-
-
-def load_yaml(text: str, source: str) -> Any:
-    """Parse one YAML document of a config with the limits of ``_BoundedLoader``.
-
-    Errors are one ``ConfigError`` naming ``source`` and, where known, the line and column.
-    """
-    try:
-        return _load_bounded(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{source}{_where(mark)}: malformed YAML ({getattr(e, 'problem', e)})") from None
-    except _YamlLimit as e:
-        raise ConfigError(f"{source}{_where(e.mark)}: YAML refused: {e}") from None
+        warnings.warn(f"masrl.config.{name} is deprecated: import it from masrl.io.bounded_yaml (this path goes "
+                      f"away in the next release)", DeprecationWarning, stacklevel=2)
+        return getattr(bounded_yaml, name)
+    raise AttributeError(f"module 'masrl.config' has no attribute {name!r}")
 
 
 def _parse_scalar(text: str, item: str = "") -> Any:
     """An override's value as YAML (``5`` is a number, ``[1, 4]`` a list); text that is not YAML stays text."""
     try:
-        return _load_bounded(text)
+        return load_bounded(text)
     except yaml.YAMLError:
         return text
-    except _YamlLimit as e:
+    except YamlLimit as e:
         raise ConfigError(f"override {item!r}: YAML refused: {e}") from None
 
 
@@ -771,22 +690,10 @@ def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(format_validation_error(e, source)) from None
 
 
-def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
-    """A YAML file the user named, read with the config limits (size, nesting, alias expansion, UTF-8):
-    every way it cannot be read or parsed is one ``ConfigError`` naming ``what`` and the path."""
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{what} {str(path)!r} does not exist")
-    try:
-        text = read_user_text(path, what, max_bytes=CONFIG_MAX_BYTES)
-    except UserInputError as e:
-        raise ConfigError(str(e)) from None
-    return load_yaml(text, str(path))
-
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
-    data = read_yaml_file(path) or {}
+    data = bounded_yaml.read_yaml_file(path) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     data = apply_overrides(data, overrides or [])

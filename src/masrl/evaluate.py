@@ -7,7 +7,8 @@ from pathlib import Path
 
 from masrl.config import load_config
 from masrl.errors import ConfigError
-from masrl.paths import check_output_dir, write_text_atomic
+from masrl.io.atomic import write_text_atomic
+from masrl.paths import check_output_dir
 
 
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
@@ -90,7 +91,7 @@ def run_eval(args) -> int:
 
 def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
-    from masrl.evaluation.runner import summarize_episodes
+    from masrl.evaluation.summary import summarize_episodes
     from masrl.rollout.runner import repeat_tasks
     from masrl.tasks.registry import load_bench_tasks
     from masrl.training.checkpoint import load_eval_checkpoint

@@ -60,19 +60,6 @@ def cache_dir() -> Path:
     return path
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary sibling and a rename: a reader (or a crash, or a full
-    disk) never sees a half-written file, and a file that was there stays whole until the new one is."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def sha256_file(path: str | os.PathLike) -> str:
     """The SHA-256 of a file's bytes, read in 1 MiB blocks (hex)."""
     h = hashlib.sha256()
@@ -136,3 +123,17 @@ def _check_no_dangling(path: Path, what: str) -> Path:
         except OSError as e:
             raise UserInputError(f"{what} {path}: cannot use {probe} ({e.strerror or e})") from None
     return Path(".")
+
+
+def __getattr__(name: str):
+    """``write_text_atomic`` moved to :mod:`masrl.io.atomic`: it still resolves here, with a
+    ``DeprecationWarning``, for one release."""
+    if name == "write_text_atomic":
+        import warnings
+
+        from masrl.io.atomic import write_text_atomic
+
+        warnings.warn("masrl.paths.write_text_atomic is deprecated: import it from masrl.io.atomic (this path "
+                      "goes away in the next release)", DeprecationWarning, stacklevel=2)
+        return write_text_atomic
+    raise AttributeError(f"module 'masrl.paths' has no attribute {name!r}")

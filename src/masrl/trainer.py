@@ -24,9 +24,10 @@ import torch
 from masrl.algorithms import compute_advantages
 from masrl.config import RunConfig, dump_config
 from masrl.errors import ConfigError
-from masrl.paths import check_output_dir, write_text_atomic
+from masrl.io.atomic import write_text_atomic
+from masrl.paths import check_output_dir
 from masrl.evaluation.metrics import stage_name
-from masrl.evaluation.runner import agent_facts, summarize_episodes
+from masrl.evaluation.summary import agent_facts, summarize_episodes
 from masrl.judges import judge_metrics
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from masrl.argtypes import MAX_COUNT, bounded
-from masrl.paths import write_text_atomic
+from masrl.io.atomic import write_text_atomic
 
 __all__ = ["register", "main"]
 MAX_ALPHA = 1e6  # size penalty of RL-Focal

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from masrl.ensemble.data import InputError
-from masrl.paths import check_output_file, write_text_atomic
+from masrl.io.atomic import write_text_atomic
+from masrl.paths import check_output_file
 from masrl.types import Episode, Task
 
 __all__ = ["WORKFLOWS_WITH_PROPOSALS", "check_workflow", "proposer_slots", "episode_rows", "collect",
@@ -100,7 +101,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     :func:`masrl.rollout.runner.repeat_tasks` makes them). Raises ``ValueError`` if an episode has
     no proposals or the proposer set changes between episodes.
     """
-    from masrl.ensemble.data import _vocab_key
+    from masrl.ensemble.data import answer_key as _vocab_key
     from masrl.workflows.common import normalize_answer
 
     rows: list[dict] = []

@@ -28,7 +28,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from masrl.errors import UserInputError
-from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
+from masrl.io.rows import BadRow, MalformedRowWarning, RowPos, iter_records, parse_rows
 
 __all__ = ["EnsembleData", "MalformedRowWarning", "load_jsonl", "from_records", "resolve_data_path",
            "split_indices", "Split"]
@@ -163,7 +163,7 @@ def _is_index(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _vocab_key(v: Any) -> Any:
+def answer_key(v: Any) -> Any:
     """Hashable key for an answer value (lists/dicts by their canonical JSON)."""
     if isinstance(v, (list, dict)):
         return ("json", json.dumps(v, sort_keys=True))
@@ -227,7 +227,7 @@ def _parse_row(obj: Any, label_field: str, models_ref: list[str] | None) -> dict
         if n_choices and ans is not None and _is_index(ans) and ans >= n_choices and "choices" in obj:
             raise BadRow(f"answer {ans!r} of {model!r} is out of range for {n_choices} choices")
         if corr is not None and ans is not None and label is not None:
-            same = _vocab_key(ans) == _vocab_key(label)
+            same = answer_key(ans) == answer_key(label)
             if same != corr:
                 raise BadRow(f"'correct' of {model!r} is {int(corr)} but answer {ans!r} "
                                 f"{'==' if same else '!='} label {label!r}")
@@ -250,7 +250,7 @@ def from_records(records: Iterable[Any], *, label_field: str = "label", strict: 
 
     ``strict=True`` raises ``ValueError("<source>:<line>: <what is wrong>")`` at the first
     malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each (the
-    first 10, then a count: :mod:`masrl.tasks.rows`) and records them all in ``.skipped``.
+    first 10, then a count: :mod:`masrl.io.rows`) and records them all in ``.skipped``.
     ``models`` keeps only those models (in that order).
     """
     positioned = ((RowPos(str(i + line_offset), i, i + line_offset), obj) for i, obj in enumerate(records))
@@ -338,7 +338,7 @@ def _encode(rows: list[dict], models_ref: list[str], schema_probs: bool,
             return -1
         if index_mode:
             return int(v)
-        key = _vocab_key(v)
+        key = answer_key(v)
         if key not in vocab_index:
             vocab_index[key] = len(vocab)  # type: ignore[arg-type]
             vocab.append(v)  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ import numpy as np
 from masrl.ensemble.combiners import get_combiner
 from masrl.ensemble.data import EnsembleData, Split
 from masrl.ensemble.selectors import SELECTORS, SelectionSummary, run_selector
-from masrl.paths import write_text_atomic
+from masrl.io.atomic import write_text_atomic
 
 __all__ = ["compare_selectors", "default_methods", "selection_table", "baseline_table", "rlfocal_table",
            "plot_accuracy_vs_cost", "write_json", "short_model", "pct", "pm"]

@@ -182,9 +182,9 @@ class PolicyWorker:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Whole parameters on CPU (fsdp: gathered, so every rank must call)."""
-        from masrl.training.fsdp import _full
+        from masrl.training.fsdp import full_cpu
 
-        return {n: _full(p) for n, p in self.policy.model.named_parameters()}
+        return {n: full_cpu(p) for n, p in self.policy.model.named_parameters()}
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state (fsdp: its shards)."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from masrl.paths import write_text_atomic
+from masrl.io.atomic import write_text_atomic
 from masrl.errors import ConfigError, UserInputError, decode_utf8
 from masrl.sweep.run import read_report
 from masrl.sweep.spec import MAX_RUNS, MAX_SEEDS, cell_name, parse_cell_name

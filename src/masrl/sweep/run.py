@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable, Sequence
 
-from masrl.paths import write_text_atomic
+from masrl.io.atomic import write_text_atomic
 from masrl.config import RunConfig, load_config
 from masrl.errors import ConfigError
 from masrl.sweep.spec import Run, SweepSpec, check_bases, expand_cells, expand_runs

@@ -16,8 +16,9 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator, StrictInt
 
-from masrl.config import RunConfig, format_validation_error, load_config, read_yaml_file
+from masrl.config import RunConfig, format_validation_error, load_config
 from masrl.errors import ConfigError
+from masrl.io.bounded_yaml import read_yaml_file
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # axis names and labels become folder names
 Scalar = Union[bool, int, float, str]

@@ -15,7 +15,7 @@ The gold answer is converted for the reward: ``math`` keeps the text after the l
 takes a list of test statements (``assert f(1) == 2``; optional ``fields.setup``). A user's
 function receives the raw field value. Rows that do not parse are skipped with a warning naming
 the file and line (row for parquet/hf, index for JSON), or stop the run with ``task.strict: true``
-(``masrl train --strict``); files are read by the shared row reader (:mod:`masrl.tasks.rows`).
+(``masrl train --strict``); files are read by the shared row reader (:mod:`masrl.io.rows`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Any, Iterator
 from masrl.config import TaskConfig
 from masrl.errors import ConfigError
 from masrl.tasks.math_data import DatasetLoadError
-from masrl.tasks.rows import BadRow, RowPos, detect_row_format, iter_records, parse_rows
+from masrl.io.rows import BadRow, RowPos, detect_row_format, iter_records, parse_rows
 from masrl.types import Task
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
@@ -36,7 +36,7 @@ _KNOWN_PARAMS = {"train", "test", "format", "fields", "reward", "answer_fallback
 # ----------------------------------------------------------------------------- reading rows
 
 def detect_format(source: str) -> str:
-    """``hf`` for ``hf:ID[:split]``, else the file format from its name (masrl.tasks.rows)."""
+    """``hf`` for ``hf:ID[:split]``, else the file format from its name (masrl.io.rows)."""
     if source.startswith("hf:"):
         return "hf"
     try:

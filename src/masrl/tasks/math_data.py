@@ -32,7 +32,7 @@ from typing import Any
 from masrl.errors import ConfigError, UserInputError
 from masrl.catalog import DataNotFoundError, get_hint
 from masrl.paths import data_file
-from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
+from masrl.io.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
 from masrl.types import Task
 from masrl.tasks.parsing import extract_boxed
 

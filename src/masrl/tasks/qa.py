@@ -23,8 +23,8 @@ from typing import Any, Callable
 from masrl.errors import ConfigError, UserInputError
 from masrl.catalog import get_hint
 from masrl.paths import data_file
-from masrl.tasks.lines import open_binary
-from masrl.tasks.rows import BadRow, MalformedRowWarning, RowPos, read_rows
+from masrl.io.lines import open_binary
+from masrl.io.rows import BadRow, MalformedRowWarning, RowPos, read_rows
 from masrl.types import Task
 
 QA_METRICS = ("em", "f1", "subem")
@@ -34,7 +34,7 @@ class QADataError(UserInputError, ValueError):
     """A QA file is missing or malformed (malformed rows raise only with ``strict=True``)."""
 
 
-QADataWarning = MalformedRowWarning  # the one warning for a skipped row (masrl.tasks.rows); old name kept
+QADataWarning = MalformedRowWarning  # the one warning for a skipped row (masrl.io.rows); old name kept
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ def load_qa(path_or_name: str | Path, limit: int | None = None, strict: bool = F
     """Load QA tasks from a file, a name in ``QA_DATASETS`` or ``synthetic_kb[:train|test]``."""
     text = str(path_or_name)
     if text == "synthetic_kb" or text.startswith("synthetic_kb:"):
-        from masrl.tasks.retrieval.synthetic_kb import synthetic_kb
+        from masrl.tasks.synthetic_kb import synthetic_kb
 
         split = text.partition(":")[2] or "train"
         tasks, _ = synthetic_kb(split=split)

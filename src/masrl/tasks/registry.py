@@ -67,7 +67,7 @@ def _configured_score(cfg: TaskConfig, default: Callable[[TaskConfig], object]):
 
 
 def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
-    from masrl.tasks.retrieval.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
+    from masrl.tasks.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
 
     params = {k: v for k, v in cfg.params.items() if k not in ("reward_metric", "reward")}
     seed = int(params.pop("seed", 0))
@@ -79,8 +79,9 @@ def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
 
 
 def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
+    from masrl.retrieval import resolve_retriever
     from masrl.tasks.qa import load_qa
-    from masrl.tasks.retrieval import resolve_retriever
 
     train = load_qa(cfg.params.get("train", cfg.name), limit=cfg.train_limit, strict=cfg.strict)
     test = load_qa(cfg.params.get("test", cfg.name), limit=cfg.test_limit, strict=cfg.strict)

@@ -107,7 +107,7 @@ calculator = Tool(calculator)
 def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 4000,
                 sandbox: Any = None) -> Tool:
     """A ``python`` tool: runs code in the sandbox (separate process, no network, time/memory limits)."""
-    from masrl.tasks.code import run_python
+    from masrl.sandbox import run_python
 
     def python(code: str) -> str:
         """Run a Python program in a sandbox and return what it printed (stdout; stderr on an error).
@@ -129,8 +129,9 @@ def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 512, max_output_char
 def search_tool(retriever: Any, *, topk: int = 3, doc_format: str = "Doc {rank}: {contents}",
                 name: str = "search") -> Tool:
     """A ``search`` tool over ``retriever`` (an object with ``search(queries, topk)`` or a spec for
-    :func:`masrl.tasks.retrieval.build_retriever`: a corpus path, ``"synthetic_kb"``, a URL, ...)."""
-    from masrl.tasks.retrieval import format_passages, resolve_retriever
+    :func:`masrl.retrieval.build_retriever`: a corpus path, ``"synthetic_kb"``, a URL, ...)."""
+    import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
+    from masrl.retrieval import format_passages, resolve_retriever
 
     index = resolve_retriever(retriever)
 

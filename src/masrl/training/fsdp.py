@@ -189,7 +189,7 @@ def local_bytes(policy) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_cpu(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor on CPU (an all-gather of one tensor when sharded: every rank must call)."""
     return (t.full_tensor() if is_sharded(t) else t).detach().cpu().contiguous().clone()
 

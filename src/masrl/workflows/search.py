@@ -14,7 +14,7 @@ reply without a yes/no tag (read as ``untagged_verdict`` while turns remain, as
 ``<answer>`` (the answer is None).
 
 Parameters (``team.params``): ``retriever`` (an object with ``search(queries, topk)`` or a spec
-for :func:`masrl.tasks.retrieval.build_retriever`), ``topk``, ``max_turns``,
+for :func:`masrl.retrieval.build_retriever`), ``topk``, ``max_turns``,
 ``history_length``, ``untagged_verdict``, ``untagged_last_turn``, ``doc_format``.
 Prompts are the templates below (``Verifier``, ``Search``, ``Answer`` and the shared
 ``context`` / ``history`` / ``history_step``), each overridable from the config.
@@ -25,8 +25,9 @@ import asyncio
 import inspect
 from dataclasses import dataclass, field
 
+import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
 from masrl.errors import ConfigError
-from masrl.tasks.retrieval import Passage, format_passages, resolve_retriever
+from masrl.retrieval import Passage, format_passages, resolve_retriever
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.base import render as fill  # one-pass {field} filling

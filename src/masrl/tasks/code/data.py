@@ -20,8 +20,8 @@ hidden tests, as a dict read by :func:`masrl.tasks.code.scoring.score_code`::
 ``Task.meta`` has ``data_source``/``benchmark`` (``mbpp``/``humaneval``), ``task_id``,
 ``entry_point``, ``split`` and ``reference_solution`` (the dataset's canonical code; for
 HumanEval the body completion). Malformed rows are skipped with a
-:class:`~masrl.tasks.rows.MalformedRowWarning` naming ``file:line``, or raise ``ValueError`` with
-``strict=True`` (see :mod:`masrl.tasks.rows`).
+:class:`~masrl.io.rows.MalformedRowWarning` naming ``file:line``, or raise ``ValueError`` with
+``strict=True`` (see :mod:`masrl.io.rows`).
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from masrl.catalog import DataNotFoundError, get_hint
 from masrl.paths import data_file
-from masrl.tasks.rows import MalformedRowWarning  # noqa: F401 - re-exported (the one warning class)
-from masrl.tasks.rows import BadRow, RowPos, read_rows
+from masrl.io.rows import MalformedRowWarning  # noqa: F401 - re-exported (the one warning class)
+from masrl.io.rows import BadRow, RowPos, read_rows
 from masrl.types import Task
 
 MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "train": (601, 974)}

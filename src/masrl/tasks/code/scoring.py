@@ -34,10 +34,10 @@ import time
 import warnings
 from typing import Any, Sequence
 
-from masrl.tasks.code._child import CodecError, decode_value, encode_value
+from masrl.sandbox import (CodecError, Died, Limits, Proc, Sandbox, SandboxError, decode_value, default_sandbox,
+                           encode_value)
 from masrl.tasks.code.data import free_names
 from masrl.tasks.code.extract import extract_code
-from masrl.tasks.code.sandbox import Limits, Sandbox, SandboxError, _Died, _Proc, default_sandbox
 from masrl.types import Task
 
 __all__ = ["score_code", "score_many", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
@@ -151,7 +151,7 @@ class _Session:
         self.startup_timeout_s = startup_timeout_s
         self.deadline = deadline
         self.max_restarts = max_restarts
-        self.proc: _Proc | None = None
+        self.proc: Proc | None = None
         self.gen = 0
         self.seq = 0
         self.starts = 0
@@ -163,7 +163,7 @@ class _Session:
         self.starts += 1
         self.gen += 1
         self.seq = 0
-        proc = _Proc(self.sb, self.limits, mode="serve")
+        proc = Proc(self.sb, self.limits, mode="serve")
         self.proc = proc
         try:
             proc.start()
@@ -172,7 +172,7 @@ class _Session:
             raise SandboxError(f"cannot start the sandbox: {e}") from e
         try:
             hello = proc.next_frame(time.monotonic() + self.startup_timeout_s)
-        except _Died as e:
+        except Died as e:
             self.discard()
             raise SandboxError(f"the sandbox did not come up ({e.status})") from None
         if hello.get("seq") != -1:
@@ -217,7 +217,7 @@ class _Session:
         try:
             proc.send(msg, deadline)
             resp = proc.next_frame(deadline)
-        except _Died as e:
+        except Died as e:
             oom = e.status == "exited" and proc.oom_killed()
             self.discard()
             status = "memory" if oom else {"exited": "crashed"}.get(e.status, e.status)

@@ -11,8 +11,8 @@ import argparse
 import json
 import time
 
+from masrl.sandbox import Sandbox
 from masrl.tasks.code.data import load_humaneval, load_mbpp
-from masrl.tasks.code.sandbox import Sandbox
 from masrl.tasks.code.scoring import score_many
 
 

@@ -1,83 +1,10 @@
-"""Passages, the ``Retriever`` protocol and how passages are shown to agents."""
-from __future__ import annotations
+"""Deprecated: moved to :mod:`masrl.retrieval.base`. This path is the same module for one release and warns on
+import; import from ``masrl.retrieval.base`` instead."""
+import sys
+import warnings
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+import masrl.retrieval.base as _moved
 
-
-class RetrieverError(RuntimeError):
-    """A retriever could not answer (server unreachable, bad response, ...)."""
-
-
-@dataclass(slots=True)
-class Passage:
-    """One retrievable unit of text. ``score`` is set on search results (higher is better)."""
-
-    id: str
-    title: str
-    text: str
-    score: float | None = None
-
-    @property
-    def contents(self) -> str:
-        """Search-R1 / FlashRAG layout: ``"Title"\\ntext`` (just ``text`` when untitled)."""
-        return f'"{self.title}"\n{self.text}' if self.title else self.text
-
-    def to_document(self) -> dict:
-        """The JSON document of the Search-R1 retrieval API: ``{"id", "contents"}``."""
-        return {"id": self.id, "contents": self.contents}
-
-    def with_score(self, score: float) -> "Passage":
-        return Passage(self.id, self.title, self.text, float(score))
-
-    @classmethod
-    def from_contents(cls, id: str, contents: str, score: float | None = None) -> "Passage":
-        """Parse ``"Title"\\ntext`` (see :func:`split_contents`)."""
-        title, text = split_contents(contents)
-        return cls(str(id), title, text, score)
-
-
-def split_contents(contents: str) -> tuple[str, str]:
-    """``(title, text)`` of a Search-R1 ``contents`` string: the first line is the title (quotes
-    removed) when there is more than one line; a single line is untitled text."""
-    head, sep, rest = contents.strip().partition("\n")
-    if not sep:
-        return "", head.strip()
-    head = head.strip()
-    if len(head) >= 2 and head.startswith('"') and head.endswith('"'):
-        head = head[1:-1]
-    return head.strip(), rest.strip()
-
-
-@runtime_checkable
-class Retriever(Protocol):
-    """Anything that returns the top-k passages of each query, best first.
-
-    ``search(["q1", "q2"], topk=3)`` -> ``[[Passage, ...], [Passage, ...]]`` (one list per query,
-    at most ``topk`` passages each, ``Passage.score`` set). Implementations: :class:`BM25Retriever`,
-    :class:`DenseRetriever`, :class:`HybridRetriever`, :class:`HttpRetriever`.
-    """
-
-    def search(self, queries: list[str], topk: int) -> list[list[Passage]]: ...
-
-
-def format_passages(passages: Sequence[Passage], template: str = "Doc {rank}: {contents}",
-                    separator: str = "\n") -> str:
-    """Render retrieved passages for a prompt, one line per passage (``{rank}`` starts at 1).
-
-    Fields: ``{rank}``, ``{id}``, ``{title}``, ``{text}``, ``{contents}``. The default is the
-    layout of the Dr. MAS / SkyRL search tool (``Doc 1: "Title"\\ntext``).
-    """
-    lines = []
-    for rank, p in enumerate(passages, start=1):
-        fields = {"rank": rank, "id": p.id, "title": p.title, "text": p.text, "contents": p.contents}
-        lines.append(_fill(template, fields))
-    return separator.join(lines)
-
-
-def _fill(template: str, fields: dict) -> str:
-    """Replace ``{name}`` for the given names in one pass (inserted text is never re-scanned)."""
-    import re
-
-    pattern = re.compile(r"\{(" + "|".join(map(re.escape, fields)) + r")\}")
-    return pattern.sub(lambda m: str(fields[m.group(1)]), template)
+warnings.warn("masrl.tasks.retrieval.base is deprecated: import from masrl.retrieval.base (this path goes away in the next release)",
+              DeprecationWarning, stacklevel=2)
+sys.modules[__name__] = _moved
