@@ -41,3 +41,25 @@ def test_table_over_a_sweep(tmp_path, capsys):
     assert vr.main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| estimator=drmas/seed0 | 30.0 | 50.0 | 75.0 → 50.0 | 83.3 → 10.0 | 40.0 → 80.0 |" in out
+
+
+def test_agent_facts_give_the_confusion_rates():
+    """Hand-counted verdicts: TP 3, FP 5, TN 1, FN 1 -> accuracy 0.4, precision 3/8, recall 3/4, wrong approved 5/6."""
+    from masrl.evaluation.summary import agent_facts
+    from masrl.types import Episode, Task, Turn
+
+    cells = [("approve", True)] * 3 + [("approve", False)] * 5 + [("reject", False)] + [("reject", True)]
+    episodes = [Episode(task=Task(id=str(i), question="q", answer="a"), reward=0.0,
+                        turns=[Turn(agent="Verifier", policy="p", prompt_ids=[1], response_ids=[2], logprobs=[0.0],
+                                    text="", info={"verdict": v, "judged_correct": ok})])
+                for i, (v, ok) in enumerate(cells)]
+    facts = agent_facts(episodes)
+    assert facts["agent/Verifier/verdict_accuracy"] == pytest.approx(0.4)
+    assert facts["agent/Verifier/approve_precision"] == pytest.approx(3 / 8)
+    assert facts["agent/Verifier/approve_recall"] == pytest.approx(0.75)
+    assert facts["agent/Verifier/approve_rate_wrong"] == pytest.approx(5 / 6)
+    # the three older rates give the same answer through the script's derivation
+    row = {f"eval/test/{k}": v for k, v in facts.items()}
+    assert vr.rates(row, "Verifier")["approve_wrong"] == pytest.approx(5 / 6)
+    del row[K + "approve_rate_wrong"]
+    assert vr.rates(row, "Verifier")["approve_wrong"] == pytest.approx(5 / 6)

@@ -25,7 +25,8 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: st
 
 
 def agent_facts(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Per-agent tokens and calls per episode; verifier approval precision/recall where judged."""
+    """Per-agent tokens and calls per episode; where verdicts were judged, the verdict accuracy, approval precision,
+    recall (approvals among correct answers) and approvals among wrong answers."""
     out: dict[str, float] = {}
     tokens, calls, refused = defaultdict(int), defaultdict(int), defaultdict(int)
     verdicts = defaultdict(lambda: {"tp": 0, "fp": 0, "fn": 0, "tn": 0})
@@ -52,4 +53,6 @@ def agent_facts(episodes: Sequence[Episode]) -> dict[str, float]:
             out[f"agent/{agent}/approve_precision"] = c["tp"] / (c["tp"] + c["fp"])
         if c["tp"] + c["fn"]:
             out[f"agent/{agent}/approve_recall"] = c["tp"] / (c["tp"] + c["fn"])
+        if c["fp"] + c["tn"]:  # approvals among wrong answers: near approve_recall = a rubber stamp
+            out[f"agent/{agent}/approve_rate_wrong"] = c["fp"] / (c["fp"] + c["tn"])
     return out
