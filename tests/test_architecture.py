@@ -47,10 +47,14 @@ def test_contracts_catch_a_wrong_way_import_and_a_cycle(tmp_path):
     # models.hub <-> models.loading: a cycle inside one layer
     _append(pkg / "models" / "hub.py", "def _cycle():\n    from masrl.models.loading import load_model_and_tokenizer\n"
                                        "    return load_model_and_tokenizer")
+    # masrl eval runs a team with a TeamRunner: building a Trainer there breaks the forbidden contract
+    _append(pkg / "evaluate.py", "def _trainer():\n    from masrl.trainer import Trainer\n    return Trainer")
     result = _lint(tmp_path / "src", tmp_path / "pyproject.toml")
     assert result.returncode != 0
     assert "masrl.rollout.base -> masrl.training.policy" in result.stdout
     assert "No cycles are allowed in masrl.models" in result.stdout
+    assert "eval, ensemble collect and serve run a team with a TeamRunner" in result.stdout
+    assert "masrl.evaluate -> masrl.trainer" in result.stdout
 
 
 def test_every_top_level_module_is_in_the_layer_contract():
@@ -65,3 +69,18 @@ def test_every_top_level_module_is_in_the_layer_contract():
     modules = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
     packages = {p.parent.name for p in src.glob("*/__init__.py")}
     assert sorted((modules | packages) - listed) == []
+
+
+def test_the_layer_table_of_the_docs_is_the_contract():
+    """docs/architecture.md's layer table lists the contract's layers, in order, with the same modules."""
+    import re
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = [set(re.findall(r"masrl\.\w+", layer))
+              for layer in next(c for c in contracts if c["id"] == "layers")["layers"]]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| layer (top to bottom) |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [set(re.findall(r"`(masrl\.\w+)`", row.split(" | ", 1)[0])) for row in table]
+    assert layers[0] == {"masrl.__main__"}  # shown with masrl.cli: "(and `__main__`)"
+    assert rows == layers[1:]
