@@ -58,7 +58,8 @@ EVAL_OVERRIDES = ["trainer.threads=1", "logging.progress=false"]
 ROUND_TRIP = "quickstart-seed0"  # the run exported and evaluated
 
 #: values that measure time, speed or memory, not what was computed
-TIMING = re.compile(r"(^|/)perf/|seconds|_s$|(^|/)time|timestamp|tokens_per_s|rss|wall|elapsed|duration|judge_share")
+TIMING = re.compile(r"(^|/)perf/|seconds|_s$|tokens_per_s|rss|judge_share"
+                    r"|(^|[/_])(time|timestamp|wall|elapsed|duration)($|[/_])")
 
 
 def is_timing(key: str) -> bool:
@@ -82,7 +83,10 @@ def check_source(checkout: Path) -> None:
 
 def masrl(checkout: Path, args: list[str], log: Path) -> float:
     """``python -m masrl ARGS`` with ``checkout``'s source, in ``checkout``, at ``nice 10``; its CPU seconds.
-    Raises ``RuntimeError`` with the log's tail when it fails."""
+    Raises ``RuntimeError`` with the log's tail when it fails. With no checkout (``--compare-only``): nothing
+    runs, the outputs already there are compared."""
+    if checkout is None:
+        return 0.0
     env = environment(checkout)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "a") as out:
@@ -98,7 +102,7 @@ def masrl(checkout: Path, args: list[str], log: Path) -> float:
     return cpu
 
 
-def run_all(checkout: Path, out: Path, only: set[str] | None) -> dict[str, dict]:
+def run_all(checkout: Path | None, out: Path, only: set[str] | None) -> dict[str, dict]:
     """Every run of the list in ``checkout``, written under ``out``; ``{run: {"files": ..., "cpu_s": ...,
     "error": ...}}``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -236,10 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", default="main", help="commit or checkout folder (default: main)")
     ap.add_argument("--head", default=None, help="commit or checkout folder (default: this working tree)")
     ap.add_argument("--work", default=None, help="where the runs write (default: a new temporary folder, kept)")
+    ap.add_argument("--compare-only", action="store_true",
+                    help="run nothing: compare the outputs already in --work (of an earlier run of this script)")
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all): "
                     + ", ".join([n for n, _, _ in TRAIN_RUNS] + ["export-eval", "checkpoint-eval"]))
     a = ap.parse_args(argv)
     only = {s.strip() for s in a.only.split(",") if s.strip()} if a.only else None
+    if a.compare_only and not a.work:
+        ap.error("--compare-only needs --work (the folder of an earlier run)")
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="masrl-same-numbers-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"command: {command_line()}")
@@ -251,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for label, spec in (("base", a.base), ("head", a.head)):
+            if a.compare_only:
+                outputs[label] = run_all(None, work / f"{label}-runs", only)
+                continue
             folder, what, new = checkout(spec, work, label)
             if new:
                 made.append(folder)
