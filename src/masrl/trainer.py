@@ -51,6 +51,19 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt * 104_729) % (2**63 - 1)
 
 
+class _OfTeam:
+    """``trainer.<name>``: the attribute of that name of the trainer's :class:`TeamRunner`, read and set."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else getattr(trainer.team, self.name)
+
+    def __set__(self, trainer, value) -> None:
+        setattr(trainer.team, self.name, value)
+
+
 class Trainer:
     """RL for the team of a config: one :class:`~masrl.team_runner.TeamRunner` (the team, its rollout and
     evaluation) plus the update, the monitors (spikes, role capture, drift, collapse), checkpoints and the
@@ -74,14 +87,9 @@ class Trainer:
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
         self.logger: MetricsLogger | None = None
 
-    # the team's parts, by their names on the trainer too
-    spec = property(lambda self: self.team.spec)
-    source = property(lambda self: self.team.source)
-    params = property(lambda self: self.team.params)
-    runtime = property(lambda self: self.team.runtime)
-    policies = property(lambda self: self.team.policies)
-    scheduler = property(lambda self: self.team.scheduler)
-    rollout = property(lambda self: self.team.rollout)
+    # the team's parts, by their names on the trainer too (read and set: a spy on trainer.rollout sees every rollout)
+    spec, source, params, runtime = _OfTeam(), _OfTeam(), _OfTeam(), _OfTeam()
+    policies, scheduler, rollout = _OfTeam(), _OfTeam(), _OfTeam()
 
     # ------------------------------------------------------------------ stages
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
