@@ -237,10 +237,10 @@ def test_a_failing_command_is_an_external_agent_error(tmp_path, body, reason):
 def test_external_needs_one_of_entry_and_command(tiny_cfg, tmp_path):
     from masrl.config import config_from_dict
     from masrl.errors import ConfigError
-    from masrl.registry_names import check_run
+    from masrl.team_runner import check_team
 
     cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {}))
-    spec, _ = check_run(cfg)
+    spec = check_team(cfg)
     assert spec.agents == ("Solver", "Verifier")
     from masrl.workflows.external import _params
 

@@ -98,15 +98,15 @@ def test_stage_names_agree():
 
 
 def test_progress_eta():
-    from masrl.trainer import _Progress
+    from masrl.monitoring.progress import Progress
 
-    rl = _Progress(False, "RL", 100, completed=60)  # a resumed run: 60 steps done before this process
+    rl = Progress(False, "RL", 100, completed=60)  # a resumed run: 60 steps done before this process
     rl.done = 70
     assert rl.eta(rl.start + 50.0) == 150.0  # 10 steps in 50 s -> 30 left take 150 s (not 60/70 of the time)
-    ev = _Progress(False, "eval test", 200)
+    ev = Progress(False, "eval test", 200)
     ev.done = 150
     assert ev.eta(ev.start + 10.0) is None  # episodes finish in bursts: no linear guess
-    again = _Progress(False, "eval test", 200, expected_s=80.0)
+    again = Progress(False, "eval test", 200, expected_s=80.0)
     again.done = 150
     assert again.eta(again.start + 30.0) == 50.0
     again.done = 200

@@ -49,11 +49,12 @@ def _cmd_train(args) -> int:
 def check_before_build(cfg, run_dir: Path, what: str) -> None:
     """What ``masrl train`` checks before it builds a model, and ``masrl config show`` checks too: the run
     folder can be written (``masrl.paths.check_output_dir``), then registry names, agents, prompt templates
-    and the task's data (``masrl.registry_names.check_run``)."""
-    from masrl.registry_names import check_run
+    and the task's data (``masrl.team_runner``: ``check_team``, then ``load_tasks``, as a ``TeamRunner`` starts)."""
+    from masrl.team_runner import check_team, load_tasks
 
     check_output_dir(run_dir, what)
-    check_run(cfg)
+    check_team(cfg)
+    load_tasks(cfg)
 
 
 def _cmd_config_show(args) -> int:

@@ -11,33 +11,6 @@ from masrl.io.atomic import write_text_atomic
 from masrl.paths import check_output_dir
 
 
-def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
-    """``(tasks that fit, one reason per task skipped)``: a task is skipped when its question alone is longer
-    than some agent's context (the policy's max positions less the agent's max_new_tokens). A question is
-    first measured in characters against ``room * max_token_chars`` (never tokenizing a huge one), then in
-    tokens when it could be close."""
-    from masrl.rollout.runner import max_token_chars
-
-    budgets = {}
-    for agent, acfg in agents.items():
-        policy = policies[acfg.policy]
-        room = max(policy.max_positions - acfg.max_new_tokens, 0)
-        budgets.setdefault((acfg.policy, room), (policy, agent))
-    kept, skipped = [], []
-    for task in tasks:
-        question = task.question if isinstance(task.question, str) else str(task.question)
-        for (name, room), (policy, agent) in budgets.items():
-            chars = room * max_token_chars(policy.tokenizer)
-            if len(question) > chars or (len(question.encode("utf-8", "surrogatepass")) + 8 > room and
-                                         len(policy.tokenizer(question, add_special_tokens=False)["input_ids"]) > room):
-                skipped.append(f"{task.id}: question of {len(question):,} characters is longer than the context of "
-                               f"agent {agent!r} ({room} tokens of policy {name!r} after max_new_tokens)")
-                break
-        else:
-            kept.append(task)
-    return kept, skipped
-
-
 def bench_names(text: str) -> list[str]:
     """``--bench a,b``: the benchmark names, at least one, each once (results are keyed by name)."""
     names = [b.strip() for b in text.split(",") if b.strip()]
@@ -52,7 +25,7 @@ def run_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from masrl.trainer import Trainer
+    from masrl.team_runner import TeamRunner
 
     cfg = load_config(args.config, args.overrides)
     if (args.n is not None and args.n < 1) or (args.limit is not None and args.limit < 1):
@@ -68,8 +41,8 @@ def run_eval(args) -> int:
         check_output_dir(args.out, "--out")
     args.bench = bench_names(args.bench)
     ks = sorted({k for k in ks if k <= n})
-    with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the evaluation
-        results, samples, ckpt_path, out = _eval_benches(args, cfg, trainer, n, ks)
+    with TeamRunner(cfg, progress=False) as team:  # a Ray runtime's workers end with the evaluation
+        results, samples, ckpt_path, out = _eval_benches(args, cfg, team, n, ks)
     meta = {"config": str(args.config), "checkpoint": str(ckpt_path) if ckpt_path else None, "n": n, "k": ks}
     write_text_atomic(out / "samples.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     write_text_atomic(out / "eval.json", json.dumps({"meta": meta, "results": results}, indent=1))
@@ -89,33 +62,20 @@ def run_eval(args) -> int:
     return 0
 
 
-def _eval_benches(args, cfg, trainer, n: int, ks: list[int]):
+def _eval_benches(args, cfg, team, n: int, ks: list[int]):
     """Run every ``--bench`` with the built team; ``(results, samples, checkpoint path, out folder)``."""
-    from masrl.evaluation.summary import summarize_episodes
-    from masrl.rollout.runner import repeat_tasks
-    from masrl.tasks.registry import load_bench_tasks
-    from masrl.training.checkpoint import load_eval_checkpoint
-    ckpt_path = None
-    if args.checkpoint:
-        ckpt_path = load_eval_checkpoint(args.checkpoint, trainer.policies)
+    ckpt_path = team.load_checkpoint(args.checkpoint) if args.checkpoint else None
     out = Path(args.out) if args.out else (ckpt_path.parents[1] / "eval" if ckpt_path else Path("runs/eval"))
     check_output_dir(out, "--out" if args.out else "eval folder")
     out.mkdir(parents=True, exist_ok=True)
     results, samples = {}, []
-    for bench in args.bench:
-        tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, args.limit or cfg.eval.limit, args.strict)
-        tasks, skipped = fit_context(tasks, trainer.policies, cfg.agents)
+    for run in team.benches(args.bench, n=n, seed=cfg.seed, limit=args.limit or cfg.eval.limit, strict=args.strict,
+                            fit=True, show=cfg.logging.progress):
+        bench, episodes, skipped = run.bench, run.episodes, run.skipped
         if skipped:
             print(f"masrl eval: {bench}: skipped {len(skipped)} task(s) that cannot fit the model context; "
                   f"first: {skipped[0]}", file=sys.stderr)
-        if not tasks:
-            raise ConfigError(f"--bench {bench}: no tasks loaded" + (f" ({len(skipped)} skipped: {skipped[0]})"
-                                                                     if skipped else ""))
-        rep, groups = repeat_tasks(tasks, n)
-        episodes = trainer.eval_rollout(bench, rep, groups, temperature=cfg.eval.temperature, seed=cfg.seed,
-                                        score=score, show=cfg.logging.progress)
-        summary = summarize_episodes(episodes, ks, bench=bench)
-        summary.update(trainer.last_reward_counts.summary())
+        summary = run.summary(ks)
         summary["skipped_over_context"] = len(skipped)
         tokens = {}
         for e in episodes:

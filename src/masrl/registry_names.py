@@ -1,4 +1,5 @@
-"""Registry names in a config (workflow, task, reward), checked when a run starts.
+"""Registry names in a config (workflow, task, reward), checked when a team is built
+(:func:`masrl.team_runner.check_team`, before any data is loaded).
 
 Pydantic checks the shape of the config; this resolves its names against the registries (and
 imports ``pkg.module:function`` paths) so that a typo fails before any model is built, with the
@@ -6,8 +7,6 @@ known names listed, instead of after SFT. It sits above ``config`` (it imports w
 the estimator and loss names are checked by the config models (``masrl.config``).
 """
 from __future__ import annotations
-
-import dataclasses
 
 from masrl.config import RunConfig
 from masrl.errors import ConfigError
@@ -35,30 +34,3 @@ def check_names(cfg: RunConfig) -> None:
             problems.append(f"task.params.reward: {e}")
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-def check_run(cfg: RunConfig):
-    """Everything a run checks before it builds a model: the registry names, the workflow's agents and prompt
-    templates against the config's, and the task (its params and data rows: the task source is loaded).
-    Returns ``(workflow spec, task source)``. ``masrl train`` and ``masrl config show`` both call it, so a
-    config that ``show`` prints is one that ``train`` starts."""
-    from masrl.tasks.registry import load_task_source
-    from masrl.workflows.base import get_workflow
-
-    check_names(cfg)
-    spec = get_workflow(cfg.workflow.name)
-    if not spec.agents:  # a workflow open to any agents (external): the config's agents are its roles
-        if not cfg.agents:
-            raise ConfigError(f"workflow {spec.name!r} takes its agents from the config: name at least one "
-                              "under agents (the names the program puts in `model`)")
-        spec = dataclasses.replace(spec, agents=tuple(cfg.agents))
-    missing = [a for a in spec.agents if a not in cfg.agents]
-    extra = [a for a in cfg.agents if a not in spec.agents]
-    if missing or extra:
-        raise ConfigError(f"workflow {spec.name!r} has agents {list(spec.agents)}; the config's "
-                          f"agents section is missing {missing} and has unknown {extra}")
-    unknown_prompts = sorted(set(cfg.workflow.prompts) - set(spec.prompts))
-    if unknown_prompts:
-        raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
-                          f"{spec.name} uses {sorted(spec.prompts)}")
-    return spec, load_task_source(cfg.task, cfg.sft.teacher)

@@ -88,17 +88,15 @@ def run_serve(args) -> int:
         raise UserInputError(f"masrl serve --host {args.host}: a non-local address needs --api-key (clients must "
                              "send it); the default 127.0.0.1 serves this machine only")
     from masrl.gateway import EpisodeSession, Gateway
-    from masrl.rollout.runner import make_call
-    from masrl.trainer import Trainer
-    from masrl.training.checkpoint import load_eval_checkpoint
+    from masrl.team_runner import TeamRunner
 
     cfg, checkpoint = _load(Path(args.path), args.overrides)
-    with Trainer(cfg, progress=False) as trainer:
-        where = load_eval_checkpoint(checkpoint, trainer.policies) if checkpoint is not None else Path(args.path)
+    with TeamRunner(cfg, progress=False) as runner:
+        where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
-        batcher = ServeBatcher({n: p.engine for n, p in trainer.policies.items()}, args.batch_window_ms / 1000)
-        team = _StandingTeam(cfg.agents, make_call(trainer.policies, cfg.agents, batcher))
+        batcher = ServeBatcher({n: p.engine for n, p in runner.policies.items()}, args.batch_window_ms / 1000)
+        team = _StandingTeam(cfg.agents, runner.call(batcher))
         gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout)
         gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1")
         gateway.default_key = args.api_key

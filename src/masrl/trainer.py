@@ -27,24 +27,21 @@ from masrl.errors import ConfigError
 from masrl.io.atomic import write_text_atomic
 from masrl.paths import check_output_dir
 from masrl.evaluation.metrics import stage_name
-from masrl.evaluation.summary import agent_facts, summarize_episodes
+from masrl.evaluation.summary import agent_facts
 from masrl.judges import judge_metrics
 from masrl.monitoring.drift import RoleDriftTracker
 from masrl.monitoring.logger import MetricsLogger
+from masrl.monitoring.progress import Progress
 from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
-from masrl.registry_names import check_run
-from masrl.rollout.runner import make_call, repeat_tasks, rollout_metrics, run_episodes
-from masrl.rollout.scheduler import RolloutScheduler
-from masrl.tasks.registry import load_bench_tasks
-from masrl.tasks.reward_guard import (GuardedScore, RewardCounts, RewardError, RewardLedger,
-                                      check_failures)
+from masrl.rollout.runner import repeat_tasks, rollout_metrics
+from masrl.tasks.reward_guard import GuardedScore, RewardError, check_failures
+from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
-from masrl.runtime import WorkerGroupError, make_runtime
+from masrl.runtime import WorkerGroupError
 from masrl.runtime.malloc import tune_malloc
 from masrl.training.conversation import merge_extending_rows
-from masrl.training.policy import Policy
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
@@ -55,23 +52,30 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt * 104_729) % (2**63 - 1)
 
 
+class _OfTeam:
+    """``trainer.<name>``: the attribute of that name of the trainer's :class:`TeamRunner`, read and set."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer, owner=None):
+        return self if trainer is None else getattr(trainer.team, self.name)
+
+    def __set__(self, trainer, value) -> None:
+        setattr(trainer.team, self.name, value)
+
+
 class Trainer:
+    """RL for the team of a config: one :class:`~masrl.team_runner.TeamRunner` (the team, its rollout and
+    evaluation) plus the update, the monitors (spikes, role capture, drift, collapse), checkpoints and the
+    allocator's tuning."""
+
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
         self.cfg = cfg
-        self.run_dir = Path(run_dir) if run_dir else cfg.run_dir
-        self.show_progress = cfg.logging.progress if progress is None else progress
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
         if cfg.trainer.tune_malloc:  # before any model is built (masrl.runtime.malloc)
             tune_malloc()
-        random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
-        # registry names, agents, prompt templates and the task's data, before anything is built
-        self.spec, self.source = check_run(cfg)
-        self.runtime = make_runtime(cfg, self.run_dir)  # local (this process) or Ray worker groups
-        self.policies: dict[str, Policy] = self.runtime.build_policies()
-        self.scheduler = RolloutScheduler({n: p.engine for n, p in self.policies.items()},
-                                          continuous=cfg.rollout.continuous_batching)
+        self.team = TeamRunner(cfg, run_dir=run_dir, progress=progress)
+        self.run_dir, self.show_progress = self.team.run_dir, self.team.show_progress
         mon = cfg.monitoring
         self.drift = RoleDriftTracker() if mon.drift else None
         self.spikes = SpikeDetector(window=mon.spike.window, threshold=mon.spike.threshold,
@@ -79,58 +83,16 @@ class Trainer:
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.collapse = CollapseMonitor(list(cfg.agents), **mon.collapse.model_dump())
         self.rolled_back_to: int | None = None  # monitoring.collapse.action: rollback
-        self.params = {**self.spec.params, **cfg.workflow.params, **self.source.workflow_params}
         self.step = 0
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
         self.history: dict[str, dict] = {}  # evaluation results by label ("sft", "final", ...)
         self.logger: MetricsLogger | None = None
-        self.rewards = RewardLedger()  # reward calls, errors and timeouts, taken after each rollout
-        self.last_reward_counts = RewardCounts()
+
+    # the team's parts, by their names on the trainer too (read and set: a spy on trainer.rollout sees every rollout)
+    spec, source, params, runtime = _OfTeam(), _OfTeam(), _OfTeam(), _OfTeam()
+    policies, scheduler, rollout = _OfTeam(), _OfTeam(), _OfTeam()
 
     # ------------------------------------------------------------------ stages
-    def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
-                score=None, on_episode=None, on_turn=None, where: str = "a rollout") -> list[Episode]:
-        """The episodes of ``tasks``; their reward calls' counts are left in ``last_reward_counts``, and a rollout
-        whose reward calls fail too often stops the run (:class:`RewardError`, naming ``where``)."""
-        for i, policy in enumerate(self.policies.values()):
-            policy.engine.reseed(seed + i)
-        call = make_call(self.policies, self.cfg.agents, self.scheduler, temperature)
-        try:
-            episodes = run_episodes(self.spec, tasks, group_ids, call=call, scheduler=self.scheduler,
-                                    score=GuardedScore(score or self.source.score, self.rewards),
-                                    prompts=self.cfg.workflow.prompts, params=self.params,
-                                    format_penalty=self.cfg.algorithm.format_penalty, on_episode=on_episode,
-                                    on_turn=on_turn, tool_timeout_s=self.cfg.tools.timeout_s)
-        finally:
-            self.last_reward_counts = self.rewards.take()
-        check_failures(self.last_reward_counts, self.cfg.task.reward_max_error_share, where)
-        return episodes
-
-    def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
-                     show: bool | None = None) -> list[Episode]:
-        """:meth:`rollout` of an evaluation, with progress: episodes done, accuracy so far, ETA, and the agent
-        turns generated (a workflow's episodes finish together in its last round; its turns once per round)."""
-        durations = self.__dict__.setdefault("_eval_seconds", {})
-        progress = _Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks),
-                             expected_s=durations.get((bench, len(tasks))))
-        count = {"correct": 0, "turns": 0}
-
-        def on_episode(episode: Episode) -> None:
-            count["correct"] += bool(episode.correct)
-            progress.advance(f"correct {count['correct']}/{progress.done + 1}")
-
-        def on_turn(turn: Turn) -> None:
-            count["turns"] += 1
-            n = count["turns"]
-            progress.note(f"{n} agent turn{'' if n == 1 else 's'} generated")
-
-        try:
-            return self.rollout(tasks, group_ids, temperature=temperature, seed=seed, score=score,
-                                on_episode=on_episode, on_turn=on_turn, where=f"evaluation {bench}")
-        finally:
-            progress.close()
-            durations[(bench, len(tasks))] = progress.elapsed()
-
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
         """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
         function set one), minus the format penalty if it is invalid."""
@@ -188,23 +150,13 @@ class Trainer:
             metrics[f"collapse/{collapse.signal}"] = 1.0
 
     def evaluate(self, label: str) -> dict[str, float]:
-        """The held-out split and every ``eval.benches`` benchmark (same code as ``masrl eval``).
-
-        Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's.
-        """
+        """The held-out split and every ``eval.benches`` benchmark (:meth:`TeamRunner.evaluate`, as ``masrl
+        eval``). Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's."""
         ecfg = self.cfg.eval
-        out: dict[str, float] = {}
-        for bench in ["test", *ecfg.benches]:
-            tasks, score = load_bench_tasks(bench, self.source, self.cfg.task, ecfg.limit, False)
-            rep, groups = repeat_tasks(tasks, ecfg.n)
-            episodes = self.eval_rollout(bench, rep, groups, temperature=ecfg.temperature,
-                                         seed=_step_seed(self.cfg.seed, 0, 99), score=score)
-            summary = summarize_episodes(episodes, [k for k in ecfg.k if k <= ecfg.n], bench=bench)
-            summary.update(self.last_reward_counts.summary())
-            if bench == "test":
-                self.history[label] = summary
-            out.update({f"eval/{bench}/{k}": v for k, v in summary.items()})
-        return out
+        results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,
+                                     seed=_step_seed(self.cfg.seed, 0, 99))
+        self.history[label] = results["test"]
+        return {f"eval/{bench}/{k}": v for bench, summary in results.items() for k, v in summary.items()}
 
     # ------------------------------------------------------------------ loop
     def sft(self) -> None:
@@ -218,13 +170,13 @@ class Trainer:
             raise ConfigError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
         try:
             rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
-                                          agents=cfg.agents, score=GuardedScore(self.source.score, self.rewards),
+                                          agents=cfg.agents, score=GuardedScore(self.source.score, self.team.rewards),
                                           prompts=cfg.workflow.prompts, params=self.params,
                                           filter_agents=cfg.sft.filter_agents)
         finally:
-            counts = self.rewards.take()
+            counts = self.team.rewards.take()
         check_failures(counts, cfg.task.reward_max_error_share, "the SFT demonstrations")
-        progress = _Progress(self.show_progress, "SFT", cfg.sft.steps)
+        progress = Progress(self.show_progress, "SFT", cfg.sft.steps)
 
         def on_step(step: int, m: dict):
             progress.advance(", ".join(f"{k.split('/')[1]} loss {v:.3f}" for k, v in m.items()))
@@ -258,7 +210,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
-        metrics.update(self.last_reward_counts.metrics())
+        metrics.update(self.team.last_reward_counts.metrics())
         metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
@@ -310,7 +262,7 @@ class Trainer:
                     self.logger.log(0, self.evaluate("sft"), phase="eval")
                 self.save(0)
             self.step = start_step
-            progress = _Progress(self.show_progress, "RL", cfg.trainer.total_steps, completed=start_step)
+            progress = Progress(self.show_progress, "RL", cfg.trainer.total_steps, completed=start_step)
             while self.step < cfg.trainer.total_steps:
                 metrics = self.train_step()
                 self.step += 1
@@ -348,7 +300,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the runtime's workers (Ray actors, placement groups); a no-op for the local runtime."""
-        self.runtime.close()
+        self.team.close()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -453,82 +405,6 @@ def _progress_text(m: dict, agents) -> str:
                      f"len {m.get(f'agent/{agent}/response_length', float('nan')):.0f} "
                      f"|g| {m.get(f'agent/{agent}/grad_norm', float('nan')):.2f}")
     return " | ".join(parts)
-
-
-class _Progress:
-    """A rich progress bar with ETA when interactive; otherwise a line every 5% of the total (at most one a second).
-
-    The ETA is linear in the items done since this bar started (a resumed run's earlier steps do not count),
-    unless ``expected_s`` is given: then it is what is left of that duration (an evaluation's episodes finish
-    together in its workflow's last round, so a linear ETA would say "almost done" long before it is; the
-    trainer passes the duration of the previous evaluation of the same benchmark, and none the first time).
-    """
-
-    def __init__(self, enabled: bool, label: str, total: int, completed: int = 0, *,
-                 expected_s: float | None = None):
-        self.enabled, self.label, self.total, self.done = enabled, label, total, completed
-        self.completed_before, self.expected_s = completed, expected_s
-        self.linear = not label.startswith("eval")
-        self.start = time.perf_counter()
-        self._printed = -float("inf")
-        self._bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            console = Console(stderr=True)
-            if console.is_terminal:
-                self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"), console=console)
-                self._task = self._bar.add_task("", total=total, completed=completed)
-                self._bar.start()
-
-    def advance(self, text: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(self._task, advance=1, description=text)
-            return
-        every = max(1, self.total // 20)
-        now = time.perf_counter()
-        # episodes of an evaluation finish in bursts (one per workflow round): at most one line a second
-        if (self.done % every == 0 and now - self._printed >= 1.0) or self.done == self.total:
-            self._printed = now
-            eta = self.eta(now)
-            when = f"eta {eta:5.0f}s" if eta is not None else f"{now - self.start:5.0f}s"
-            print(f"[{self.label} {self.done}/{self.total} {when}] {text}", flush=True)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def eta(self, now: float) -> float | None:
-        """Seconds left (None when there is nothing to base it on)."""
-        elapsed = now - self.start
-        if self.done >= self.total:
-            return 0.0
-        if self.expected_s is not None:
-            return max(self.expected_s - elapsed, 0.0)
-        since = self.done - self.completed_before
-        if not self.linear or since <= 0:
-            return None
-        return elapsed / since * (self.total - self.done)
-
-    def note(self, text: str) -> None:
-        """Show that work goes on between advances (at most one line every 10 s when not a terminal)."""
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.update(self._task, description=text)
-            return
-        now = time.perf_counter()
-        if now - self._printed >= 10.0:
-            self._printed = now
-            print(f"[{self.label} {self.done}/{self.total} {now - self.start:5.0f}s] {text}", flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def _rss_mib() -> float:

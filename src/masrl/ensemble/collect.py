@@ -2,8 +2,8 @@
 each proposer's answer as an ensemble predictions file (the JSONL read by :mod:`masrl.ensemble.data`).
 
 The team is built exactly as ``masrl eval`` builds it (config + dotted overrides, optional trained
-checkpoint, :class:`~masrl.trainer.Trainer` rollout, ``load_bench_tasks`` for the tasks and
-their score function). The workflow must record the proposers' answers in
+checkpoint, :meth:`masrl.team_runner.TeamRunner.benches` for the tasks, their score function and
+the rollout). The workflow must record the proposers' answers in
 ``episode.info["proposals"]`` (one entry per proposer slot, as ``proposers_summarizer`` does).
 
 One row per (task, sample)::
@@ -160,37 +160,28 @@ def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples:
             temperature: float | None = None, checkpoint: str | None = None, strict: bool = False,
             where: str = "config") -> tuple[list[dict], dict]:
     """Run the configured team on ``benches`` and return ``(rows, facts)`` (see :func:`episode_rows`)."""
-    from masrl.rollout.runner import repeat_tasks
-    from masrl.tasks.registry import load_bench_tasks
-    from masrl.trainer import Trainer
-    from masrl.training.checkpoint import load_eval_checkpoint
+    from masrl.team_runner import TeamRunner
     from masrl.workflows.base import get_workflow
 
     if n_samples < 1:
         raise InputError(f"--n-samples must be >= 1, got {n_samples}")
     check_workflow(get_workflow(cfg.workflow.name), where)
-    with Trainer(cfg, progress=False) as trainer:  # a Ray runtime's workers end with the collection
-        ckpt_path = None
-        if checkpoint:
-            ckpt_path = load_eval_checkpoint(checkpoint, trainer.policies)
+    with TeamRunner(cfg, progress=False) as team:  # a Ray runtime's workers end with the collection
+        ckpt_path = team.load_checkpoint(checkpoint) if checkpoint else None
         rows: list[dict] = []
         facts: dict[str, Any] = {"models": None, "conflicts": 0, "checkpoint": str(ckpt_path) if ckpt_path else None,
                                  "benches": {}}
-        for bench in benches:
-            tasks, score = load_bench_tasks(bench, trainer.source, cfg.task, limit or cfg.eval.limit, strict)
-            if not tasks:
-                raise InputError(f"--bench {bench}: no tasks loaded")
-            rep, groups = repeat_tasks(tasks, n_samples)
-            temp = cfg.eval.temperature if temperature is None else temperature
-            episodes = trainer.rollout(rep, groups, temperature=temp, seed=cfg.seed if seed is None else seed,
-                                       score=score)
-            bench_rows, f = episode_rows(episodes, score, bench=_bench_name(bench), n_samples=n_samples, where=where,
-                                         workflow=cfg.workflow.name)
+        for run in team.benches(benches, n=n_samples, seed=cfg.seed if seed is None else seed,
+                                limit=limit or cfg.eval.limit, temperature=temperature, strict=strict,
+                                error=InputError):
+            bench = run.bench
+            bench_rows, f = episode_rows(run.episodes, run.score, bench=_bench_name(bench), n_samples=n_samples,
+                                         where=where, workflow=cfg.workflow.name)
             if facts["models"] is not None and f["models"] != facts["models"]:
                 raise InputError(f"--bench {bench}: proposers {f['models']} differ from {facts['models']}")
             facts["models"] = f["models"]
             facts["conflicts"] += f["conflicts"]
-            facts["benches"][_bench_name(bench)] = len(tasks)
+            facts["benches"][_bench_name(bench)] = len(run.tasks)
             rows.extend(bench_rows)
     ids = [r["id"] for r in rows]
     if len(set(ids)) != len(ids):

@@ -61,7 +61,7 @@ def _configured_score(cfg: TaskConfig, default: Callable[[TaskConfig], object]):
     if not isinstance(reward, dict):
         raise ConfigError(f"task {cfg.name!r}: task.params.reward must be a mapping ({{judge: ...}} or "
                           f"{{model: ...}}), got {reward!r}")
-    from masrl.tasks.rewards import resolve_reward  # the kinds are registered by masrl.judges (check_run)
+    from masrl.tasks.rewards import resolve_reward  # the kinds are registered by masrl.judges (check_names)
 
     return resolve_reward(reward, cfg.params)
 
