@@ -65,3 +65,19 @@ def test_every_top_level_module_is_in_the_layer_contract():
     modules = {p.stem for p in src.glob("*.py") if p.stem != "__init__"}
     packages = {p.parent.name for p in src.glob("*/__init__.py")}
     assert sorted((modules | packages) - listed) == []
+
+
+def test_the_layer_table_of_architecture_md_is_the_contract():
+    """docs/architecture.md's layer table lists the contract's layers, top to bottom, with the same modules."""
+    import re
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "layers")["layers"]
+    contract = [set(re.findall(r"masrl\.(\w+)", layer)) - {"__main__"} for layer in layers]
+    contract = [names for names in contract if names]  # __main__ sits with cli in the table's first row
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text.split("| layer (top to bottom) |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ", 1)[0] for line in table.splitlines()[2:] if line.startswith("| `masrl.")]
+    documented = [set(re.findall(r"`masrl\.(\w+)`", row)) for row in rows]
+    assert documented == contract
