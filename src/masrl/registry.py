@@ -83,7 +83,8 @@ class Registry(Generic[T]):
         self._definition = definition or (lambda obj: obj)
         self._scanned = False
         self._loaded: set[tuple[str, str]] = set()  # (name, value) of the entry points loaded
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the entries
+        self._load_lock = threading.RLock()  # the preload and the plugins (held while they load)
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}, {len(self._entries)} names)"
@@ -183,27 +184,30 @@ class Registry(Generic[T]):
     # ------------------------------------------------------------------ plugins
 
     def _ensure_preloaded(self) -> None:
-        if self._preload is not None:
-            with self._lock:
-                preload, self._preload = self._preload, None
+        if self._preload is None:
+            return
+        with self._load_lock:  # another thread's lookup waits until the built-ins are in
+            preload, self._preload = self._preload, None  # a lookup from within the preload goes on
             if preload is not None:
                 preload()
 
     def load_plugins(self) -> None:
         """Load the entry points of :attr:`group` (once per process: later calls do nothing, except after a
         plugin failed to load, when the ones not loaded yet are tried again)."""
-        with self._lock:
+        if self._scanned:
+            return
+        with self._load_lock:  # another thread's lookup waits until the plugins are in
             if self._scanned:
                 return
-            self._scanned = True  # before loading: a plugin's import may look names up itself
-        try:
-            for ep in importlib.metadata.entry_points(group=self.group):
-                if (ep.name, ep.value) not in self._loaded:
-                    self._load_entry_point(ep)
-                    self._loaded.add((ep.name, ep.value))
-        except BaseException:
-            self._scanned = False
-            raise
+            self._scanned = True  # a lookup from within a plugin's import goes on
+            try:
+                for ep in importlib.metadata.entry_points(group=self.group):
+                    if (ep.name, ep.value) not in self._loaded:
+                        self._load_entry_point(ep)
+                        self._loaded.add((ep.name, ep.value))
+            except BaseException:
+                self._scanned = False
+                raise
 
     def _load_entry_point(self, ep: importlib.metadata.EntryPoint) -> None:
         dist = getattr(ep, "dist", None)
