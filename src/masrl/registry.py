@@ -50,7 +50,7 @@ class UnknownNameError(ConfigError):
 
 
 class DuplicateNameError(ConfigError):
-    """A second, different object registered under a name that is taken."""
+    """A name registered a second time (without ``overwrite=True``): the message says who holds it."""
 
 
 class PluginError(UserInputError):
