@@ -70,7 +70,7 @@ def test_cli_unknown_workflow_lists_known(tmp_path, tiny_cfg, capsys):
 
 
 @pytest.mark.parametrize("key,value,known", [
-    ("algorithm.loss.loss", "ppo2", "known: ppo, gspo"),
+    ("algorithm.loss.loss", "ppo2", "known: gspo, ppo"),
     ("algorithm.loss.agg", "mean", "known: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"),
     ("algorithm.loss.kl_kind", "k4", "known: k1, k2, k3"),
     ("algorithm.estimator", "gae", "known: dr_grpo, dr_grpo_agentwise, drmas,"),

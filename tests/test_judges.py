@@ -325,7 +325,7 @@ def test_judge_config_errors_name_the_key(options, message):
 def test_unknown_reward_kind_and_missing_judge_model(tmp_path):
     from masrl.errors import UserInputError
 
-    with pytest.raises(ConfigError, match="unknown kind 'oracle'"):
+    with pytest.raises(ConfigError, match="unknown reward 'oracle'; known: .*judge, math, model"):
         resolve_reward({"oracle": {}}, {})
     with pytest.raises(UserInputError, match="task.params.reward.judge.model"):
         resolve_reward({"judge": {"model": str(tmp_path / "no_model")}}, {})

@@ -158,7 +158,7 @@ def test_nothing_valid_gives_zero_loss():
 
 def test_bad_arguments_are_named():
     logprobs, old, adv, mask = inputs()
-    with pytest.raises(ValueError, match="unknown loss 'ppo2'; known: ppo, gspo"):
+    with pytest.raises(ValueError, match="unknown loss 'ppo2'; known: gspo, ppo"):
         policy_loss(logprobs, old, adv, mask, loss="ppo2")
     with pytest.raises(ValueError, match="unknown agg 'mean'; known: token-mean, seq-mean-token-mean"):
         policy_loss(logprobs, old, adv, mask, agg="mean")

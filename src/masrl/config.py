@@ -175,8 +175,8 @@ class PolicyConfig(_Strict):
 
 
 def _registered(kind: str, value: str, known) -> str:
-    """``value`` if it names an entry of ``known`` (a registry or tuple of masrl.algorithms), else one error
-    listing the known names."""
+    """``value`` if it is one of ``known`` (a tuple of masrl.algorithms choices), else one error listing them
+    (a registry name is checked by its registry, :mod:`masrl.registry`)."""
     if value not in known:
         raise ValueError(f"unknown {kind} {quote(value)}; known: {', '.join(known)}")
     return value
@@ -204,7 +204,8 @@ class LossConfig(_Strict):
     def _loss_registered(cls, v: str) -> str:
         from masrl.algorithms.losses import LOSSES  # imports torch: only when a config is validated
 
-        return _registered("loss", v, LOSSES)
+        LOSSES.get(v)  # the registry's error on an unknown name (known names listed; plugins loaded)
+        return v
 
     @field_validator("agg")
     @classmethod
@@ -259,7 +260,8 @@ class AlgorithmConfig(_Strict):
     def _estimator_registered(cls, v: str) -> str:
         from masrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 
-        return _registered("estimator", v, sorted(ADVANTAGE_ESTIMATORS))
+        ADVANTAGE_ESTIMATORS.get(v)  # the registry's error on an unknown name (known names listed; plugins loaded)
+        return v
 
 
 class RolloutConfig(_Strict):

@@ -31,6 +31,8 @@ from typing import Any, Callable, Hashable, NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from masrl.registry import Registry
+
 SINGLETON_MODES = ("zero", "raw")
 EQUAL_RTOL = 1e-6  # values closer than this x the largest |value| count as equal (σ = 0)
 HUGE = 2.0 ** 500  # statistics of larger values are computed on values / 2**k (no overflow)
@@ -188,19 +190,14 @@ class AdvantageEstimator(Protocol):
                  unbiased_std: bool, singleton: str) -> Tensor: ...
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("estimator", group="masrl.estimators")
 
 
 def register_advantage(name: str, *, overwrite: bool = False) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register an estimator under ``name`` (see :class:`AdvantageEstimator`)."""
-
-    def deco(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS and not overwrite:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
+    """Decorator: register an estimator under ``name`` (see :class:`AdvantageEstimator`); the config's
+    ``algorithm.estimator`` picks it. A name that is taken is an error unless ``overwrite``. A package
+    registers its own through the ``masrl.estimators`` entry-point group (:mod:`masrl.registry`)."""
+    return ADVANTAGE_ESTIMATORS.register(name, overwrite=overwrite)
 
 
 # --------------------------------------------------------------------------- estimators
@@ -364,9 +361,7 @@ def compute_advantages(
 
 
 def _lookup(estimator: str) -> AdvantageEstimator:
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown estimator {estimator!r}; known: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    return ADVANTAGE_ESTIMATORS[estimator]
+    return ADVANTAGE_ESTIMATORS.get(estimator)
 
 
 def _check_scores(scores: Any) -> Tensor:

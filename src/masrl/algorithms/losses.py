@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from masrl.registry import Registry
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "role-balanced")
 KL_KINDS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0  # log-ratios are clamped to [-20, 20] before exp (as verl does)
@@ -134,19 +136,14 @@ LogRatioFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 ``logprobs``/``old_logprobs`` are already zero at invalid positions and ``old_logprobs`` is
 detached; gradients must flow through ``logprobs`` only. :func:`policy_loss` clips ``exp`` of it."""
 
-LOSSES: dict[str, LogRatioFn] = {}
+LOSSES: Registry[LogRatioFn] = Registry("loss", group="masrl.losses")
 
 
 def register_loss(name: str, *, overwrite: bool = False) -> Callable[[LogRatioFn], LogRatioFn]:
-    """Decorator: register a policy loss under ``name`` (its log-ratio, see :data:`LogRatioFn`)."""
-
-    def deco(fn: LogRatioFn) -> LogRatioFn:
-        if name in LOSSES and not overwrite:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return deco
+    """Decorator: register a policy loss under ``name`` (its log-ratio, see :data:`LogRatioFn`); the config's
+    ``algorithm.loss.loss`` picks it. A name that is taken is an error unless ``overwrite``. A package
+    registers its own through the ``masrl.losses`` entry-point group (:mod:`masrl.registry`)."""
+    return LOSSES.register(name, overwrite=overwrite)
 
 
 @register_loss("ppo")
@@ -204,8 +201,7 @@ def policy_loss(
     ``approx_kl`` (k2: mean of 0.5 (logp - old)^2), ``ratio_min``, ``ratio_max`` (1.0 when
     nothing is valid), ``valid_tokens``, and ``dual_clipfrac`` when dual clip is on.
     """
-    if loss not in LOSSES:
-        raise ValueError(f"unknown loss {loss!r}; known: {', '.join(LOSSES)}")
+    LOSSES.get(loss)  # an unknown name: one error listing the known ones
     if agg not in AGG_MODES:
         raise ValueError(f"unknown agg {agg!r}; known: {', '.join(AGG_MODES)}")
     _check_shapes(logprobs, old_logprobs, advantages, response_mask)

@@ -3,8 +3,8 @@
     task: {name: dataset, params: {train: ..., reward: {judge: {model: smollm2-135m-instruct, verdict: yes_no}}}}
     task: {name: dataset, params: {train: ..., reward: {model: {path: ./my_rm, normalize: sigmoid}}}}
 
-Importing this package registers the ``judge`` and ``model`` reward kinds with
-:func:`masrl.tasks.rewards.register_reward_kind` (``masrl.registry_names`` does, before a config's
+Importing this package registers the ``judge`` and ``model`` rewards (given with options, as a mapping) with
+:func:`masrl.tasks.rewards.register_reward` (``masrl.registry_names`` does, before a config's
 reward is resolved). A judge is built once per process for the same options (the config check and
 the run share it). :func:`judge_metrics` gives the trainer a step's ``judge/*`` metrics.
 """
@@ -17,7 +17,7 @@ from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template,
 from masrl.judges.judge import JudgeReward
 from masrl.judges.reward_model import RewardModelReward
 from masrl.judges.stats import JudgeFailedError
-from masrl.tasks.rewards import register_reward_kind, resolve_reward
+from masrl.tasks.rewards import register_reward, resolve_reward
 
 __all__ = ["JudgeFailedError", "JudgeReward", "RewardModelReward", "build_judge", "build_reward_model",
            "judge_metrics"]
@@ -70,5 +70,5 @@ def judge_metrics(score) -> dict[str, float]:
     return {}
 
 
-register_reward_kind("judge", build_judge)
-register_reward_kind("model", build_reward_model)
+register_reward("judge", build_judge, options=True)
+register_reward("model", build_reward_model, options=True)

@@ -7,7 +7,7 @@
         test: data/test.jsonl            # optional held-out split (or a math benchmark name: math500)
         format: jsonl                    # jsonl | json | parquet | hf (default: from the suffix / hf: prefix)
         fields: {question: problem, answer: solution}   # dotted paths reach nested fields (a.b.c)
-        reward: math                     # math | qa_em | qa_f1 | code | pkg.module:function | file.py:function
+        reward: math                     # math | qa_em | qa_f1 | qa_subem | code | a registered name | pkg.module:function | file.py:function
                                          # | {judge: {...}} | {model: {...}} (docs/training.md)
 
 The gold answer is converted for the reward: ``math`` keeps the text after the last ``####``
@@ -107,7 +107,7 @@ def _gold(value: Any, reward: str, setup: str | None) -> Any:
         if isinstance(value, str) and "####" in value:
             value = value.rsplit("####", 1)[1].replace(",", "").strip()
         return normalize_gold(value)
-    if reward in ("qa_em", "qa_f1"):
+    if reward in ("qa_em", "qa_f1", "qa_subem"):
         golds = [value] if isinstance(value, (str, int, float)) else value
         if not isinstance(golds, list) or not all(isinstance(g, (str, int, float)) for g in golds):
             raise BadRow(f"a QA answer must be a string or a list of strings, got {type(value).__name__}")

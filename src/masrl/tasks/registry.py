@@ -1,4 +1,10 @@
-"""Task sources: a train split, a held-out split, the score function and an optional teacher."""
+"""Task sources by name: a train split, a held-out split, the score function and an optional teacher.
+
+A task is a builder ``(task_cfg, sft_teacher) -> TaskSource`` registered with ``@register_task("name")``
+(the config's ``task.name`` picks it); its score function comes from the reward registry
+(:func:`masrl.tasks.rewards.resolve_reward`). The math benchmarks and QA datasets are tasks by their
+names too. A package registers its own through the ``masrl.tasks`` entry-point group (:mod:`masrl.registry`).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +12,36 @@ from typing import Callable
 
 from masrl.config import TaskConfig
 from masrl.errors import ConfigError
+from masrl.registry import Registry
+from masrl.tasks.rewards import qa_reward_name, resolve_reward
 from masrl.tasks.source import TaskSource, Teacher  # noqa: F401  (public here too)
 
+TaskBuilder = Callable[[TaskConfig, dict], TaskSource]
+
+
+def _register_benchmarks() -> None:
+    """The math benchmarks and QA datasets, each a task by its name (read when a name is first looked up)."""
+    from masrl.tasks.math_data import BENCHMARKS
+    from masrl.tasks.qa import QA_DATASETS
+
+    for name in BENCHMARKS:
+        TASKS.register(name, _math_benchmark)
+    for name in QA_DATASETS:
+        TASKS.register(name, _qa_benchmark)
+
+
+TASKS: Registry[TaskBuilder] = Registry("task", group="masrl.tasks", preload=_register_benchmarks,
+                                        hint="(or dataset: your own file, with task.params.train)")
+SOURCES = TASKS  # the older name
+
+
+def register_task(name: str, fn: TaskBuilder | None = None, *, overwrite: bool = False):
+    """Register a task builder ``fn(task_cfg, sft_teacher) -> TaskSource`` under ``name`` (a decorator without
+    ``fn``, returning the function unchanged). A name that is taken is an error unless ``overwrite``."""
+    return TASKS.register(name, fn, overwrite=overwrite)
+
+
+@register_task("arithmetic")
 def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.arithmetic import ArithmeticConfig, ArithmeticTeacher, make_arithmetic_tasks
 
@@ -20,19 +54,7 @@ def _arithmetic(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
         teacher = ArithmeticTeacher(**sft_teacher)
     except TypeError as e:
         raise ConfigError(f"sft.teacher for arithmetic: {e}") from None
-    return TaskSource("arithmetic", train, test, _math_score(cfg), teacher.reply)
-
-
-def _math_score(cfg: TaskConfig):
-    """math_score, with ``task.params.answer_fallback: last_number`` for models that do not box."""
-    from functools import partial
-
-    from masrl.tasks.math_reward import math_score
-
-    fallback = cfg.params.get("answer_fallback", "none")
-    if fallback not in ("none", "last_number"):
-        raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
-    return partial(math_score, fallback=fallback) if fallback != "none" else math_score
+    return TaskSource("arithmetic", train, test, resolve_reward("math", cfg.params), teacher.reply)
 
 
 def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
@@ -42,30 +64,22 @@ def _math_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     test_name = cfg.params.get("test", cfg.name)
     train = load_benchmark(train_name, limit=cfg.train_limit, strict=cfg.strict)
     test = load_benchmark(test_name, limit=cfg.test_limit, strict=cfg.strict)
-    return TaskSource(cfg.name, train, test, _math_score(cfg))
+    return TaskSource(cfg.name, train, test, resolve_reward("math", cfg.params))
 
 
-def _qa_score(cfg: TaskConfig):
-    from functools import partial
-
-    from masrl.tasks.qa import qa_score
-
-    return partial(qa_score, metric=cfg.params.get("reward_metric", "em"))
-
-
-def _configured_score(cfg: TaskConfig, default: Callable[[TaskConfig], object]):
-    """``task.params.reward`` when it is a mapping (``{judge: ...}``, ``{model: ...}``), else the task's own."""
+def _configured_score(cfg: TaskConfig, default: Callable[[dict], str]):
+    """``task.params.reward`` when it is a mapping (``{judge: ...}``, ``{model: ...}``), else the reward
+    ``default(task.params)`` names."""
     reward = cfg.params.get("reward")
     if reward is None:
-        return default(cfg)
+        return resolve_reward(default(cfg.params), cfg.params)
     if not isinstance(reward, dict):
         raise ConfigError(f"task {cfg.name!r}: task.params.reward must be a mapping ({{judge: ...}} or "
                           f"{{model: ...}}), got {reward!r}")
-    from masrl.tasks.rewards import resolve_reward  # the kinds are registered by masrl.judges (check_names)
-
-    return resolve_reward(reward, cfg.params)
+    return resolve_reward(reward, cfg.params)  # judge / model: registered by masrl.judges (check_names)
 
 
+@register_task("synthetic_kb")
 def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
 
@@ -74,7 +88,7 @@ def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     train, _ = synthetic_kb(seed, "train", **params)
     test, _ = synthetic_kb(seed, "test", **params)
     teacher = SyntheticKBTeacher(seed, **params, **sft_teacher)
-    return TaskSource("synthetic_kb", train, test, _configured_score(cfg, _qa_score), teacher.reply,
+    return TaskSource("synthetic_kb", train, test, _configured_score(cfg, qa_reward_name), teacher.reply,
                       {"retriever": synthetic_kb_retriever(seed, **params)})
 
 
@@ -89,22 +103,26 @@ def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     if retriever is None:
         raise ConfigError(f"task {cfg.name!r} is a search QA task: set task.params.retriever "
                           "(a corpus path, a retrieval server URL, or a {type: ...} mapping)")
-    return TaskSource(cfg.name, train, test, _qa_score(cfg), None, {"retriever": resolve_retriever(retriever)})
+    return TaskSource(cfg.name, train, test, resolve_reward(qa_reward_name(cfg.params), cfg.params), None,
+                      {"retriever": resolve_retriever(retriever)})
 
 
+@register_task("mbpp")
+@register_task("humaneval")
 def _code(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """MBPP (train split for training, test split held out) or HumanEval (test only), sandboxed reward."""
-    from masrl.tasks.code import load_humaneval, load_mbpp, make_code_score
+    from masrl.tasks.code import load_humaneval, load_mbpp
 
-    mode = cfg.params.get("reward_mode", "fraction")
+    score = resolve_reward("code", cfg.params)  # its reward_mode checked before any data is read
     if cfg.name == "mbpp":
         train = load_mbpp(split=cfg.params.get("train_split", "train"), strict=cfg.strict)
         test = load_mbpp(split=cfg.params.get("test_split", "test"), strict=cfg.strict)
     else:
         train = test = load_humaneval(strict=cfg.strict)
-    return TaskSource(cfg.name, train, test, make_code_score(mode))
+    return TaskSource(cfg.name, train, test, score)
 
 
+@register_task("code_synth")
 def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """Synthetic ``def f(xs)`` tasks with hidden tests (masrl.tasks.code.synthetic), sandboxed reward."""
     from masrl.tasks.code.synthetic import CodeSynthConfig, CodeSynthTeacher, code_synth_score, make_code_synth_tasks
@@ -123,33 +141,26 @@ def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return TaskSource("code_synth", train, test, score, teacher.reply)
 
 
+@register_task("dataset")
 def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.dataset import dataset_source
 
     return dataset_source(cfg, sft_teacher)
 
 
-SOURCES: dict[str, Callable[[TaskConfig, dict], TaskSource]] = {"arithmetic": _arithmetic,
-                                                                "synthetic_kb": _synthetic_kb,
-                                                                "mbpp": _code, "humaneval": _code,
-                                                                "code_synth": _code_synth,
-                                                                "dataset": _dataset}
+def source_loader(cfg: TaskConfig) -> TaskBuilder:
+    """The builder of task ``cfg.name`` (no data is read): a registered task, or a math benchmark / QA dataset
+    named by ``task.params.train``; the registry's error listing the known tasks otherwise."""
+    if cfg.name not in TASKS:
+        from masrl.tasks.math_data import BENCHMARKS
+        from masrl.tasks.qa import QA_DATASETS
 
-
-def source_loader(cfg: TaskConfig) -> Callable[[TaskConfig, dict], TaskSource]:
-    """The loader of ``cfg.name`` (no data is read); ValueError listing the known tasks otherwise."""
-    if cfg.name in SOURCES:
-        return SOURCES[cfg.name]
-    from masrl.tasks.math_data import BENCHMARKS
-    from masrl.tasks.qa import QA_DATASETS
-
-    if cfg.name in BENCHMARKS or cfg.params.get("train") in BENCHMARKS:
-        return _math_benchmark
-    if cfg.name in QA_DATASETS or cfg.params.get("train") in QA_DATASETS:
-        return _qa_benchmark
-    known = sorted(set(SOURCES) | set(BENCHMARKS) | set(QA_DATASETS))
-    raise ConfigError(f"unknown task {cfg.name!r}; known tasks: {', '.join(known)} "
-                     "(dataset: your own file, with task.params.train)")
+        train = cfg.params.get("train")
+        if isinstance(train, str) and train in BENCHMARKS:
+            return _math_benchmark
+        if isinstance(train, str) and train in QA_DATASETS:
+            return _qa_benchmark
+    return TASKS.get(cfg.name)
 
 
 def load_task_source(cfg: TaskConfig, sft_teacher: dict | None = None) -> TaskSource:
@@ -175,8 +186,9 @@ def load_bench_tasks(name: str, source, task_cfg, limit: int | None, strict: boo
     from masrl.tasks.qa import QA_DATASETS, load_qa
 
     if name in BENCHMARKS:
-        return load_benchmark(name, limit=limit, strict=strict), _math_score(task_cfg)
+        return load_benchmark(name, limit=limit, strict=strict), resolve_reward("math", task_cfg.params)
     if name in QA_DATASETS or Path(name).is_file():
-        return load_qa(name, limit=limit, strict=strict), _qa_score(task_cfg)
+        return load_qa(name, limit=limit, strict=strict), resolve_reward(qa_reward_name(task_cfg.params),
+                                                                         task_cfg.params)
     known = ", ".join(["test", *sorted(BENCHMARKS), *sorted(QA_DATASETS)])
     raise ConfigError(f"--bench: unknown benchmark {name!r}; known: {known}")

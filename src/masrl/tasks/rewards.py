@@ -1,4 +1,6 @@
-"""Reward functions by name: ``math``, ``qa_em``, ``qa_f1``, ``code``, or a user's ``pkg.module:function``.
+"""Reward functions by name: ``math``, ``qa_em``, ``qa_f1``, ``qa_subem``, ``code``, the ``judge`` / ``model``
+rewards (:mod:`masrl.judges`), one registered with :func:`register_reward` (or by an installed package,
+entry-point group ``masrl.rewards``), or a user's ``pkg.module:function``.
 
 A built-in reward is a ``ScoreFn`` ``(task, answer) -> {"reward", "correct", ...}``. A user's
 reward receives the whole episode::
@@ -27,24 +29,61 @@ import importlib
 import importlib.util
 import inspect
 import math
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from masrl.errors import ConfigError
+from masrl.registry import Registry
 from masrl.tasks.reward_guard import call_with_deadline, checked_reward
 from masrl.types import Episode, Task, Turn
 
-BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "code")
+BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "qa_subem", "code")  # rewards whose gold answers dataset tasks parse
 DEFAULT_TIMEOUT_S = 10.0  # task.reward_timeout_s's default
-# reward kinds given as a one-key mapping ({judge: {...}}, {model: {...}}): kind -> builder(options, params) ->
-# ScoreFn. Registered by the packages that build them (masrl.judges), which sit above tasks.
-REWARD_KINDS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any]], Any]] = {}
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A registered reward: ``fn`` and how it is called (``form``).
+
+    ``episode``: ``fn(task, episode) -> float | dict``, a reward with the user-function contract (run
+    guarded, :class:`EpisodeReward`); ``builder``: ``fn(task_params) -> ScoreFn`` (``reward: name``);
+    ``options``: ``fn(options, task_params) -> ScoreFn``, given as a one-key mapping ``reward: {name: {...}}``
+    (the ``judge`` and ``model`` rewards, registered by :mod:`masrl.judges`, which sits above tasks)."""
+
+    name: str
+    fn: Callable[..., Any]
+    form: str = "episode"
+
+
+REWARDS: Registry[RewardSpec] = Registry("reward", group="masrl.rewards", definition=lambda spec: spec.fn,
+                                         hint="(or a user function 'pkg.module:function' or 'file.py:function')")
+
+
+def register_reward(name: str, fn: Callable[..., Any] | None = None, *, builder: bool = False,
+                    options: bool = False, overwrite: bool = False):
+    """Register a reward under ``name`` (``task.params.reward: name``); a decorator without ``fn``, which
+    returns the function unchanged. By default ``fn`` is a reward ``(task, episode) -> float | dict`` (the
+    module docstring's contract, run as a user function is). ``builder=True``: ``fn(task_params)`` returns
+    the ``ScoreFn``; ``options=True``: ``fn(options, task_params)`` does, and the config gives the reward as
+    ``{name: {options}}``. A package registers its own through the ``masrl.rewards`` entry-point group
+    (:mod:`masrl.registry`)."""
+    form = "options" if options else "builder" if builder else "episode"
+
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        if form == "episode":
+            check_reward_signature(f, name)
+        REWARDS.register(name, RewardSpec(name, f, form), overwrite=overwrite)
+        return f
+
+    return deco if fn is None else deco(fn)
 
 
 def register_reward_kind(kind: str, builder: Callable[[Mapping[str, Any], Mapping[str, Any]], Any]) -> None:
-    """``reward: {kind: {...}}`` is built by ``builder(options, task_params)``."""
-    REWARD_KINDS[kind] = builder
+    """``reward: {kind: {...}}`` is built by ``builder(options, task_params)`` (``register_reward(kind, builder,
+    options=True)``)."""
+    register_reward(kind, builder, options=True)
 
 
 def reward_kind(reward: Any) -> str:
@@ -58,17 +97,55 @@ def reward_kind(reward: Any) -> str:
 
 
 def _resolve_mapping(reward: Mapping, params: Mapping[str, Any]):
+    with_options = [n for n, spec in REWARDS.items() if spec.form == "options"]
     if len(reward) != 1:
         raise ConfigError(f"reward {dict(reward)!r}: a reward mapping has one key, one of "
-                          f"{', '.join(sorted(REWARD_KINDS)) or 'judge, model'}")
+                          f"{', '.join(sorted(with_options)) or 'judge, model'}")
     (kind, options), = reward.items()
-    builder = REWARD_KINDS.get(kind)
-    if builder is None:
-        raise ConfigError(f"reward: unknown kind {kind!r}; known: {', '.join(sorted(REWARD_KINDS)) or 'none registered'}"
-                          " (judge: an LLM judge, model: a reward model; docs/training.md)")
+    spec = REWARDS.get(kind)
+    if spec.form != "options":
+        raise ConfigError(f"reward {kind!r} takes no options: write reward: {kind} (rewards given as a mapping: "
+                          f"{', '.join(sorted(with_options)) or 'none registered'})")
     if not isinstance(options, Mapping):
         raise ConfigError(f"reward.{kind} must be a mapping of options, got {type(options).__name__}")
-    return builder(options, params)
+    return spec.fn(options, params)
+
+
+# --------------------------------------------------------------------------- the built-in rewards
+
+
+@register_reward("math", builder=True)
+def _math(params: Mapping[str, Any]):
+    """math-verify on the boxed answer; ``task.params.answer_fallback: last_number`` for models that do not box."""
+    from masrl.tasks.math_reward import math_score
+
+    fallback = params.get("answer_fallback", "none")
+    if fallback not in ("none", "last_number"):
+        raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
+    return partial(math_score, fallback=fallback) if fallback != "none" else math_score
+
+
+def _qa(metric: str):
+    def build(params: Mapping[str, Any]):
+        from masrl.tasks.qa import qa_score
+
+        return partial(qa_score, metric=metric)
+
+    build.__qualname__ = build.__name__ = f"_qa_{metric}"
+    build.__doc__ = f"QA reward: the {metric} of the answer against the gold strings."
+    return build
+
+
+for _metric in ("em", "f1", "subem"):
+    register_reward(f"qa_{_metric}", _qa(_metric), builder=True)
+
+
+@register_reward("code", builder=True)
+def _code(params: Mapping[str, Any]):
+    """The sandboxed tests' pass fraction (``task.params.reward_mode``: fraction or binary)."""
+    from masrl.tasks.code.scoring import make_code_score
+
+    return make_code_score(params.get("reward_mode", "fraction"))
 
 
 _FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
@@ -194,30 +271,29 @@ class EpisodeReward:
 
 def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | None = None,
                    timeout_s: float | None = DEFAULT_TIMEOUT_S):
-    """The score function for reward ``name`` (see the module docstring); ``params``: ``answer_fallback``
-    (math), ``reward_mode`` (code); ``timeout_s``: the deadline of each call of a user reward. A mapping
-    ``{judge: {...}}`` / ``{model: {...}}`` is built by its registered kind (:func:`register_reward_kind`)."""
+    """The score function for reward ``name`` (see the module docstring): a name in :data:`REWARDS`, a user
+    function ``pkg.module:function`` / ``file.py:function``, or a mapping ``{judge: {...}}`` /
+    ``{model: {...}}`` built by its registered reward (:func:`register_reward` with ``options=True``).
+    ``params``: the task's params (``answer_fallback`` for math, ``reward_mode`` for code); ``timeout_s``: the
+    deadline of each call of a user reward."""
     params = params or {}
     if isinstance(name, Mapping):
         return _resolve_mapping(name, params)
-    if name == "math":
-        from masrl.tasks.math_reward import math_score
-
-        fallback = params.get("answer_fallback", "none")
-        if fallback not in ("none", "last_number"):
-            raise ConfigError(f"task.params.answer_fallback must be none or last_number, got {fallback!r}")
-        return partial(math_score, fallback=fallback) if fallback != "none" else math_score
-    if name in ("qa_em", "qa_f1"):
-        from masrl.tasks.qa import qa_score
-
-        return partial(qa_score, metric=name[3:])
-    if name == "code":
-        from masrl.tasks.code.scoring import make_code_score
-
-        return make_code_score(params.get("reward_mode", "fraction"))
-    if ":" in name:
+    if isinstance(name, str) and ":" in name and name not in REWARDS:
         fn = import_object(name, "reward")
         check_reward_signature(fn, name)
         return EpisodeReward(fn, name, timeout_s)
-    raise ConfigError(f"unknown reward {name!r}; known rewards: {', '.join(BUILTIN_REWARDS)} "
-                     "(or a user function 'pkg.module:function')")
+    spec = REWARDS.get(name)
+    if spec.form == "options":
+        raise ConfigError(f"reward {name!r} takes options: write reward: {{{name}: {{...}}}} (docs/training.md)")
+    if spec.form == "builder":
+        return spec.fn(params)
+    return EpisodeReward(spec.fn, name, timeout_s)
+
+
+def qa_reward_name(params: Mapping[str, Any]) -> str:
+    """The QA reward a search task's ``task.params.reward_metric`` (em, f1, subem; default em) names."""
+    metric = params.get("reward_metric", "em")
+    if metric not in ("em", "f1", "subem"):
+        raise ConfigError(f"task.params.reward_metric must be em, f1 or subem, got {metric!r}")
+    return f"qa_{metric}"

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
 
 from masrl.errors import ConfigError
+from masrl.registry import Registry
 from masrl.tasks.reward_guard import GuardedScore
 from masrl.tasks.rewards import import_failure
 from masrl.tools.chat_format import ChatPrompt
@@ -46,17 +47,26 @@ class WorkflowSpec:
     description: str = ""
 
 
-WORKFLOWS: dict[str, WorkflowSpec] = {}
+def _load_builtin() -> None:
+    from masrl.workflows import builtin  # noqa: F401  (registers the built-in workflows)
 
 
-def register_workflow(name: str, *, agents, prompts: Mapping[str, str], params: Mapping[str, Any] | None = None):
-    """Register ``fn`` under ``name`` with its agent roles, default prompt templates and parameters."""
+WORKFLOWS: Registry[WorkflowSpec] = Registry("workflow", group="masrl.workflows", preload=_load_builtin,
+                                             hint="(or use 'package.module:function')",
+                                             definition=lambda spec: spec.fn)
+
+
+def register_workflow(name: str, *, agents, prompts: Mapping[str, str], params: Mapping[str, Any] | None = None,
+                      overwrite: bool = False):
+    """Register ``fn`` under ``name`` with its agent roles, default prompt templates and parameters; the
+    config's ``workflow.name`` picks it. A name that is taken is an error unless ``overwrite``. A package
+    registers its own through the ``masrl.workflows`` entry-point group (:mod:`masrl.registry`)."""
 
     def deco(fn: WorkflowFn) -> WorkflowFn:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"workflow {name!r} must be an async function")
-        WORKFLOWS[name] = WorkflowSpec(name, fn, tuple(agents), dict(prompts), dict(params or {}),
-                                       (fn.__doc__ or "").strip().split("\n")[0])
+        WORKFLOWS.register(name, WorkflowSpec(name, fn, tuple(agents), dict(prompts), dict(params or {}),
+                                              (fn.__doc__ or "").strip().split("\n")[0]), overwrite=overwrite)
         return fn
 
     return deco
@@ -64,39 +74,36 @@ def register_workflow(name: str, *, agents, prompts: Mapping[str, str], params: 
 
 def get_workflow(name: str) -> WorkflowSpec:
     """Look a workflow up by registry name, or import ``package.module:function``."""
-    _load_builtin()
-    if name in WORKFLOWS:
-        return WORKFLOWS[name]
-    if ":" in name:
-        mod_name, _, attr = name.partition(":")
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
-        except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
-            raise ConfigError(f"workflow {name!r}: importing module {mod_name!r} failed ({import_failure(e)})") \
-                from None
-        obj = getattr(mod, attr, None)
-        if obj is None:
-            raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
-        if isinstance(obj, WorkflowSpec):
-            return obj
-        for spec in WORKFLOWS.values():  # registered by the import
-            if spec.fn is obj:
-                return spec
-        if not inspect.iscoroutinefunction(obj):
-            raise ConfigError(f"workflow {name!r} must be an async function (task, team) -> Episode")
-        agents = getattr(obj, "agents", None)
-        if not agents:
-            raise ConfigError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
-                              "or set a function attribute `agents = (...)`")
-        return WorkflowSpec(name, obj, tuple(agents), dict(getattr(obj, "prompts", {})), {})
-    known = ", ".join(sorted(WORKFLOWS))
-    raise ConfigError(f"unknown workflow {name!r}; known workflows: {known} (or use 'package.module:function')")
+    if not isinstance(name, str) or ":" not in name or name in WORKFLOWS:
+        return WORKFLOWS.get(name)
+    return _import_workflow(name)
 
 
-def _load_builtin() -> None:
-    from masrl.workflows import builtin  # noqa: F401  (registers the built-in workflows)
+def _import_workflow(name: str) -> WorkflowSpec:
+    """The workflow ``package.module:function`` (registered by its import, or a function with ``agents``)."""
+    mod_name, _, attr = name.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ConfigError(f"workflow {name!r}: cannot import module {mod_name!r} ({e})") from e
+    except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
+        raise ConfigError(f"workflow {name!r}: importing module {mod_name!r} failed ({import_failure(e)})") \
+            from None
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        raise ConfigError(f"workflow {name!r}: module {mod_name!r} has no attribute {attr!r}")
+    if isinstance(obj, WorkflowSpec):
+        return obj
+    for spec in WORKFLOWS.values():  # registered by the import
+        if spec.fn is obj:
+            return spec
+    if not inspect.iscoroutinefunction(obj):
+        raise ConfigError(f"workflow {name!r} must be an async function (task, team) -> Episode")
+    agents = getattr(obj, "agents", None)
+    if not agents:
+        raise ConfigError(f"workflow {name!r}: register it with @register_workflow(..., agents=...) "
+                          "or set a function attribute `agents = (...)`")
+    return WorkflowSpec(name, obj, tuple(agents), dict(getattr(obj, "prompts", {})), {})
 
 
 def render(template: str, **fields: Any) -> str:
