@@ -369,18 +369,18 @@ def lever_sampler(a):
     ``_sample`` alone (random logits, 8-64 rows) and in whole SmolLM2 engine calls; process CPU time."""
     import torch
 
-    from masrl.rollout import engine as engine_module
+    from masrl.rollout import sampling
     from masrl.rollout.engine import GenRequest, TransformersEngine, _sample, _SamplePlan
 
-    threshold = engine_module.INVERSE_CDF_MIN_VOCAB
+    threshold = sampling.INVERSE_CDF_MIN_VOCAB
 
     def with_sampler(inverse_cdf: bool, fn):
         def f():
-            engine_module.INVERSE_CDF_MIN_VOCAB = threshold if inverse_cdf else 10**9
+            sampling.INVERSE_CDF_MIN_VOCAB = threshold if inverse_cdf else 10**9
             try:
                 fn()
             finally:
-                engine_module.INVERSE_CDF_MIN_VOCAB = threshold
+                sampling.INVERSE_CDF_MIN_VOCAB = threshold
         return f
 
     results = {}

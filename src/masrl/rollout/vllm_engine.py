@@ -36,8 +36,8 @@ prefix cache is reset after every sync.
 **LoRA.** One vLLM engine serves a policy's base model and all its adapters. Adapters are
 registered with :meth:`load_adapter` (a PEFT folder, or a state dict + LoRA config that the
 engine writes to a private temp folder) and re-registered after every update under a new
-integer id, so vLLM never serves a stale cached copy. Rows with ``GenRequest.adapter`` decode
-with that adapter, rows without it with the base, all in one batch.
+integer id, so vLLM never serves a stale cached copy (:class:`masrl.rollout.vllm_lora.VLLMAdapters`).
+Rows with ``GenRequest.adapter`` decode with that adapter, rows without it with the base, all in one batch.
 
 **Sleep mode** (``enable_sleep_mode=True``): ``sleep(1)`` offloads weights to CPU and drops
 the KV cache; ``sleep(2)`` drops both (weights must be synced before the next generate).
@@ -48,13 +48,9 @@ plumbing against a fake ``vllm`` module (tests/test_vllm_engine.py).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import gc
 import itertools
-import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
@@ -62,6 +58,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from masrl.rollout.base import Engine, GenRequest, GenResult
+from masrl.rollout.vllm_lora import VLLMAdapters
 
 VLLM_INSTALL_HINT = ("VLLMEngine needs vLLM: pip install 'masrl[vllm]' on a Linux machine with a CUDA GPU "
                      "(the transformers engine is the CPU path)")
@@ -139,14 +136,6 @@ def save_for_vllm(model: torch.nn.Module, tokenizer, folder: str | os.PathLike) 
     return folder
 
 
-def _json_default(value: Any):
-    if isinstance(value, (set, frozenset)):
-        return sorted(value)
-    if isinstance(value, enum.Enum):
-        return value.value
-    return str(value)
-
-
 class VLLMEngine(Engine):
     """Rollouts with vLLM's offline ``LLM``; see the module docstring for log-probs, sync and LoRA.
 
@@ -197,13 +186,7 @@ class VLLMEngine(Engine):
         self.weight_version = 0        # bumped by every sync_weights
         self.weights_stale = False     # True after sleep(2) until the next sync_weights
         self._asleep: set[str] = set()  # "weights", "kv_cache"
-        self._adapters: dict[str, Any] = {}        # name -> LoRARequest
-        self._adapter_paths: dict[str, Path] = {}  # name -> its PEFT folder
-        self._adapter_dirs: dict[str, Path] = {}   # name -> folder the engine wrote (owned)
-        self._adapter_versions: dict[str, int] = {}
-        self._lora_ids = itertools.count(1)
-        self._adapter_root: Path | None = None
-        self._refresh_adapters_on_wake = False   # sleep(2) dropped the GPU LoRA slots too
+        self.lora = VLLMAdapters(lambda: self.llm, lambda: not self._asleep)  # the LoRA adapters served
         self._warned_raw_logprobs = False
         self.per_request_seed = per_request_seed
         self.default_adapter: str | None = None  # rows without an adapter (one LoRA shared by a policy's agents)
@@ -345,16 +328,7 @@ class VLLMEngine(Engine):
         """
         if not self.enable_lora:
             raise ValueError("this VLLMEngine was built without LoRA support; construct it with enable_lora=True")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"adapter name must be a non-empty string; got {name!r}")
-        version = self._adapter_versions.get(name, 0) + 1
-        if isinstance(path_or_state, (str, os.PathLike)):
-            path, owned = Path(path_or_state), False
-            if not (path / "adapter_config.json").is_file():
-                raise FileNotFoundError(f"{path} is not a PEFT adapter folder (no adapter_config.json)")
-        else:
-            path, owned = self._write_adapter(name, version, path_or_state, peft_config), True
-        self._register(name, version, path, owned)
+        self.lora.load(name, path_or_state, peft_config=peft_config)
 
     def sync_adapters(self, peft_model: torch.nn.Module, names: Sequence[str] | None = None) -> list[str]:
         """Re-register the current weights of a PEFT model's adapters (all by default); returns their names."""
@@ -365,68 +339,20 @@ class VLLMEngine(Engine):
             self.load_adapter(name, adapter_state_dict(peft_model, name), peft_config=peft_model.peft_config[name])
         return names
 
-    def _write_adapter(self, name: str, version: int, state: Mapping[str, torch.Tensor], peft_config: Any) -> Path:
-        from safetensors.torch import save_file
-
-        if peft_config is None:
-            raise ValueError(f"adapter {name!r}: a state dict needs peft_config (r, lora_alpha, target_modules)")
-        config = dict(peft_config.to_dict() if hasattr(peft_config, "to_dict") else peft_config)
-        missing = [k for k in ("r", "lora_alpha", "target_modules") if config.get(k) is None]
-        if missing:
-            raise ValueError(f"adapter {name!r}: peft_config lacks {missing}")
-        config.setdefault("peft_type", "LORA")
-        if not state:
-            raise ValueError(f"adapter {name!r}: empty state dict")
-        bad = [k for k in state if not any(part.startswith("lora_") for part in k.split("."))]
-        if bad:
-            raise ValueError(f"adapter {name!r}: keys are not LoRA weights in PEFT's saved layout, e.g. {bad[:2]}")
-        if self._adapter_root is None:
-            self._adapter_root = Path(tempfile.mkdtemp(prefix="masrl-vllm-lora-"))
-        folder = self._adapter_root / f"{name}-v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()},
-                  str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (folder / "adapter_config.json").write_text(json.dumps(config, default=_json_default, indent=1))
-        return folder
-
-    def _register(self, name: str, version: int, path: Path, owned: bool) -> None:
-        from vllm.lora.request import LoRARequest
-
-        lora_id = next(self._lora_ids)
-        # a unique name per registration: vLLM compares (and hashes) LoRA requests by name
-        request = LoRARequest(f"{name}@{lora_id}", lora_id, str(path))
-        old, old_dir = self._adapters.get(name), self._adapter_dirs.pop(name, None)
-        self._adapters[name] = request
-        self._adapter_paths[name] = path
-        self._adapter_versions[name] = version
-        if owned:
-            self._adapter_dirs[name] = path
-        if not self._asleep:  # load now: a broken adapter fails here, not in the middle of a rollout
-            add = getattr(getattr(self.llm, "llm_engine", None), "add_lora", None)
-            if add is not None:
-                add(request)
-        if old is not None:
-            remove = getattr(getattr(self.llm, "llm_engine", None), "remove_lora", None)
-            if remove is not None:
-                try:
-                    remove(old.lora_int_id)
-                except Exception:  # noqa: BLE001 - never loaded (or already evicted): nothing to free
-                    pass
-        if old_dir is not None and old_dir != path:
-            shutil.rmtree(old_dir, ignore_errors=True)
-
     def _lora_request(self, adapter: str | None):
-        adapter = adapter if adapter is not None else self.default_adapter
-        if adapter is None:
-            return None
-        if adapter not in self._adapters:
-            raise KeyError(f"no LoRA adapter {adapter!r} in this engine; load_adapter() it first "
-                           f"(loaded: {sorted(self._adapters)})")
-        return self._adapters[adapter]
+        return self.lora.request(adapter if adapter is not None else self.default_adapter)
 
     @property
     def adapters(self) -> list[str]:
-        return sorted(self._adapters)
+        return sorted(self.lora.requests)
+
+    @property
+    def _adapters(self) -> dict[str, Any]:  # name -> LoRARequest
+        return self.lora.requests
+
+    @property
+    def _adapter_root(self) -> Path | None:
+        return self.lora.root
 
     # ------------------------------------------------------------------ sleep mode
 
@@ -443,7 +369,7 @@ class VLLMEngine(Engine):
         self._asleep = {"weights", "kv_cache"}
         if level == 2:
             self.weights_stale = True
-            self._refresh_adapters_on_wake = True
+            self.lora.refresh_on_wake = True
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Take the memory back (``tags``: ``weights`` and/or ``kv_cache``; default both)."""
@@ -456,11 +382,8 @@ class VLLMEngine(Engine):
             self.llm.wake_up()
             wanted = list(self._asleep)
         self._asleep -= set(wanted)
-        if not self._asleep and self._refresh_adapters_on_wake:
-            self._refresh_adapters_on_wake = False
-            for name in list(self._adapters):  # new ids: vLLM reloads them from disk
-                self._register(name, self._adapter_versions[name], self._adapter_paths[name],
-                               owned=name in self._adapter_dirs)
+        if not self._asleep:
+            self.lora.woke_up()
 
     @property
     def can_sleep(self) -> bool:
@@ -477,9 +400,7 @@ class VLLMEngine(Engine):
         llm, self.llm = getattr(self, "llm", None), None
         del llm
         gc.collect()
-        if self._adapter_root is not None:
-            shutil.rmtree(self._adapter_root, ignore_errors=True)
-            self._adapter_root = None
+        self.lora.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

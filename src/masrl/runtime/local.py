@@ -13,11 +13,12 @@ class WorkerGroupError(RuntimeError):
 
 
 def policy_build_args(cfg, run_dir) -> dict[str, dict]:
-    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes; plain data)."""
+    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes). Plain data except
+    ``rollout``, the config's ``RolloutConfig`` itself (the Ray runtime sends its JSON dump to the workers)."""
     kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
     return {name: dict(seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,
                        agents=[a for a, acfg in cfg.agents.items() if acfg.policy == name],
-                       device=cfg.trainer.device, rollout=cfg.rollout.model_dump(mode="json"),
+                       device=cfg.trainer.device, rollout=cfg.rollout,
                        workdir=str(run_dir / "vllm"), autocast=cfg.trainer.autocast,
                        agent_optim={a: acfg.optim.model_dump(exclude_none=True) for a, acfg in cfg.agents.items()
                                     if acfg.policy == name and acfg.optim is not None})

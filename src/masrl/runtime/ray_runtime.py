@@ -105,7 +105,8 @@ class RemoteEngine(Engine):
 
 @dataclasses.dataclass
 class RayPolicy(PolicyText):
-    """The driver's view of a policy whose model lives in a Ray worker group."""
+    """The driver's view of a policy whose model lives in a Ray worker group (a
+    :class:`masrl.training.policy.PolicyProtocol`: checkpoints call its methods, which run on the ranks)."""
 
     name: str
     cfg: Any
@@ -206,6 +207,7 @@ class RayRuntime:
             cpus, gpus = place.cpus_per_worker / share, place.gpus_per_worker / share
             device = "cuda" if gpus > 0 else cfg.trainer.device
             build["device"] = "cpu"  # the worker moves it to `device` (and off it when offloading)
+            build["rollout"] = build["rollout"].model_dump(mode="json")  # plain data across the process boundary
             threads = cfg.trainer.threads or max(1, int(cpus))
             actors = [remote_cls.options(
                 num_cpus=cpus, num_gpus=gpus, name=None,

@@ -40,8 +40,8 @@ class PolicyWorker:
             malloc.tune_malloc()
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
-        self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **build)
         self.rollout = RolloutConfig.model_validate(build["rollout"])
+        self.policy = build_policy(name, PolicyConfig.model_validate(policy_cfg), **{**build, "rollout": self.rollout})
         self.policy.base_trained = base_trained
         self.device = torch.device(device)
         self.fsdp = fsdp  # runtime.fsdp when runtime.strategy = fsdp (sharded at join_group)
@@ -134,11 +134,8 @@ class PolicyWorker:
     # -------------------------------------------------------------- state
     def checkpoint_state(self):
         """Full weights and optimizer state (replica strategy; fsdp saves shards: :meth:`save_sharded`)."""
-        from masrl.training.checkpoint import optimizer_to_tensors, trainable_state
-
-        weights = {k: v.cpu() for k, v in trainable_state(self.policy).items()}
-        tensors, meta = optimizer_to_tensors(self.policy.optimizer)
-        return weights, {k: v.cpu() for k, v in tensors.items()}, meta
+        weights, tensors, meta = self.policy.checkpoint_state()
+        return {k: v.cpu() for k, v in weights.items()}, {k: v.cpu() for k, v in tensors.items()}, meta
 
     def save_sharded(self, folder: str) -> dict:
         """fsdp: this rank's shards into ``folder`` (DCP; every rank must call); the optimizer metadata."""
@@ -154,15 +151,13 @@ class PolicyWorker:
         after_update(self.policy)
 
     def restore_state(self, weights, opt_tensors, opt_meta, where: str) -> None:
-        from masrl.training.checkpoint import restore_policy
-
         if self.fsdp is not None:
             from masrl.training.fsdp import restore_sharded
 
             restore_sharded(self.policy, weights, opt_tensors, opt_meta, where)
             after_update(self.policy)
             return
-        restore_policy(self.policy, weights, opt_tensors, opt_meta, where)
+        self.policy.restore_state(weights, opt_tensors, opt_meta, where)
         self.on_device = False
         self.onload()
 

@@ -25,7 +25,7 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from safetensors.torch import load_file, save_file
 
 from masrl.errors import UserInputError
 from masrl.paths import sha256_file
+
+if TYPE_CHECKING:
+    from masrl.training.policy import Policy, PolicyProtocol
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -59,13 +62,13 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
-def saved_parameter_names(policy: Any) -> set[str]:
+def saved_parameter_names(policy: "Policy") -> set[str]:
     """Trainable parameters, plus the frozen base when SFT trained it (``policy.base_trained``)."""
-    full = getattr(policy, "base_trained", False)
+    full = policy.base_trained
     return {n for n, p in policy.model.named_parameters() if full or p.requires_grad}
 
 
-def trainable_state(policy: Any) -> dict[str, torch.Tensor]:
+def trainable_state(policy: "Policy") -> dict[str, torch.Tensor]:
     names = saved_parameter_names(policy)
     return {n: p.detach().contiguous().clone() for n, p in policy.model.named_parameters() if n in names}
 
@@ -110,7 +113,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.random.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
-def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], trainer_state: dict,
+def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, "PolicyProtocol"], trainer_state: dict,
                     keep: int = 2) -> Path:
     """Write ``run_dir/checkpoints/step_<step>`` atomically and prune to the newest ``keep``."""
     root = Path(run_dir) / "checkpoints"
@@ -126,11 +129,11 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, Any], train
             continue
         pdir = tmp / "policies" / name
         pdir.mkdir(parents=True)
-        if getattr(policy, "sharded_checkpoint", False):  # fsdp: every rank writes its shards into pdir/dcp
+        if policy.sharded_checkpoint:  # fsdp: every rank writes its shards into pdir/dcp
             (pdir / "optimizer.json").write_text(json.dumps(policy.save_sharded(str(pdir / DCP_DIR))))
             files += sorted(f for f in (pdir / DCP_DIR).rglob("*") if f.is_file()) + [pdir / "optimizer.json"]
             continue
-        weights, tensors, meta = policy_state(policy)
+        weights, tensors, meta = policy.checkpoint_state()
         save_file(weights, str(pdir / "model.safetensors"))
         save_file(tensors, str(pdir / "optimizer.safetensors"))
         (pdir / "optimizer.json").write_text(json.dumps(meta))
@@ -214,7 +217,7 @@ def policy_weights(path: Path, name: str) -> dict[str, torch.Tensor]:
     return _read_tensors(pdir / "model.safetensors")
 
 
-def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: bool = True) -> dict:
+def load_checkpoint(path: Path, policies: Mapping[str, "PolicyProtocol"], *, load_optimizer: bool = True) -> dict:
     """Load weights (and optimizer state) into ``policies``; returns the trainer state.
 
     Every file is read and checked before any policy is touched; every way a file can fail to load
@@ -227,11 +230,11 @@ def load_checkpoint(path: Path, policies: Mapping[str, Any], *, load_optimizer: 
         if isinstance(entry, ShardedState):  # fsdp ranks read their own shards (DCP reshards)
             policies[name].load_sharded(str(entry.folder), entry.optimizer_meta, where)
         else:
-            restore_policy(policies[name], *entry, where=where)
+            policies[name].restore_state(*entry, where)
     return state
 
 
-def load_latest_checkpoint(run_dir: Path, policies: Mapping[str, Any], *,
+def load_latest_checkpoint(run_dir: Path, policies: Mapping[str, "PolicyProtocol"], *,
                            load_optimizer: bool = True) -> tuple[Path, dict] | None:
     """``(path, trainer state)`` of the newest checkpoint that verifies and loads into ``policies``;
     each one that does not is reported (``UserWarning``) and the previous one tried (``newest_loadable``).
@@ -253,7 +256,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: unreadable safetensors file ({type(e).__name__}: {e})") from None
 
 
-def _read_checkpoint(path: Path, policies: Mapping[str, Any], load_optimizer: bool) -> tuple[dict, dict]:
+def _read_checkpoint(path: Path, policies: Mapping[str, "PolicyProtocol"], load_optimizer: bool) -> tuple[dict, dict]:
     """(trainer state, {policy: (weights, optimizer tensors, optimizer metadata)}), all read and checked."""
     verify_checkpoint(path)
     state = _read_json(path / "trainer_state.json")
@@ -271,7 +274,7 @@ def _read_checkpoint(path: Path, policies: Mapping[str, Any], load_optimizer: bo
         with_optimizer = load_optimizer and policy.optimizer is not None
         if (pdir / DCP_DIR).is_dir():
             meta = _read_optimizer_meta(pdir)
-            if getattr(policy, "sharded_checkpoint", False):
+            if policy.sharded_checkpoint:
                 loaded[name] = ShardedState(pdir / DCP_DIR, meta if with_optimizer else None)
             else:
                 loaded[name] = consolidate_dcp(pdir, meta, with_optimizer)
@@ -364,19 +367,17 @@ def consolidate_dcp(pdir: Path, meta: dict, with_optimizer: bool):
     return weights, tensors, {"param_groups": groups, "state": state}
 
 
-def policy_state(policy: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
-    """(weights, optimizer tensors, optimizer metadata) of a policy, local or remote (Ray worker group)."""
-    if hasattr(policy, "checkpoint_state"):
-        return policy.checkpoint_state()
+def consolidated_state(policy: "Policy") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """(weights, optimizer tensors, optimizer metadata) of a local policy (``Policy.checkpoint_state``)."""
     tensors, meta = optimizer_to_tensors(policy.optimizer)
     return trainable_state(policy), tensors, meta
 
 
-def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors: Mapping[str, torch.Tensor] | None,
-                   opt_meta: dict | None, where: str = "checkpoint") -> None:
-    """Copy saved weights (and optimizer state) into a policy; names must fit its model exactly."""
-    if hasattr(policy, "restore_state"):
-        return policy.restore_state(weights, opt_tensors, opt_meta, where)
+def restore_consolidated(policy: "Policy", weights: Mapping[str, torch.Tensor],
+                         opt_tensors: Mapping[str, torch.Tensor] | None, opt_meta: dict | None,
+                         where: str = "checkpoint") -> None:
+    """Copy saved weights (and optimizer state) into a local policy's model and optimizer; names must fit its
+    model exactly (``Policy.restore_state``, which then serves them from the rollout engine)."""
     expected = saved_parameter_names(policy)
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
@@ -394,9 +395,6 @@ def restore_policy(policy: Any, weights: Mapping[str, torch.Tensor], opt_tensors
             optimizer_from_tensors(policy.optimizer, opt_tensors, opt_meta)
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
             raise CheckpointError(f"{where}: optimizer state does not fit ({type(e).__name__}: {e})") from None
-    from masrl.training.policy import after_update
-
-    after_update(policy)  # a separate rollout engine (vLLM) serves the restored weights
 
 
 def load_eval_checkpoint(path: str | Path, policies) -> Path:

@@ -1,11 +1,15 @@
-"""A policy: one trainable model with its tokenizer, optimizer and rollout engine."""
+"""A policy: one trainable model with its tokenizer, optimizer and rollout engine.
+
+:class:`PolicyProtocol` is what the trainer and checkpoints ask of any policy: the local :class:`Policy` here,
+and the Ray runtime's ``RayPolicy`` (its model in a worker group).
+"""
 from __future__ import annotations
 
 import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
@@ -14,6 +18,7 @@ from masrl.errors import ConfigError
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import Engine
 from masrl.rollout.factory import make_engine
+from masrl.training.checkpoint import consolidated_state, restore_consolidated
 from masrl.tools.chat_format import ChatPrompt, extend_chat_ids, extend_ids, render_chat
 from masrl.workflows.base import Continuation
 
@@ -96,6 +101,63 @@ class PolicyText:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+@runtime_checkable
+class PolicyProtocol(Protocol):
+    """A policy as the trainer and checkpoints see it, local (:class:`Policy`) or remote (``RayPolicy``).
+
+    Checkpoints make these calls and ask nothing else (``masrl.training.checkpoint``): a consolidated
+    checkpoint holds :meth:`checkpoint_state` and goes back through :meth:`restore_state`; a sharded one
+    (``sharded_checkpoint``: ``runtime.strategy: fsdp``) is written and read by every rank
+    (:meth:`save_sharded`, :meth:`load_sharded`).
+    """
+
+    name: str
+    cfg: PolicyConfig
+    tokenizer: Any
+    engine: Engine
+    agents: list[str]
+    adapter_of: dict[str, str]
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer (remote: any non-None value), or None when the policy is frozen."""
+        ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """Checkpoints are saved and loaded shard by shard by every rank (:meth:`save_sharded`)."""
+        ...
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        """(weights, optimizer tensors, optimizer metadata): the consolidated format's contents."""
+        ...
+
+    def restore_state(self, weights: Mapping[str, torch.Tensor], opt_tensors: Mapping[str, torch.Tensor] | None,
+                      opt_meta: dict | None, where: str) -> None:
+        """Copy saved weights (and optimizer state: ``opt_tensors`` None: weights only) into the policy, then
+        serve them from its rollout engine; a ``CheckpointError`` naming ``where`` when they do not fit."""
+        ...
+
+    def save_sharded(self, folder: str) -> dict:
+        """Every rank writes its shards into ``folder``; returns the optimizer metadata."""
+        ...
+
+    def load_sharded(self, folder: str, optimizer_meta: dict | None, where: str) -> None:
+        """Every rank reads its part of a sharded checkpoint (``optimizer_meta`` None: weights only)."""
+        ...
+
+    def adapter(self, agent: str) -> str | None: ...
+
+    def encode_prompt(self, prompt, system_prompt: str | None = None) -> list[int]: ...
+
+    def encode_response(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
 @dataclass
 class Policy(PolicyText):
     name: str
@@ -115,6 +177,28 @@ class Policy(PolicyText):
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    # --- checkpoints (PolicyProtocol): always the consolidated format (a sharded model lives in a Ray worker
+    # group, whose ranks save and load their shards: runtime.worker, masrl.training.fsdp)
+    @property
+    def sharded_checkpoint(self) -> bool:
+        return False
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+        return consolidated_state(self)
+
+    def restore_state(self, weights: Mapping[str, torch.Tensor], opt_tensors: Mapping[str, torch.Tensor] | None,
+                      opt_meta: dict | None, where: str) -> None:
+        restore_consolidated(self, weights, opt_tensors, opt_meta, where)
+        after_update(self)  # a separate rollout engine (vLLM) serves the restored weights
+
+    def save_sharded(self, folder: str) -> dict:
+        raise RuntimeError(f"policy {self.name!r} is a local policy: its checkpoints are consolidated "
+                           "(checkpoint_state); sharded checkpoints are written by the ranks of a Ray worker group")
+
+    def load_sharded(self, folder: str, optimizer_meta: dict | None, where: str) -> None:
+        raise RuntimeError(f"policy {self.name!r} is a local policy: {where} is read by restore_state "
+                           "(masrl.training.checkpoint consolidates a sharded checkpoint for it)")
 
 
 def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: int,
