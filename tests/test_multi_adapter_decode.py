@@ -166,10 +166,10 @@ def test_the_comparison_catches_a_swapped_adapter_and_a_wrong_scale(tok, monkeyp
     scales = lora_decode.row_scales
     swap = {"Solver": "Verifier", "Verifier": "Solver"}
     monkeypatch.setattr(fast_decode, "row_scales",
-                        lambda layout, r: scales(layout, None if r is None else [swap.get(a, a) for a in r]))
+                        lambda layout, r, *d: scales(layout, None if r is None else [swap.get(a, a) for a in r], *d))
     assert _max_error(model, 8, 7, 3, routes)[0] > 1e-3
     monkeypatch.setattr(fast_decode, "row_scales",
-                        lambda layout, r: None if (s := scales(layout, r)) is None else s * 1.01)
+                        lambda layout, r, *d: None if (s := scales(layout, r, *d)) is None else s * 1.01)
     assert _max_error(model, 8, 7, 3, routes)[0] > 1e-4
 
 

@@ -34,6 +34,13 @@ def _per_agent_lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
     policy = build_policy("p", PolicyConfig(tiny=TINY, gradient_checkpointing=checkpointing,
                                             lora={"r": 4, "alpha": 8, "per_agent": True}),
                           seed=0, max_rollout_batch=8, agents=["A", "B"])
+    llama = policy.model.base_model.model
+    assert llama.is_activation_checkpointing == checkpointing  # still on under PEFT's wrapper
+    # count the decoder layers' forwards (module hooks do not run in the recomputation: wrap forward itself)
+    calls = []
+    for layer in llama.model.layers:
+        forward = layer.mlp.forward
+        layer.mlp.forward = lambda *a, _f=forward, **k: calls.append(torch.is_grad_enabled()) or _f(*a, **k)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # lora_B starts at zero (no gradient for lora_A): give every adapter weights
         for name, p in sorted(policy.model.named_parameters()):
@@ -42,11 +49,15 @@ def _per_agent_lora_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
     rows = [Row("A", [5, 6, 7, 8], [9, 10, 11], [-2.0] * 3, 1.0), Row("B", [5, 6], [12, 13], [-2.0] * 2, -1.0),
             Row("A", [7, 8], [14, 15, 16], [-2.0] * 3, -0.5), Row("B", [9, 6, 5], [11], [-2.0], 0.5)]
     update_policy(policy, rows, AlgorithmConfig(), TrainerConfig(autocast="float32"), step=0, seed=0)
+    # the update's forwards with gradients (old log-probs come from the rows): once per layer, twice with
+    # checkpointing (the recomputation in backward)
+    assert sum(calls) == len(llama.model.layers) * (2 if checkpointing else 1), calls
     return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
 
 
 def test_gradient_checkpointing_with_per_agent_adapters_gives_the_same_gradients():
-    """Rows are routed to their agent's adapter during the recomputation in backward, too."""
+    """Rows are routed to their agent's adapter during the recomputation in backward, too, and the layers really
+    are recomputed (a checkpointing left off by the adapters' wrapper would pass the gradient comparison)."""
     plain, checkpointed = _per_agent_lora_grads(False), _per_agent_lora_grads(True)
     assert set(plain) == set(checkpointed) and any(".B." in n for n in plain) and any(".A." in n for n in plain)
     assert all(float(g.abs().max()) > 0 for g in plain.values())

@@ -1,4 +1,4 @@
-"""A lean decode step for Llama, Qwen2 and Qwen3 causal LMs on a CPU in float32: the same arithmetic as
+"""A lean decode step for Llama, Qwen2 and Qwen3 causal LMs on a CPU in float32 or bfloat16: the same arithmetic as
 transformers' forward, in a little over half the operator calls.
 
 A decode step feeds one token per row. For a small model its cost is mostly per-operator overhead, not
@@ -26,16 +26,28 @@ on which other weight rows share the call (stacked ``q``/``k``/``v``), and ``rms
 squares as transformers' formula does; both are checked by the tests on the machine that runs them.
 ``TransformersEngine(fast_decode=False)`` keeps transformers' forward.
 
+**bfloat16.** The step computes in the precision transformers' forward would use (:func:`precision`): bf16 weights
+(with or without autocast) run every op in bf16 as transformers does (RMSNorm in float32, cast back, times the
+weight; the attention in float32 over the cache); float32 weights under CPU bf16 autocast (``trainer.autocast``,
+SmolLM2 under ``auto`` on a CPU with native bf16) make autocast's casts explicitly: every matrix product's input
+and weights in bf16 (the weights cast once per weight version and kept with the stacked ones, instead of autocast
+casting a stacked copy at every step), norms, residual sums and rotary embeddings in float32 by the same type
+promotion, the keys/values in the engine's float32 cache. Measured bitwise transformers' forward in bf16 and
+under autocast on the tiny configs (``tests/test_fast_decode_bf16.py``, which allows 1e-3 of the largest entry
+for another BLAS's summation order of the stacked products). The step does not use the oneDNN-packed weights of
+:mod:`masrl.models.packed_linear` (prefills still do).
+
 It applies only where that equality is meant to hold; everything else goes through ``model(...)``:
 one of those three classes as transformers builds it (not wrapped by PEFT other than for LoRA, no hooks, no FSDP2
-shards), float32 CPU weights, SiLU MLP, full attention in every layer (no sliding window), decoding with masrl's CPU
-attention (:mod:`masrl.models.cpu_attention`) into the preallocated KV cache (:mod:`masrl.rollout.kv_cache`),
-autocast off. bf16 decoding (SmolLM2 under ``autocast: auto``), merged adapters, LoRA variants (DoRA) and other
-architectures keep transformers' forward.
+shards), CPU weights all float32 or all bf16, SiLU MLP, full attention in every layer (no sliding window), decoding
+with masrl's CPU attention (:mod:`masrl.models.cpu_attention`) into the preallocated KV cache
+(:mod:`masrl.rollout.kv_cache`), autocast off or bf16. fp16 autocast, merged adapters, LoRA variants (DoRA) and
+other architectures keep transformers' forward.
 
 **LoRA adapters.** A PEFT LoRA model over such a Llama runs here too, each row of the batch with its own adapter
 (``step(..., routes)``) in one pass: :mod:`masrl.models.lora_decode`. That part is not bitwise PEFT's forward
-(within 1e-6, ``tests/test_multi_adapter_decode.py``); the base model's part stays bitwise.
+(within 1e-6 in float32, ``tests/test_multi_adapter_decode.py``; within 2e-2 of the largest logit in bf16, a
+flipped last bf16 bit carried through the layers); the base model's part stays bitwise.
 """
 from __future__ import annotations
 
@@ -45,18 +57,39 @@ import torch
 import torch.nn.functional as F
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, grouped_decode_attention
-from masrl.models.lora_decode import LoraGroup, base_linear, is_lora, row_scales, unsupported_lora
+from masrl.models.lora_decode import LoraGroup, adapter_dtypes, base_linear, is_lora, row_scales, unsupported_lora
 
 # stacked q/k/v and gate/up weights are a copy of most of the model: above this many bytes the projections run
 # one by one instead (still lean, no copy)
 STACK_MAX_BYTES = 256 * 2**20
 
 
-def _plain_linear(module) -> bool:
+# the weight dtypes the step computes from (every weight of the model in one of them)
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _plain_linear(module, dtype: torch.dtype) -> bool:
     w, b = getattr(module, "weight", None), getattr(module, "bias", None)
-    return (type(module) is torch.nn.Linear and type(w) is torch.nn.Parameter and w.dtype == torch.float32
+    return (type(module) is torch.nn.Linear and type(w) is torch.nn.Parameter and w.dtype == dtype
             and w.device.type == "cpu" and w.layout == torch.strided
-            and (b is None or (b.dtype == torch.float32 and b.device.type == "cpu")))
+            and (b is None or (b.dtype == dtype and b.device.type == "cpu")))
+
+
+def precision(model: torch.nn.Module) -> tuple[torch.dtype, torch.dtype] | None:
+    """(residual-stream dtype, matrix-product dtype) of a decode step of ``model`` as transformers computes it
+    now: (float32, float32) for float32 weights, (bfloat16, bfloat16) for bfloat16 weights, with or without bf16
+    autocast, (float32, bfloat16) for float32 weights under CPU bf16 autocast (autocast casts every ``Linear``'s
+    input and weights to bf16; norms, residual sums and rotary embeddings stay in float32 by type promotion).
+    None: another autocast dtype or weight dtype."""
+    weight = getattr(getattr(_causal_lm(model)[0], "lm_head", None), "weight", None)
+    dtype = getattr(model, "dtype", None) if weight is None else weight.dtype
+    if dtype not in DTYPES:
+        return None
+    if torch.is_autocast_enabled("cpu"):
+        if torch.get_autocast_dtype("cpu") != torch.bfloat16:
+            return None
+        return dtype, torch.bfloat16
+    return dtype, dtype
 
 
 def _architectures() -> dict:
@@ -74,14 +107,14 @@ def _architectures() -> dict:
     return table
 
 
-def _projection_unsupported(module) -> str | None:
+def _projection_unsupported(module, dtype: torch.dtype = torch.float32) -> str | None:
     """Why a projection (plain, or PEFT LoRA over a plain one) cannot run in the fast step (None: it can)."""
     if is_lora(module):
         reason = unsupported_lora(module)
         if reason is not None:
             return reason
-    if not _plain_linear(base_linear(module)):
-        return "a projection is not a plain float32 nn.Linear (quantized, sharded)"
+    if not _plain_linear(base_linear(module), dtype):
+        return f"a projection is not a plain {str(dtype)[6:]} nn.Linear (quantized, sharded, mixed dtypes)"
     return None
 
 
@@ -130,23 +163,27 @@ def unsupported(model: torch.nn.Module) -> str | None:
     if len(inner.layers) != config.num_hidden_layers:
         return "layer count differs from the config"
     embed = inner.embed_tokens
-    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None or embed.weight.dtype != torch.float32:
-        return "embeddings are not a plain float32 nn.Embedding"
-    if _projection_unsupported(llama.lm_head) is not None:
-        return f"LM head: {_projection_unsupported(llama.lm_head)}"
+    dtype = getattr(getattr(embed, "weight", None), "dtype", None)
+    if type(embed) is not torch.nn.Embedding or embed.max_norm is not None or dtype not in DTYPES:
+        return "embeddings are not a plain float32 or bfloat16 nn.Embedding"
+    name = str(dtype)[6:]
+    if _projection_unsupported(llama.lm_head, dtype) is not None:
+        return f"LM head: {_projection_unsupported(llama.lm_head, dtype)}"
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
                             + tuple(getattr(layer.self_attn, k) for k in ("q_norm", "k_norm")
                                     if hasattr(layer.self_attn, k))]
-    if any(type(n) is not norm_type or n.weight.dtype != torch.float32 for n in norms):
-        return f"a norm is not a float32 {norm_type.__name__}"
+    if any(type(n) is not norm_type or n.weight.dtype != dtype for n in norms):
+        return f"a norm is not a {name} {norm_type.__name__}"
     for layer in inner.layers:
         a, m = layer.self_attn, layer.mlp
         for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-            reason = _projection_unsupported(proj)
+            reason = _projection_unsupported(proj, dtype)
             if reason is not None:
                 return reason
         if a.head_dim % 2 or any(base_linear(p).out_features % a.head_dim for p in (a.q_proj, a.k_proj)):
             return "head sizes do not divide the projections"
+    if len(adapter_dtypes(model)) > 1:
+        return "LoRA adapters of different dtypes"
     if not _no_hooks(model):
         return "the model has forward hooks"
     return None
@@ -157,39 +194,54 @@ class FastDecode:
     module docstring).
 
     Build it with :meth:`for_model` at the start of an engine call: the stacked base weights are remade only when
-    a base weight changed (its version counter or storage), the stacked adapters when an adapter weight or the
-    active adapters changed."""
+    a base weight changed (its version counter or storage) or the precision changed, the stacked adapters when an
+    adapter weight or the active adapters changed."""
 
-    def __init__(self, model: torch.nn.Module, previous: "FastDecode | None" = None):
+    def __init__(self, model: torch.nn.Module, previous: "FastDecode | None" = None,
+                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
         self.model = model
         self.llama = _causal_lm(model)[0]
+        self.dtypes = dtypes  # (residual stream, matrix products): see precision()
         self.base_key, self.lora_key = self._weights_key(model)
         inner = self.llama.model
-        if previous is not None and previous.model is model and previous.base_key == self.base_key:
+        if (previous is not None and previous.model is model and previous.base_key == self.base_key
+                and previous.dtypes == dtypes):
             self.stacked, self.layers = previous.stacked, previous.layers  # only the adapters changed
+            self.head = previous.head
         else:
-            self.stacked, self.layers = self._base_layers(inner.layers)
+            self.stacked, self.layers = self._base_layers(inner.layers, dtypes[1])
+            self.head = self._pair(self.llama.lm_head, dtypes[1])
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.embed = inner.embed_tokens.weight.detach()
-        head = base_linear(self.llama.lm_head)
-        self.head = (head.weight.detach(), None if head.bias is None else head.bias.detach())
         self.hidden = inner.embed_tokens.embedding_dim
+        self.lora_dtype = self._adapter_dtype(model, dtypes)
         self._lora_groups(inner.layers)
 
     @staticmethod
-    def _base_layers(layers) -> tuple[bool, list[dict]]:
-        """(stacked, per layer: the base weights the step reads): every projection group as (weight, bias) pairs,
-        q/k/v and gate/up stacked into one pair each when ``stacked``."""
-        def pair(module):
-            linear = base_linear(module)
-            return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    def _adapter_dtype(model: torch.nn.Module, dtypes: tuple[torch.dtype, torch.dtype]) -> torch.dtype:
+        """The dtype of the adapters' products: PEFT casts a projection's input to its adapter weights' dtype
+        (float32 adapters on bf16 weights compute in float32), and under autocast they run in bf16."""
+        found = adapter_dtypes(model)
+        return dtypes[1] if torch.is_autocast_enabled("cpu") or not found else found.pop()
 
+    @staticmethod
+    def _pair(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of a projection's base layer in ``dtype`` (the tensors themselves when already in it)."""
+        linear = base_linear(module)
+        with torch.no_grad():
+            return (linear.weight.detach().to(dtype),
+                    None if linear.bias is None else linear.bias.detach().to(dtype))
+
+    @classmethod
+    def _base_layers(cls, layers, dtype: torch.dtype = torch.float32) -> tuple[bool, list[dict]]:
+        """(stacked, per layer: the base weights the step reads, in ``dtype``): every projection group as (weight,
+        bias) pairs, q/k/v and gate/up stacked into one pair each when ``stacked``."""
         def group(modules):
-            pairs = [pair(m) for m in modules]
+            pairs = [cls._pair(m, dtype) for m in modules]
             if not stacked:
                 return pairs
             biases = None if all(b is None for _, b in pairs) else torch.cat(
-                [torch.zeros(w.shape[0]) if b is None else b for w, b in pairs])
+                [torch.zeros(w.shape[0], dtype=dtype) if b is None else b for w, b in pairs])
             return [(torch.cat([w for w, _ in pairs]), biases)]  # one matrix product
 
         def norm(module):
@@ -197,7 +249,7 @@ class FastDecode:
 
         size = sum(base_linear(p).weight.numel() for layer in layers for p in (
             layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
-            layer.mlp.up_proj)) * 4
+            layer.mlp.up_proj)) * torch.empty((), dtype=dtype).element_size()
         stacked, out = size <= STACK_MAX_BYTES, []
         with torch.no_grad():
             for layer in layers:
@@ -206,25 +258,27 @@ class FastDecode:
                     norm1=norm(layer.input_layernorm), qkv=group([a.q_proj, a.k_proj, a.v_proj]),
                     n_q=base_linear(a.q_proj).out_features, n_kv=base_linear(a.k_proj).out_features,
                     q_norm=norm(getattr(a, "q_norm", None)), k_norm=norm(getattr(a, "k_norm", None)),
-                    head_dim=a.head_dim, scaling=a.scaling, o=pair(a.o_proj), norm2=norm(layer.post_attention_layernorm),
+                    head_dim=a.head_dim, scaling=a.scaling, o=cls._pair(a.o_proj, dtype),
+                    norm2=norm(layer.post_attention_layernorm),
                     gate_up=group([m.gate_proj, m.up_proj]), n_inner=base_linear(m.gate_proj).out_features,
-                    down=pair(m.down_proj)))
+                    down=cls._pair(m.down_proj, dtype)))
         return stacked, out
 
     def _lora_groups(self, layers) -> None:
         """Per layer the stacked adapters of q/k/v, o, gate/up and down (None where no projection carries one),
         those of the LM head, and the distinct block layouts (their per-row scales are made once per routing)."""
-        self.loras = [dict(qkv=LoraGroup.of([a.q_proj, a.k_proj, a.v_proj]), o=LoraGroup.of([a.o_proj]),
-                           gate_up=LoraGroup.of([m.gate_proj, m.up_proj]), down=LoraGroup.of([m.down_proj]))
+        dtype = self.lora_dtype
+        self.loras = [dict(qkv=LoraGroup.of([a.q_proj, a.k_proj, a.v_proj], dtype), o=LoraGroup.of([a.o_proj], dtype),
+                           gate_up=LoraGroup.of([m.gate_proj, m.up_proj], dtype), down=LoraGroup.of([m.down_proj], dtype))
                       for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]
-        self.head_lora = LoraGroup.of([self.llama.lm_head])
+        self.head_lora = LoraGroup.of([self.llama.lm_head], dtype)
         slots: dict[tuple, int] = {}
         for group in [g for groups in self.loras for g in groups.values()] + [self.head_lora]:
             if group is not None:
                 group.slot = slots.setdefault(group.layout, len(slots))
         self.layouts = list(slots)
         self._routes: tuple | None = None
-        self._scales = [row_scales(layout, None) for layout in self.layouts]
+        self._scales = [row_scales(layout, None, dtype) for layout in self.layouts]
 
     @staticmethod
     def _weights_key(model: torch.nn.Module) -> tuple[tuple, tuple]:
@@ -237,14 +291,20 @@ class FastDecode:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None) -> "FastDecode | None":
-        """A :class:`FastDecode` for ``model`` (``previous`` reused when its weights are unchanged, its stacked base
-        weights when only adapters changed), or None when it does not apply (:func:`unsupported`) or autocast is on."""
-        if torch.is_autocast_enabled("cpu") or unsupported(model) is not None:
+        """A :class:`FastDecode` for ``model`` in the precision transformers would decode it in now (float32,
+        bfloat16 weights, float32 weights under bf16 autocast: :func:`precision`), ``previous`` reused when its
+        weights and precision are unchanged, its stacked base weights when only adapters changed; None when it
+        does not apply (:func:`unsupported`, another autocast dtype)."""
+        if unsupported(model) is not None:
             return None
-        if previous is not None and previous.model is model and (previous.base_key, previous.lora_key) == \
-                cls._weights_key(model):
+        dtypes = precision(model)
+        if dtypes is None:
+            return None
+        if (previous is not None and previous.model is model and previous.dtypes == dtypes
+                and previous.lora_dtype == cls._adapter_dtype(model, dtypes)
+                and (previous.base_key, previous.lora_key) == cls._weights_key(model)):
             return previous
-        return cls(model, previous)
+        return cls(model, previous, dtypes)
 
     @staticmethod
     def _project(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
@@ -252,19 +312,30 @@ class FastDecode:
             return F.linear(x, *pairs[0])
         return torch.cat([F.linear(x, *pair) for pair in pairs], -1)
 
+    @staticmethod
+    def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """transformers' RMSNorm: in float32, cast back to the input's dtype, times the weight (type promotion:
+        a float32 weight on a bf16 input gives float32, as under autocast)."""
+        weight, eps = norm
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
     def _row_scales(self, routes: Sequence[str | None] | None) -> list:
         """Per block layout, the per-row adapter scales for ``routes`` (made when the routing changes)."""
         key = None if routes is None else tuple(routes)
         if key != self._routes:
-            self._routes, self._scales = key, [row_scales(layout, key) for layout in self.layouts]
+            self._routes = key
+            self._scales = [row_scales(layout, key, self.lora_dtype) for layout in self.layouts]
         return self._scales
 
-    @staticmethod
-    def _lora(y: torch.Tensor, x: torch.Tensor, group: LoraGroup | None, scales: list) -> torch.Tensor:
-        """``y`` (a projection group's base output for ``x``) plus each row's adapter delta, as PEFT adds it."""
+    def _lora(self, y: torch.Tensor, x: torch.Tensor, group: LoraGroup | None, scales: list) -> torch.Tensor:
+        """``y`` (a projection group's base output for ``x``) plus each row's adapter delta, as PEFT adds it (the
+        input in the adapter's dtype, the sum back in ``y``'s)."""
         if group is None or scales[group.slot] is None:
             return y
-        return y + group.delta(x, scales[group.slot])
+        delta = group.delta(x.to(self.lora_dtype), scales[group.slot])
+        return y + delta if delta.dtype == y.dtype else (y + delta).to(y.dtype)
 
     def step(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache,
              routes: Sequence[str | None] | None = None) -> torch.Tensor:
@@ -273,33 +344,41 @@ class FastDecode:
         ``cache`` and returns the next-token logits ``[batch, vocab]``. ``routes``: row ``i`` decodes with LoRA
         adapter ``routes[i]`` (None: the base model), as inside ``masrl.models.lora.mixed_adapters``; without it
         every row gets PEFT's own forward (the active adapters)."""
+        if torch.is_autocast_enabled("cpu"):  # the casts autocast would make are explicit below
+            with torch.autocast("cpu", enabled=False):
+                return self._step(ids, mask, positions, cache, routes)
+        return self._step(ids, mask, positions, cache, routes)
+
+    def _step(self, ids, mask, positions, cache, routes) -> torch.Tensor:
         batch, hidden = ids.shape[0], self.hidden
-        scales, lora = self._row_scales(routes), self._lora
+        scales, lora, norm = self._row_scales(routes), self._lora, self._rms_norm
+        low = self.dtypes[1]  # every matrix product's inputs (autocast's cast, or the weights' own dtype)
         h = F.embedding(ids, self.embed)
-        cos, sin = self.llama.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim]
+        cos, sin = self.llama.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim], in h's dtype
         # padding as an additive mask, made once per step: adding 0 / -inf is what masked_fill does, bitwise
         padded = mask == 0
-        additive = (torch.zeros(padded.shape, dtype=h.dtype).masked_fill_(padded, float("-inf"))[:, None, None, :]
+        additive = (torch.zeros(padded.shape, dtype=torch.float32).masked_fill_(padded, float("-inf"))[:, None, None, :]
                     if bool(padded.any()) else None)
         for layer, groups, cache_layer in zip(self.layers, self.loras, cache.layers):
             dim, n_q, n_kv = layer["head_dim"], layer["n_q"], layer["n_kv"]
             q_heads, kv_heads = n_q // dim, n_kv // dim
-            x = F.rms_norm(h, (hidden,), *layer["norm1"])
+            x = norm(h, layer["norm1"]).to(low)
             qkv = lora(self._project(x, layer["qkv"]), x, groups["qkv"], scales)
             qk = qkv[:, :n_q + n_kv].view(batch, q_heads + kv_heads, dim)
             if layer["q_norm"] is not None:  # Qwen3: RMSNorm on every query and key head
-                qk = torch.cat((F.rms_norm(qk[:, :q_heads], (dim,), *layer["q_norm"]),
-                                F.rms_norm(qk[:, q_heads:], (dim,), *layer["k_norm"])), 1)
+                qk = torch.cat((norm(qk[:, :q_heads], layer["q_norm"]), norm(qk[:, q_heads:], layer["k_norm"])), 1)
             half = dim // 2
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin  # rotate_half
             keys, values = cache_layer.update(qk[:, q_heads:, None, :], qkv[:, n_q + n_kv:].view(batch, kv_heads, 1, dim))
-            attn = grouped_decode_attention(qk[:, :q_heads, None, :], keys, values, additive, layer["scaling"])
-            attn = attn.view(batch, n_q)
+            # masrl's CPU decode attention attends in float32 and returns the query's dtype
+            query = qk[:, :q_heads, None, :]
+            attn = grouped_decode_attention(query.float(), keys.float(), values.float(), additive, layer["scaling"])
+            attn = attn.view(batch, n_q).to(query.dtype).to(low)
             h = h + lora(F.linear(attn, *layer["o"]), attn, groups["o"], scales)
-            x = F.rms_norm(h, (hidden,), *layer["norm2"])
+            x = norm(h, layer["norm2"]).to(low)
             gate_up = lora(self._project(x, layer["gate_up"]), x, groups["gate_up"], scales)
             n = layer["n_inner"]
             inner = F.silu(gate_up[:, :n]) * gate_up[:, n:]
             h = h + lora(F.linear(inner, *layer["down"]), inner, groups["down"], scales)
-        x = F.rms_norm(h, (hidden,), *self.norm)
+        x = norm(h, self.norm).to(low)
         return lora(F.linear(x, *self.head), x, self.head_lora, scales)

@@ -21,7 +21,9 @@ products, ``index_add_``) for 2-4 adapters and 8-64 rows (``benchmarks/lora_delt
 
 **Exactness.** Not bitwise PEFT's forward: the scale multiplies the rank-wide activations instead of ``B``'s output,
 and ``B``'s zero blocks may change how the BLAS groups the sum; in float32 the logits are within 1e-6 of PEFT's
-forward with the row's adapter active (``tests/test_multi_adapter_decode.py``).
+forward with the row's adapter active (``tests/test_multi_adapter_decode.py``). In bf16 (bf16 weights with PEFT's
+float32 adapters: the input cast to float32 as PEFT does, the sum cast back; under autocast: the adapter's products
+in bf16, as autocast runs PEFT's) within 2e-2 of the largest logit (``tests/test_fast_decode_bf16.py``).
 
 Without a routing (``routes=None``: no row names an adapter, as for a policy with one shared adapter) every row gets
 what PEFT's own forward gives: the sum of the layer's active adapters, none while adapters are disabled.
@@ -52,10 +54,15 @@ def base_linear(module: torch.nn.Module) -> torch.nn.Module:
     return module.base_layer if is_lora(module) else module
 
 
-def _float32_cpu_weight(linear) -> bool:
+def _cpu_weight(linear) -> bool:
     w = getattr(linear, "weight", None)
     return (type(linear) is torch.nn.Linear and linear.bias is None and type(w) is torch.nn.Parameter
-            and w.dtype == torch.float32 and w.device.type == "cpu" and w.layout == torch.strided)
+            and w.dtype in (torch.float32, torch.bfloat16) and w.device.type == "cpu" and w.layout == torch.strided)
+
+
+def adapter_dtypes(model: torch.nn.Module) -> set:
+    """The dtypes of every LoRA ``lora_A`` / ``lora_B`` weight of ``model``."""
+    return {p.dtype for name, p in model.named_parameters() if ".lora_A." in name or ".lora_B." in name}
 
 
 def unsupported_lora(module: torch.nn.Module) -> str | None:
@@ -67,15 +74,15 @@ def unsupported_lora(module: torch.nn.Module) -> str | None:
     if getattr(module, "fan_in_fan_out", False) or len(getattr(module, "lora_magnitude_vector", {})):
         return "a LoRA layer with fan_in_fan_out or a magnitude vector"
     for name in module.lora_A.keys():
-        if not (_float32_cpu_weight(module.lora_A[name]) and _float32_cpu_weight(module.lora_B[name])):
-            return f"adapter {name!r}: lora_A/lora_B are not float32 CPU nn.Linear without bias"
+        if not (_cpu_weight(module.lora_A[name]) and _cpu_weight(module.lora_B[name])):
+            return f"adapter {name!r}: lora_A/lora_B are not float32/bfloat16 CPU nn.Linear without bias"
     return None
 
 
 class LoraGroup:
     """The stacked adapters of one projection group (the projections whose outputs the fast step concatenates)."""
 
-    def __init__(self, modules: Sequence[torch.nn.Module]):
+    def __init__(self, modules: Sequence[torch.nn.Module], dtype: torch.dtype = torch.float32):
         blocks, offset = [], 0  # (adapter, rank, scaling, active without routing, output offset, outputs)
         for module in modules:
             outputs = base_linear(module).out_features
@@ -88,17 +95,17 @@ class LoraGroup:
             offset += outputs
         self.layout = tuple(b[:4] for b in blocks)  # what the per-row scales depend on
         with torch.no_grad():
-            self.A = torch.cat([b[6] for b in blocks]) if blocks else None
-            self.B = torch.zeros(offset, sum(b[1] for b in blocks))
+            self.A = torch.cat([b[6] for b in blocks]).to(dtype) if blocks else None
+            self.B = torch.zeros(offset, sum(b[1] for b in blocks), dtype=dtype)
             column = 0
             for _, rank, _, _, start, outputs, _, lora_B in blocks:
                 self.B[start:start + outputs, column:column + rank] = lora_B
                 column += rank
 
     @classmethod
-    def of(cls, modules: Sequence[torch.nn.Module]) -> "LoraGroup | None":
-        """The group of ``modules``, or None when none of them carries an adapter."""
-        group = cls(modules)
+    def of(cls, modules: Sequence[torch.nn.Module], dtype: torch.dtype = torch.float32) -> "LoraGroup | None":
+        """The group of ``modules`` with its adapters in ``dtype``, or None when none of them carries an adapter."""
+        group = cls(modules, dtype)
         return group if group.layout else None
 
     def delta(self, x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -106,7 +113,8 @@ class LoraGroup:
         return F.linear(F.linear(x, self.A) * scales, self.B)
 
 
-def row_scales(layout: tuple, routes: Sequence[str | None] | None) -> torch.Tensor | None:
+def row_scales(layout: tuple, routes: Sequence[str | None] | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """The ``scales`` of a group with this ``layout``: ``[rows, sum of ranks]`` for ``routes`` (row ``i`` uses adapter
     ``routes[i]``; None or ``masrl.models.lora.BASE``: the base model), ``[1, sum of ranks]`` for every row without a routing (the
     layer's active adapters). None when every scale is 0 (the group adds nothing)."""
@@ -120,4 +128,4 @@ def row_scales(layout: tuple, routes: Sequence[str | None] | None) -> torch.Tens
             return None
         columns = [torch.tensor([scaling if n == name else 0.0 for n in names])[:, None].expand(-1, rank)
                    for name, rank, scaling, _ in layout]
-    return torch.cat(columns, 1).contiguous()
+    return torch.cat(columns, 1).to(dtype).contiguous()
