@@ -1,0 +1,97 @@
+"""The quickstart's Solver + Verifier team as an ordinary OpenAI-API program: the plain `openai` client, no masrl.
+
+masrl trains it unchanged through its OpenAI-compatible gateway (docs/gateway.md, examples/openai_client_team.yaml):
+every `chat.completions.create` is a recorded turn of the agent its `model` names. The Solver answers within
+\\boxed{}; the Verifier replies <verify>approve</verify> or <verify>reject</verify>; on a rejection the Solver tries
+again, up to MAX_LOOPS Solver turns. The prompts are the quickstart's (examples/quickstart.yaml), sent as one user
+message, which the tiny model's chat template renders as the text itself: the prompt ids are the built-in
+`math_solver_verifier` team's, token for token.
+
+Result: the last solution, scored by the task's reward, and the ids of the completions that broke the format
+(`invalid_calls`: a Solver reply without \\boxed{}, a Verifier reply without a verdict; masrl gives them the format
+penalty, as the built-in team marks such turns invalid). A reply without a verdict counts as a rejection (the
+quickstart's `untagged_verdict: reject`).
+
+Held-out accuracy after RL and rollout throughput against the built-in team: benchmarks/RESULTS.md
+("OpenAI-client team vs the built-in team").
+
+Run by masrl as `entry: examples/openai_client_team.py:run` (in-process, async), or as a command, one process per
+episode: `python examples/openai_client_team.py` reads the task as JSON on stdin, takes OPENAI_BASE_URL and
+OPENAI_API_KEY from its environment and prints its result as JSON.
+"""
+import asyncio
+import json
+import re
+import sys
+
+import openai
+
+MAX_LOOPS = 2
+PROMPTS = {
+    "Solver": "Q {question}\n{context}S ",
+    "Verifier": "Q {question}\n{context}V ",
+    "context": "{text}\n",
+}
+VERDICT = re.compile(r"<verify>(.*?)</verify>", re.DOTALL)
+
+
+def fill(template: str, **fields: str) -> str:
+    """``{name}`` placeholders filled in one pass (a ``\\boxed{}`` in a field is left as it is)."""
+    return re.sub("{(" + "|".join(fields) + ")}", lambda m: fields[m.group(1)], template)
+
+
+def boxed(text: str):
+    """The content of the last ``\\boxed{...}`` with balanced braces, or None."""
+    for start in reversed([m.end() for m in re.finditer(r"\\boxed", text)]):
+        i = start
+        while i < len(text) and text[i] == " ":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            depth = 0
+            for j in range(i, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[j], 0)
+                if depth == 0:
+                    return text[i + 1:j].strip()
+    return None
+
+
+def verdict(text: str):
+    """``approve`` / ``reject`` from the last ``<verify>...</verify>``, or None."""
+    found = VERDICT.findall(text)
+    choice = found[-1].strip().lower() if found else None
+    return choice if choice in ("approve", "reject") else None
+
+
+async def solve(client: openai.AsyncOpenAI, question: str) -> dict:
+    context, answer, invalid = "", "", []
+
+    async def ask(agent: str) -> str:
+        prompt = fill(PROMPTS[agent], question=question, context=context)
+        response = await client.chat.completions.create(model=agent, messages=[{"role": "user", "content": prompt}])
+        text = response.choices[0].message.content or ""
+        if (boxed(text) if agent == "Solver" else verdict(text)) is None:
+            invalid.append(response.id)
+        return text
+
+    for loop in range(MAX_LOOPS):
+        answer = await ask("Solver")
+        context += fill(PROMPTS["context"], text=answer)
+        if loop == MAX_LOOPS - 1:
+            break
+        review = await ask("Verifier")
+        context += fill(PROMPTS["context"], text=review)
+        if (verdict(review) or "reject") == "approve":
+            break
+    return {"answer": answer, "invalid_calls": invalid}
+
+
+async def run(task: dict, client_kwargs: dict) -> dict:
+    """One episode: ``task`` has ``question``; ``client_kwargs`` the episode's ``base_url`` and ``api_key``
+    (empty: the OPENAI_* environment variables)."""
+    # max_retries=0: a failed call fails the episode instead of being sent (and recorded) twice
+    async with openai.AsyncOpenAI(max_retries=0, **client_kwargs) as client:
+        return await solve(client, task["question"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(run(json.loads(sys.stdin.readline()), {}))))
