@@ -396,3 +396,27 @@ def test_invalid_calls_mark_the_named_completions_invalid(gateway):
         _finish(team, {"answer": "a", "invalid_calls": ["chatcmpl-other"]}, "prog", session.responses)
     with pytest.raises(ExternalAgentError, match="expected a list of the response ids"):
         _finish(team, {"answer": "a", "invalid_calls": ids[0]}, "prog", session.responses)
+
+
+def test_sync_entries_of_a_rollout_run_at_once(tmp_path):
+    """A sync `entry` runs in a thread of its own per episode: more episodes than the default executor has
+    workers (cpu + 4, at most 32), each waiting for all the others (a barrier), finish."""
+    import os
+
+    from masrl.workflows.external import _run_entry
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 2
+    (tmp_path / "barrier_agent.py").write_text(textwrap.dedent(f'''
+        import threading
+        BARRIER = threading.Barrier({n}, timeout=20)
+
+        def run(task, client_kwargs):
+            BARRIER.wait()
+            return task["question"]
+    '''))
+
+    async def main():
+        tasks = [Task(id=str(i), question=f"q{i}", answer="") for i in range(n)]
+        return await asyncio.gather(*(_run_entry(f"{tmp_path / 'barrier_agent.py'}:run", t, {}, 60.0) for t in tasks))
+
+    assert asyncio.run(main()) == [f"q{i}" for i in range(n)]

@@ -89,13 +89,40 @@ async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float)
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(payload, dict(client_kwargs)), timeout)
-        return await asyncio.wait_for(asyncio.to_thread(fn, payload, dict(client_kwargs)), timeout)
+        return await asyncio.wait_for(_in_own_thread(fn, payload, dict(client_kwargs)), timeout)
     except asyncio.TimeoutError:
         raise ExternalAgentError(f"{spec} did not return within {timeout:g} s") from None
     except ConfigError:
         raise
     except Exception as e:  # the program's own error: this episode fails, with its reason
         raise ExternalAgentError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
+
+
+async def _in_own_thread(fn, *args) -> Any:
+    """``fn(*args)`` in a thread of its own: every episode of a rollout runs at once (the default executor's
+    cpu + 4 workers would leave the others queued, and the scheduler waits for every running episode to call)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def target():
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the episode, which fails with it
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the rollout's loop is closed: the episode was given up (timeout)
+            pass
+
+    threading.Thread(target=target, name="masrl-external-entry", daemon=True).start()
+    return await future
 
 
 async def _run_command(command: str, task: Task, session: Any, timeout: float, env: dict) -> Any:
