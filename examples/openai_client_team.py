@@ -95,8 +95,10 @@ def client_for(client_kwargs: dict) -> openai.AsyncOpenAI:
     ``AsyncOpenAI`` costs ~40 ms of CPU (its HTTP client); ``with_options`` reuses the pool."""
     loop = asyncio.get_running_loop()
     if loop not in _CLIENTS:
-        # max_retries=0: a failed call fails the episode instead of being sent (and recorded) twice
-        _CLIENTS[loop] = openai.AsyncOpenAI(max_retries=0, **client_kwargs)
+        # max_retries=0: a failed call fails the episode instead of being sent (and recorded) twice; timeout: masrl's
+        # per-episode deadline bounds the episode (the client's own 5 s to connect fails episodes on a busy machine,
+        # where the event loop that runs every episode gets to a connection late)
+        _CLIENTS[loop] = openai.AsyncOpenAI(max_retries=0, timeout=300.0, **client_kwargs)
     return _CLIENTS[loop].with_options(**client_kwargs)
 
 
