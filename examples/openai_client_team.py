@@ -13,10 +13,10 @@ penalty, as the built-in team marks such turns invalid). A reply without a verdi
 quickstart's `untagged_verdict: reject`).
 
 Against the built-in team (`masrl sweep benchmarks/study/gateway_vs_builtin.yaml --jobs 1 --nice 19`, both arms cut
-to 100 SFT / 10 RL steps and 600 training tasks, seeds 0 and 1, 2 shared Zen 3 cores at load 8-14, 2026-12-03):
-the same cold start (bitwise equal SFT losses), held-out avg@4 after RL 7.0 +- 0.4 % against 5.6 +- 1.9 %
-(within the built-in team's seed spread, both near the floor at this budget), rollout throughput
-(perf/rollout_tokens_per_s, median over RL steps) 0.25x the built-in team's on that loaded machine; +2.5 ms of
+to 100 SFT / 10 RL steps and 600 training tasks, seeds 0-2, 2 shared Zen 3 cores at load 8-14, 2026-12-03):
+the same cold start (bitwise equal SFT losses), held-out avg@4 after RL 6.9 +- 0.3 % against 5.5 +- 1.4 %
+(mean +- sd; within the built-in team's seed spread, both near the floor at this budget), rollout throughput
+(perf/rollout_tokens_per_s, median over RL steps) 0.35 +- 0.17x the built-in team's on that loaded machine; +2.5 ms of
 CPU per call, 0.85x its tokens per CPU second (benchmarks/gateway_overhead.py). Commands, commits and caveats:
 benchmarks/RESULTS.md ("OpenAI-client team vs the built-in team").
 
