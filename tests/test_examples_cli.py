@@ -38,6 +38,15 @@ def test_get_writes_the_config_and_the_files_it_names(tmp_path, monkeypatch, cap
     assert capsys.readouterr().out.count("unchanged") == 4
 
 
+def test_get_writes_the_program_an_external_example_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["example", "get", "openai_client_team"]) == 0
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    # the program, and the quickstart its header compares it with
+    assert written == ["examples/openai_client_team.py", "examples/openai_client_team.yaml", "examples/quickstart.yaml"]
+    assert (tmp_path / written[0]).read_bytes() == (REPO / written[0]).read_bytes()
+
+
 def test_get_keeps_a_changed_file_unless_forced(tmp_path, capsys):
     assert main(["example", "get", "quickstart", "--dir", str(tmp_path)]) == 0
     mine = tmp_path / "examples" / "quickstart.yaml"
@@ -87,6 +96,10 @@ def test_wheel_outside_the_checkout_ships_the_examples(tmp_path):
     shown = masrl("config", "show", "examples/quickstart.yaml")
     assert shown.returncode == 0 and "name: quickstart" in shown.stdout, shown.stderr
     assert str(examples_root()) not in got.stdout  # listed from the wheel's copy, not the checkout
+    got = masrl("example", "get", "openai_client_team")  # a .py the config runs travels in the wheel too
+    assert got.returncode == 0, got.stderr
+    assert (work / "examples" / "openai_client_team.py").read_bytes() == \
+        (REPO / "examples" / "openai_client_team.py").read_bytes()
     listed = masrl("example", "list")
     assert str(env_dir) in listed.stdout and "gpu/search_drmas_hetero_7b_3b" in listed.stdout
 

@@ -351,3 +351,72 @@ def test_tool_call_round_trip_and_request_bounds(gateway):
     assert errors["unknown"]["code"] == "unknown_parameter" and errors["n"]["param"] == "n"
     assert "stream" in errors["stream"]["message"]
     assert len(team.turns) == 2
+
+
+def test_a_burst_of_connections_waits_in_the_backlog():
+    """Every episode of a rollout may connect at once: with the server not accepting yet, 64 connections are
+    queued by the kernel (a 5-deep backlog would leave the later ones timing out) and all are then answered."""
+    import socket
+    import threading
+
+    gw = Gateway()
+    gw.server.shutdown()  # stop accepting: the connections wait in the listen backlog
+    socks = []
+    try:
+        for _ in range(64):
+            socks.append(socket.create_connection(gw.server.server_address[:2], timeout=0.5))
+        threading.Thread(target=gw.server.serve_forever, daemon=True).start()
+        for s in socks:
+            s.settimeout(30)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 401")  # no key: refused, but served
+    finally:
+        for s in socks:
+            s.close()
+        gw.shutdown()
+
+
+def test_invalid_calls_mark_the_named_completions_invalid(gateway):
+    """A program's result may list the ids of completions it found malformed: exactly their turns are invalid
+    (the format penalty); an id that is not this episode's, or a list of something else, fails the episode."""
+    from masrl.workflows.external import ExternalAgentError, _finish
+
+    team = Team(Task(id="t", question="q", answer="Writer reply 2"), _spec(), _Scripted(),
+                lambda t, a: {"reward": float(a == t.answer), "correct": a == t.answer})
+
+    def client(session):
+        c = openai.OpenAI(**session.client_kwargs, max_retries=0)
+        return [c.chat.completions.create(model=m, messages=[{"role": "user", "content": "x"}]).id
+                for m in ("Planner", "Writer")]
+
+    session, ids = _drive(gateway, team, client)
+    ep = _finish(team, {"answer": "Writer reply 2", "invalid_calls": [ids[0]]}, "prog", session.responses)
+    assert [t.valid for t in ep.turns] == [False, True] and ep.reward == 1.0
+    with pytest.raises(ExternalAgentError, match="not the id of a completion of this episode"):
+        _finish(team, {"answer": "a", "invalid_calls": ["chatcmpl-other"]}, "prog", session.responses)
+    with pytest.raises(ExternalAgentError, match="expected a list of the response ids"):
+        _finish(team, {"answer": "a", "invalid_calls": ids[0]}, "prog", session.responses)
+
+
+def test_sync_entries_of_a_rollout_run_at_once(tmp_path):
+    """A sync `entry` runs in a thread of its own per episode: more episodes than the default executor has
+    workers (cpu + 4, at most 32), each waiting for all the others (a barrier), finish."""
+    import os
+
+    from masrl.workflows.external import _run_entry
+
+    n = min(32, (os.cpu_count() or 1) + 4) + 2
+    (tmp_path / "barrier_agent.py").write_text(textwrap.dedent(f'''
+        import threading
+        BARRIER = threading.Barrier({n}, timeout=20)
+
+        def run(task, client_kwargs):
+            BARRIER.wait()
+            return task["question"]
+    '''))
+
+    async def main():
+        tasks = [Task(id=str(i), question=f"q{i}", answer="") for i in range(n)]
+        return await asyncio.gather(*(_run_entry(f"{tmp_path / 'barrier_agent.py'}:run", t, {}, 60.0) for t in tasks))
+
+    assert asyncio.run(main()) == [f"q{i}" for i in range(n)]

@@ -98,7 +98,8 @@ def run_serve(args) -> int:
         batcher = ServeBatcher({n: p.engine for n, p in runner.policies.items()}, args.batch_window_ms / 1000)
         team = _StandingTeam(cfg.agents, runner.call(batcher))
         gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout)
-        gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1")
+        gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1",
+                                         standing=True)
         gateway.default_key = args.api_key
         gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
         print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)

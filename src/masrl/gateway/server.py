@@ -77,6 +77,8 @@ class EpisodeSession:
     calls: int = 0
     last: dict[str, _Last] = field(default_factory=dict)
     closed: bool = False
+    responses: dict[str, list[Turn]] = field(default_factory=dict)  # response id -> its turns (``invalid_calls``)
+    standing: bool = False  # masrl serve's one session: no episode result refers to its responses
 
     @property
     def client_kwargs(self) -> dict[str, str]:
@@ -97,10 +99,18 @@ class EpisodeSession:
 
     async def chat(self, agent: str, messages: list[dict], tools: list[dict] | None, n: int) -> list[Turn]:
         prefix = self._prefix(agent, messages)
-        turns = await asyncio.gather(*(self.team.call(agent, ChatPrompt(list(messages), tools, prefix=prefix))
+        turns = await asyncio.gather(*(self.team.call(agent, ChatPrompt(list(messages), tools, prefix=prefix,
+                                                                        meta={"source": "gateway"}))
                                        for _ in range(n)))
         self.last[agent] = _Last([dict(m) for m in messages], turns[0])
         return list(turns)
+
+    def record(self, prefix: str, turns: list[Turn]) -> str:
+        """A new response id for ``turns`` (the ``id`` of the response), kept for the episode's result."""
+        rid = f"{prefix}{uuid.uuid4().hex}"
+        if not self.standing:
+            self.responses[rid] = turns
+        return rid
 
     async def complete(self, agent: str, prompt: str, n: int) -> list[Turn]:
         return list(await asyncio.gather(*(self.team.call(agent, prompt) for _ in range(n))))
@@ -123,7 +133,7 @@ class Gateway:
             owner = gateway
 
         try:
-            self.server = ThreadingHTTPServer((host, port), Handler)
+            self.server = _Server((host, port), Handler)
         except OSError as e:
             raise UserInputError(f"the gateway cannot listen on {host}:{port} ({e}); set workflow.params.port "
                                  "to a free port, or 0 for any") from None
@@ -202,14 +212,16 @@ class Gateway:
         if chat:
             messages, tools = _messages(request.get("messages")), _tools(request.get("tools"))
             turns = _fitted(self._run(session, session.chat(agent, messages, tools, n)))
-            return 200, _chat_response(agent, turns, bool(tools), bool(request.get("logprobs")))
+            return 200, _chat_response(session.record("chatcmpl-", turns), agent, turns, bool(tools),
+                                       bool(request.get("logprobs")))
         prompt = request.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise GatewayError(400, "prompt must be a string (one prompt per request)", param="prompt")
         turns = _fitted(self._run(session, session.complete(agent, prompt, n)))
-        return 200, _completion_response(agent, turns, request.get("logprobs") is not None)
+        return 200, _completion_response(session.record("cmpl-", turns), agent, turns,
+                                         request.get("logprobs") is not None)
 
     def _run(self, session: EpisodeSession, coro) -> list[Turn]:
         future = asyncio.run_coroutine_threadsafe(coro, session.loop)
@@ -312,7 +324,7 @@ def _usage(turns: list[Turn]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _chat_response(agent: str, turns: list[Turn], with_tools: bool, logprobs: bool) -> dict:
+def _chat_response(rid: str, agent: str, turns: list[Turn], with_tools: bool, logprobs: bool) -> dict:
     choices = []
     for i, turn in enumerate(turns):
         message: dict[str, Any] = {"role": "assistant", "content": turn.text}
@@ -324,17 +336,23 @@ def _chat_response(agent: str, turns: list[Turn], with_tools: bool, logprobs: bo
         choice = {"index": i, "message": message, "finish_reason": _finish(turn, bool(calls)),
                   "logprobs": {"content": _token_logprobs(turn)} if logprobs else None}
         choices.append(choice)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": agent, "choices": choices, "usage": _usage(turns)}
 
 
-def _completion_response(agent: str, turns: list[Turn], logprobs: bool) -> dict:
+def _completion_response(rid: str, agent: str, turns: list[Turn], logprobs: bool) -> dict:
     choices = [{"index": i, "text": t.text, "finish_reason": _finish(t, False),
                 "logprobs": {"tokens": [f"token_id:{x}" for x in t.response_ids],
                              "token_logprobs": [float(v) for v in t.logprobs]} if logprobs else None}
                for i, t in enumerate(turns)]
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+    return {"id": rid, "object": "text_completion", "created": int(time.time()),
             "model": agent, "choices": choices, "usage": _usage(turns)}
+
+
+class _Server(ThreadingHTTPServer):
+    # every episode of a rollout may connect at once: socketserver's default backlog (5) drops connections
+    # beyond it, which the client sees as connection errors under load
+    request_queue_size = 1024
 
 
 class _Handler(BaseHTTPRequestHandler):

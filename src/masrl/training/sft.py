@@ -14,12 +14,20 @@ from masrl.config import AgentConfig, SFTConfig
 from masrl.errors import ConfigError
 from masrl.rollout.runner import check_continuation
 from masrl.tasks.source import Teacher
+from masrl.tools.chat_format import ChatPrompt
 from masrl.tools.text import valid_text
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy, use_fused_adamw
 from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows, trainer_forward
 from masrl.types import Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
+
+
+def from_program(prompt) -> bool:
+    """A call an external program made through the gateway (``workflow: external``) without tools: its teacher
+    reads the rendered prompt, as a built-in workflow's string prompt (a conversation with tools stays a
+    ``ChatPrompt``: the teacher writes its tool calls)."""
+    return isinstance(prompt, ChatPrompt) and prompt.meta.get("source") == "gateway" and not prompt.tools
 
 
 def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: Teacher, *,
@@ -30,6 +38,9 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
 
     Calls of ``filter_agents`` whose own text scores incorrect are left out of the rows
     (rejection-sampled SFT); they still shaped the prompts of the calls after them.
+    ``workflow: external``: the program runs with the teacher answering its gateway calls; a call without tools
+    shows the teacher the prompt as rendered for the model (:func:`from_program`), so a program that sends a
+    built-in workflow's prompts gets that workflow's demonstrations.
     """
 
     async def one(task: Task) -> list[Turn]:
@@ -39,6 +50,8 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
             shown = prompt
             if isinstance(prompt, Continuation):  # the teacher reads the transcript as the model will see it
                 check_continuation(policies, agent, agents[agent].policy, prompt)
+                shown = policy.render_prompt(prompt, system_prompt)
+            elif from_program(prompt):  # an external program's call: the prompt text the model will see
                 shown = policy.render_prompt(prompt, system_prompt)
             text = teacher(agent, shown, task)
             try:

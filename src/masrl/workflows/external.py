@@ -15,7 +15,9 @@ with it: ``entry`` is called with ``{"id", "question"}`` and ``client_kwargs`` (
 JSON on its last line of output. Every call the program makes is a turn of the agent its ``model`` names.
 
 The result: a string (or ``{"answer": ...}``) is the episode's answer, scored by the task's reward; a number (or
-``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A program that
+``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A dict result may
+name the completions whose replies were malformed, ``"invalid_calls": [response.id, ...]``: those turns are invalid
+(the format penalty), as a built-in workflow's ``turn.valid = False``. A program that
 raises, exits non-zero, runs past ``timeout_s`` (the subprocess is killed; a hung ``entry`` thread is left
 behind, its session closed so that its calls are refused) or returns anything else fails the episode with
 :class:`ExternalAgentError` naming the reason; the rollout isolates the episode and counts it.
@@ -87,13 +89,40 @@ async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float)
     try:
         if inspect.iscoroutinefunction(fn):
             return await asyncio.wait_for(fn(payload, dict(client_kwargs)), timeout)
-        return await asyncio.wait_for(asyncio.to_thread(fn, payload, dict(client_kwargs)), timeout)
+        return await asyncio.wait_for(_in_own_thread(fn, payload, dict(client_kwargs)), timeout)
     except asyncio.TimeoutError:
         raise ExternalAgentError(f"{spec} did not return within {timeout:g} s") from None
     except ConfigError:
         raise
     except Exception as e:  # the program's own error: this episode fails, with its reason
         raise ExternalAgentError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
+
+
+async def _in_own_thread(fn, *args) -> Any:
+    """``fn(*args)`` in a thread of its own: every episode of a rollout runs at once (the default executor's
+    cpu + 4 workers would leave the others queued, and the scheduler waits for every running episode to call)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def target():
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the episode, which fails with it
+            outcome = (None, e)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the rollout's loop is closed: the episode was given up (timeout)
+            pass
+
+    threading.Thread(target=target, name="masrl-external-entry", daemon=True).start()
+    return await future
 
 
 async def _run_command(command: str, task: Task, session: Any, timeout: float, env: dict) -> Any:
@@ -135,8 +164,29 @@ def _kill(proc) -> None:
         pass
 
 
-def _finish(team: Team, result: Any, where: str) -> Episode:
-    """The program's result as the episode: an answer scored by the task, or its own reward."""
+def _mark_invalid(result: Any, responses: dict, where: str) -> None:
+    """``{"invalid_calls": [response id, ...]}``: the program found those replies malformed (no answer in the
+    format it asked for); their turns are invalid (``algorithm.format_penalty``), as a built-in workflow's
+    ``turn.valid = False``."""
+    if not isinstance(result, dict) or "invalid_calls" not in result:
+        return
+    ids = result["invalid_calls"]
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ExternalAgentError(f"{where} returned invalid_calls {str(ids)[:100]!r}; expected a list of the "
+                                 "response ids (the `id` of each malformed completion)")
+    unknown = [i for i in ids if i not in responses]
+    if unknown:
+        raise ExternalAgentError(f"{where} returned invalid_calls naming {unknown[0][:80]!r}, which is not the id of "
+                                 "a completion of this episode")
+    for i in ids:
+        for turn in responses[i]:
+            turn.valid = False
+
+
+def _finish(team: Team, result: Any, where: str, responses: dict | None = None) -> Episode:
+    """The program's result as the episode: an answer scored by the task, or its own reward (``responses``:
+    the session's response id -> turns, for ``invalid_calls``)."""
+    _mark_invalid(result, responses or {}, where)
     if isinstance(result, dict) and "reward" in result:
         reward, answer = result["reward"], result.get("answer")
     elif isinstance(result, (int, float)) and not isinstance(result, bool):
@@ -172,4 +222,4 @@ async def external(task: Task, team: Team) -> Episode:
             where = f"command {p['command']!r}"
     finally:
         gw.close(session)
-    return _finish(team, result, where)
+    return _finish(team, result, where, session.responses)
