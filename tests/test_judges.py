@@ -147,6 +147,33 @@ def test_team_finish_defers_to_one_batch_after_the_rollout():
         assert [e.info["mid"] for e in episodes] == ([0.0, 0.0] if mid else [None, None])
 
 
+def test_evaluation_summary_reports_the_heldout_check_beside_the_judge():
+    from masrl.evaluation.runner import summarize_episodes
+    from masrl.rollout.runner import run_episodes
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.types import Turn
+    from masrl.workflows.base import WorkflowSpec
+
+    async def flow(task, team):
+        turn = await team.call("Writer", task.question)
+        return team.finish(answer=turn.text)
+
+    async def call(agent, prompt):  # the team answers "4" to every question
+        return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
+
+    spec = WorkflowSpec("w", flow, ("Writer",), {})
+    tasks = [TASK, TASK, Task("t2", "What is 3+3?", "6"), Task("t2", "What is 3+3?", "6")]
+    # a judge that approves every answer; exact match finds 2 of the 4 right
+    judge, _ = make_judge(lambda p: "yes", verdict="yes_no", check="qa_em")
+    episodes = run_episodes(spec, tasks, [0, 0, 1, 1], call=call, scheduler=RolloutScheduler({}), score=judge,
+                            prompts={}, params={}, format_penalty=0.0)
+    summary = summarize_episodes(episodes, [1])
+    assert summary["avg@n"] == 1.0 and summary["heldout_check"] == 0.5 and summary["heldout_agreement"] == 0.5
+    plain, _ = make_judge(lambda p: "yes", verdict="yes_no")  # no check: no held-out keys
+    episodes = run_episodes(spec, tasks, [0, 0, 1, 1], call=call, scheduler=RolloutScheduler({}), score=plain,
+                            prompts={}, params={}, format_penalty=0.0)
+    assert "heldout_check" not in summarize_episodes(episodes, [1])
+
 # ----------------------------------------------------------------------------- the real engine
 
 def test_local_tiny_judge_is_greedy_deterministic_and_batch_equals_one_by_one():
