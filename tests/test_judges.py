@@ -77,6 +77,13 @@ def test_unparsed_verdict_scores_zero_with_reason_and_is_counted():
     with pytest.warns(UserWarning, match="no judge reply of the step had a verdict.*'hmm'"):
         metrics = judge.step_metrics()
     assert metrics["judge/unparsed"] == 1 and metrics["judge/calls"] == 1 and metrics["judge/errors"] == 0
+    # an unparsed reply still goes through the rule-based check (the judge's correct flag is False)
+    judge3, _ = make_judge(lambda p: "hmm", verdict="yes_no", check="qa_em")
+    assert judge3(TASK, "4")["heldout_correct"] is True
+    with pytest.warns(UserWarning):
+        metrics = judge3.step_metrics()
+    assert metrics["judge/heldout_check"] == 1.0 and metrics["judge/heldout_agreement"] == 0.0
+    assert "judge/score" not in metrics
 
 
 def test_pairwise_scores_both_orders_against_the_reference():
@@ -106,8 +113,10 @@ def test_score_batch_is_one_call_with_a_cache_and_matches_one_by_one():
     assert batch[0]["heldout_correct"] is True and batch[1]["heldout_correct"] is False
     fresh, _ = make_judge(lambda p: "yes" if "Answer: 4" in p else "no", verdict="yes_no")
     assert [fresh(t, a)["reward"] for t, a in pairs] == [r["reward"] for r in batch]
+    assert batch[3]["heldout_correct"] is False  # no answer: the rule counts it wrong, as avg@n does
     metrics = judge.step_metrics()
-    assert metrics["judge/heldout_check"] == 2 / 3 and metrics["judge/heldout_agreement"] == 1.0
+    assert metrics["judge/heldout_check"] == 2 / 4 and metrics["judge/heldout_agreement"] == 1.0
+    assert metrics["judge/score"] == 2 / 3  # the mean judged reward of the answers with a verdict
     assert judge.step_metrics()["judge/calls"] == 0  # counters start afresh each step
 
 

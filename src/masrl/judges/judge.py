@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from masrl.judges.backends import Reply
 from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template
-from masrl.judges.stats import JudgeStats, judged
+from masrl.judges.stats import JudgeStats, judged, unjudged
 from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
 from masrl.types import Task
 from masrl.workflows.base import render
@@ -74,15 +74,15 @@ class JudgeReward:
 
     def _result(self, task: Task, answer: str | None, replies: list[Reply]) -> dict:
         if answer is None:
-            return {"reward": 0.0, "correct": False, "reason": "no_answer"}
+            return unjudged(self.stats, self.check, task, answer, "no_answer")
         errors = [r.error for r in replies if r.error is not None]
         if errors:
-            return {"reward": 0.0, "correct": False, "reason": "judge_error", "detail": errors[0]}
+            return unjudged(self.stats, self.check, task, answer, "judge_error", detail=errors[0])
         value = self._verdict(replies)
         shown = " | ".join((r.text or "")[:200] for r in replies)
         if value is None:
             self.stats.no_verdict(shown)
-            return {"reward": 0.0, "correct": False, "reason": "judge_unparsed", "judge_output": shown}
+            return unjudged(self.stats, self.check, task, answer, "judge_unparsed", judge_output=shown)
         return {**judged(self.stats, self.check, task, answer, value, self.opts.correct_threshold),
                 "judge_output": shown}
 
