@@ -414,3 +414,57 @@ def test_a_step_where_every_judge_call_fails_stops_the_run(tmp_path, monkeypatch
     assert "Traceback" not in out.stderr and "sk-secret-456" not in out.stderr + out.stdout
     written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
     assert "sk-secret-456" not in written
+
+
+# ----------------------------------------------------------------------------- the run report
+
+def test_judge_summary_by_hand_and_its_table():
+    from masrl.judges.report import judge_report_lines, judge_summary
+
+    def step(i, score, check, corr):
+        return {"step": i, "phase": "train", "judge/calls": 10.0, "judge/errors": float(i == 2),
+                "judge/unparsed": 1.0, "perf/judge_seconds": 1.0, "perf/step_seconds": 4.0, "judge/score": score,
+                "judge/heldout_check": check, "judge/heldout_agreement": 0.5, "judge/length_corr": corr}
+
+    records = [{"step": 0, "phase": "eval", "eval/test/avg@n": 0.1}, step(1, 0.2, 0.4, 0.1), step(2, 0.4, 0.4, 0.3),
+               step(3, 0.6, 0.2, 0.5), step(4, 0.8, 0.2, 0.7), step(4, 0.9, 0.0, 0.9)]  # step 4 logged twice
+    history = {"sft": {"avg@n": 0.25, "heldout_check": 0.5, "heldout_agreement": 0.75},
+               "final": {"avg@n": 0.75, "heldout_check": 0.25, "heldout_agreement": 0.5}}
+    s = judge_summary(records, history)
+    assert (s["steps"], s["calls"], s["errors"], s["unparsed"], s["judge_seconds"]) == (4, 40.0, 1.0, 4.0, 4.0)
+    assert s["share_of_step_time"] == 0.25 and s["length_corr_mean"] == pytest.approx((0.1 + 0.3 + 0.5 + 0.9) / 4)
+    assert s["window"] == 2 and s["first_steps"]["score"] == pytest.approx(0.3)
+    assert s["last_steps"]["score"] == pytest.approx(0.75) and s["last_steps"]["heldout_check"] == pytest.approx(0.1)
+    md = "\n".join(judge_report_lines(s, sft_steps=100))
+    assert "| 4 | 40 | 1 | 4 | 4.0 s | 25.0% | 0.450 / – |" in md
+    assert "| after SFT | 25.0% | 50.0% | 75.0% |" in md and "| after RL | 75.0% | 25.0% | 50.0% |" in md
+    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.800 |" in md
+    assert judge_summary([{"step": 1, "phase": "train", "team/reward": 1.0}], {}) is None
+    assert judge_report_lines(None, 0) == []
+
+
+def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    judge = {"model": "tiny", "tiny": TINY, "verdict": "yes_no", "max_new_tokens": 2, "check": "qa_em"}
+    cfg = {"name": "judged", "output_dir": str(tmp_path / "run"),
+           "task": {"name": "dataset", "params": {"train": str(data), "test": str(data), "reward": {"judge": judge}}},
+           "workflow": {"name": "single"}, "agents": {"Solver": {"policy": "p", "max_new_tokens": 4}},
+           "policies": {"p": {"model": "tiny", "tiny": TINY}}, "logging": {"progress": False, "plots": False},
+           "trainer": {"total_steps": 2, "batch_size": 2, "group_size": 2}, "eval": {"n": 2, "k": [1]}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "masrl", "train", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (tmp_path / "run" / "report.md").read_text()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    j = report["judge"]
+    assert j["steps"] == 2 and j["unparsed"] >= j["calls"] >= 1  # a random tiny judge: no verdicts
+    assert set(j["eval"]) == {"sft", "final"} and "heldout_check" in report["eval"]["final"]
+    assert "## Judge" in md and "| before RL |" in md and "held-out check" in md
