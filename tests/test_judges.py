@@ -468,3 +468,75 @@ def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
     assert j["steps"] == 2 and j["unparsed"] >= j["calls"] >= 1  # a random tiny judge: no verdicts
     assert set(j["eval"]) == {"sft", "final"} and "heldout_check" in report["eval"]["final"]
     assert "## Judge" in md and "| before RL |" in md and "held-out check" in md
+
+
+def test_the_trainer_judges_a_rollout_in_one_batch_and_never_the_sft_demonstrations(tmp_path):
+    # the trainer wraps every score in the reward contract (GuardedScore): the wrapper keeps score_batch
+    from masrl.config import load_config
+    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+    from masrl.trainer import Trainer
+    from masrl.training.sft import collect_demonstrations
+    from masrl.workflows.batch_score import scores_in_batches
+
+    cfg = load_config("examples/judge_kb_team.yaml", [
+        "task.params.reward.judge.model=tiny", "task.params.reward.judge.max_new_tokens=2",
+        "sft.steps=0", "trainer.total_steps=1", "trainer.batch_size=2", "trainer.group_size=2",
+        "eval.before_after=false", "eval.every=0", "trainer.save_every=0", "logging.tensorboard=false",
+        "logging.plots=false", "logging.progress=false",
+        "policies.team.tiny.hidden_size=32", "policies.team.tiny.num_hidden_layers=1"])
+    with Trainer(cfg, run_dir=tmp_path / "run") as trainer:
+        judge = trainer.source.score
+        batches = []
+        complete = judge.backend.complete
+        judge.backend.complete = lambda prompts: batches.append(len(prompts)) or complete(prompts)
+        assert scores_in_batches(GuardedScore(judge))
+        rows = collect_demonstrations(trainer.spec, trainer.source.train[:3], trainer.source.teacher,
+                                      policies=trainer.policies, agents=cfg.agents, score=GuardedScore(judge),
+                                      prompts=cfg.workflow.prompts, params=trainer.params)
+        assert rows and batches == []  # the rows carry no reward: no judge call
+    # the rollout as the trainer runs it (run_episodes with the guarded score): one batch once the episodes are done
+    from masrl.rollout.runner import run_episodes
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.types import Turn
+    from masrl.workflows.base import WorkflowSpec
+
+    async def flow(task, team):
+        turn = await team.call("Writer", task.question)
+        return team.finish(answer=turn.text + task.id)
+
+    async def call(agent, prompt):
+        return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
+
+    judge, backend = make_judge(lambda p: "yes", verdict="yes_no", check="qa_em")
+    tasks = [Task(f"t{i}", f"{i}+1?", str(i + 1)) for i in range(3)]
+    episodes = run_episodes(WorkflowSpec("w", flow, ("Writer",), {}), tasks, [0, 1, 2], call=call,
+                            scheduler=RolloutScheduler({}), score=GuardedScore(judge, RewardLedger()), prompts={},
+                            params={}, format_penalty=0.0)
+    assert [len(b) for b in backend.batches] == [3] and [e.reward for e in episodes] == [1.0] * 3
+    assert all("score_pending" not in e.info and "heldout_correct" in e.info for e in episodes)
+
+
+def test_guarded_score_batch_keeps_the_reward_contract():
+    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+
+    judge, _ = make_judge(lambda p: "yes", verdict="yes_no")
+    ledger = RewardLedger()
+    guarded = GuardedScore(judge, ledger)
+    assert [r["reward"] for r in guarded.score_batch([(TASK, "4"), (TASK, None)])] == [1.0, 0.0]
+    assert not hasattr(GuardedScore(lambda t, a: {"reward": 1.0}), "score_batch")  # a plain reward: one by one
+
+    class Broken:
+        def __call__(self, task, answer):
+            return {"reward": 0.0}
+
+        def score_batch(self, pairs):
+            if len(pairs) > 1:
+                raise RuntimeError("judge down")
+            return [{"reward": float("nan")}]
+
+    guarded = GuardedScore(Broken(), ledger)
+    down = guarded.score_batch([(TASK, "4"), (TASK, "5")])
+    assert [(r["reward"], r["reason"]) for r in down] == [(0.0, "score_error")] * 2 and "judge down" in down[0]["detail"]
+    assert guarded.score_batch([(TASK, "4")])[0]["reason"] == "score_error"  # a non-finite reward
+    counts = ledger.take()
+    assert counts.calls == 5 and counts.failed == 3
