@@ -102,6 +102,35 @@ def test_pairwise_scores_both_orders_against_the_reference():
     assert judge(TASK, "5")["reward"] == 0.0
 
 
+
+def test_pairwise_against_other_answers_of_the_group_in_both_orders():
+    def longer(p):  # prefers the longer answer wherever it stands; a tie on equal lengths
+        a, b = p.split("Answer A: ")[1].split("\n")[0], p.split("Answer B: ")[1].split("\n")[0]
+        return "[[A]]" if len(a) > len(b) else "[[B]]" if len(b) > len(a) else "[[tie]]"
+
+    judge, backend = make_judge(longer, verdict="pairwise", pairwise_against="group")
+    other = Task("t2", "What is 3+3?", "6")
+    # group t1: "aaa", "a", "aa" (each meets the next one, cyclically); group t2: "x" alone (against the reference)
+    pairs = [(TASK, "aaa"), (TASK, "a"), (other, "x"), (TASK, "aa"), (TASK, None)]
+    rewards = [r["reward"] for r in judge.score_batch(pairs)]
+    # aaa vs a: won in both orders (1); a vs aa: lost (0); aa vs aaa: lost (0); "x" vs reference "6": tie (0.5)
+    assert rewards == [1.0, 0.0, 0.5, 0.0, 0.0]
+    prompts = backend.batches[0]
+    assert len(prompts) == 8  # 4 comparisons, 2 orders each
+    first = [p for p in prompts if "Answer A: aaa\n" in p and "Answer B: a\n" in p]
+    swapped = [p for p in prompts if "Answer A: a\n" in p and "Answer B: aaa\n" in p]
+    assert len(first) == 1 and len(swapped) == 1
+    # two opponents each: aaa beats a and aa (1); a loses both (0); aa beats a, loses to aaa (0.5)
+    judge2, backend2 = make_judge(longer, verdict="pairwise", pairwise_against="group", opponents=2)
+    assert [r["reward"] for r in judge2.score_batch([(TASK, "aaa"), (TASK, "a"), (TASK, "aa")])] == [1.0, 0.0, 0.5]
+    assert len(backend2.batches[0]) == 6  # 3 distinct pairs x 2 orders: a comparison asked twice is judged once
+    # a position-biased judge gives every answer 0.5; an opponent equal to the answer is a tie without a call
+    biased, backend3 = make_judge(lambda p: "[[A]]", verdict="pairwise", pairwise_against="group")
+    assert [r["reward"] for r in biased.score_batch([(TASK, "5"), (TASK, "7"), (TASK, "7")])] == [0.5, 0.5, 0.5]
+    assert all("Answer A: 7\nAnswer B: 7" not in p for p in backend3.batches[0])
+    with pytest.raises(ConfigError, match="pairwise_against"):
+        judges.build_judge({"model": "tiny", "verdict": "pairwise", "pairwise_against": "others"}, {})
+
 # ----------------------------------------------------------------------------- batching, cache, guards
 
 def test_score_batch_is_one_call_with_a_cache_and_matches_one_by_one():
