@@ -467,7 +467,7 @@ def test_judge_summary_by_hand_and_its_table():
     md = "\n".join(judge_report_lines(s, sft_steps=100))
     assert "| 4 | 40 | 1 | 4 | 4.0 s | 25.0% | 0.450 / – |" in md
     assert "| after SFT | 25.0% | 50.0% | 75.0% |" in md and "| after RL | 75.0% | 25.0% | 50.0% |" in md
-    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.800 |" in md
+    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.700 |" in md  # corr (0.5 + 0.9) / 2
     assert judge_summary([{"step": 1, "phase": "train", "team/reward": 1.0}], {}) is None
     assert judge_report_lines(None, 0) == []
 
