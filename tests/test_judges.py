@@ -77,6 +77,13 @@ def test_unparsed_verdict_scores_zero_with_reason_and_is_counted():
     with pytest.warns(UserWarning, match="no judge reply of the step had a verdict.*'hmm'"):
         metrics = judge.step_metrics()
     assert metrics["judge/unparsed"] == 1 and metrics["judge/calls"] == 1 and metrics["judge/errors"] == 0
+    # an unparsed reply still goes through the rule-based check (the judge's correct flag is False)
+    judge3, _ = make_judge(lambda p: "hmm", verdict="yes_no", check="qa_em")
+    assert judge3(TASK, "4")["heldout_correct"] is True
+    with pytest.warns(UserWarning):
+        metrics = judge3.step_metrics()
+    assert metrics["judge/heldout_check"] == 1.0 and metrics["judge/heldout_agreement"] == 0.0
+    assert "judge/score" not in metrics
 
 
 def test_pairwise_scores_both_orders_against_the_reference():
@@ -95,6 +102,35 @@ def test_pairwise_scores_both_orders_against_the_reference():
     assert judge(TASK, "5")["reward"] == 0.0
 
 
+
+def test_pairwise_against_other_answers_of_the_group_in_both_orders():
+    def longer(p):  # prefers the longer answer wherever it stands; a tie on equal lengths
+        a, b = p.split("Answer A: ")[1].split("\n")[0], p.split("Answer B: ")[1].split("\n")[0]
+        return "[[A]]" if len(a) > len(b) else "[[B]]" if len(b) > len(a) else "[[tie]]"
+
+    judge, backend = make_judge(longer, verdict="pairwise", pairwise_against="group")
+    other = Task("t2", "What is 3+3?", "6")
+    # group t1: "aaa", "a", "aa" (each meets the next one, cyclically); group t2: "x" alone (against the reference)
+    pairs = [(TASK, "aaa"), (TASK, "a"), (other, "x"), (TASK, "aa"), (TASK, None)]
+    rewards = [r["reward"] for r in judge.score_batch(pairs)]
+    # aaa vs a: won in both orders (1); a vs aa: lost (0); aa vs aaa: lost (0); "x" vs reference "6": tie (0.5)
+    assert rewards == [1.0, 0.0, 0.5, 0.0, 0.0]
+    prompts = backend.batches[0]
+    assert len(prompts) == 8  # 4 comparisons, 2 orders each
+    first = [p for p in prompts if "Answer A: aaa\n" in p and "Answer B: a\n" in p]
+    swapped = [p for p in prompts if "Answer A: a\n" in p and "Answer B: aaa\n" in p]
+    assert len(first) == 1 and len(swapped) == 1
+    # two opponents each: aaa beats a and aa (1); a loses both (0); aa beats a, loses to aaa (0.5)
+    judge2, backend2 = make_judge(longer, verdict="pairwise", pairwise_against="group", opponents=2)
+    assert [r["reward"] for r in judge2.score_batch([(TASK, "aaa"), (TASK, "a"), (TASK, "aa")])] == [1.0, 0.0, 0.5]
+    assert len(backend2.batches[0]) == 6  # 3 distinct pairs x 2 orders: a comparison asked twice is judged once
+    # a position-biased judge gives every answer 0.5; an opponent equal to the answer is a tie without a call
+    biased, backend3 = make_judge(lambda p: "[[A]]", verdict="pairwise", pairwise_against="group")
+    assert [r["reward"] for r in biased.score_batch([(TASK, "5"), (TASK, "7"), (TASK, "7")])] == [0.5, 0.5, 0.5]
+    assert all("Answer A: 7\nAnswer B: 7" not in p for p in backend3.batches[0])
+    with pytest.raises(ConfigError, match="pairwise_against"):
+        judges.build_judge({"model": "tiny", "verdict": "pairwise", "pairwise_against": "others"}, {})
+
 # ----------------------------------------------------------------------------- batching, cache, guards
 
 def test_score_batch_is_one_call_with_a_cache_and_matches_one_by_one():
@@ -106,8 +142,10 @@ def test_score_batch_is_one_call_with_a_cache_and_matches_one_by_one():
     assert batch[0]["heldout_correct"] is True and batch[1]["heldout_correct"] is False
     fresh, _ = make_judge(lambda p: "yes" if "Answer: 4" in p else "no", verdict="yes_no")
     assert [fresh(t, a)["reward"] for t, a in pairs] == [r["reward"] for r in batch]
+    assert batch[3]["heldout_correct"] is False  # no answer: the rule counts it wrong, as avg@n does
     metrics = judge.step_metrics()
-    assert metrics["judge/heldout_check"] == 2 / 3 and metrics["judge/heldout_agreement"] == 1.0
+    assert metrics["judge/heldout_check"] == 2 / 4 and metrics["judge/heldout_agreement"] == 1.0
+    assert metrics["judge/score"] == 2 / 3  # the mean judged reward of the answers with a verdict
     assert judge.step_metrics()["judge/calls"] == 0  # counters start afresh each step
 
 
@@ -146,6 +184,33 @@ def test_team_finish_defers_to_one_batch_after_the_rollout():
         assert [len(b) for b in backend.batches] == ([1, 1, 2] if mid else [2])
         assert [e.info["mid"] for e in episodes] == ([0.0, 0.0] if mid else [None, None])
 
+
+def test_evaluation_summary_reports_the_heldout_check_beside_the_judge():
+    from masrl.evaluation.summary import summarize_episodes
+    from masrl.rollout.runner import run_episodes
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.types import Turn
+    from masrl.workflows.base import WorkflowSpec
+
+    async def flow(task, team):
+        turn = await team.call("Writer", task.question)
+        return team.finish(answer=turn.text)
+
+    async def call(agent, prompt):  # the team answers "4" to every question
+        return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
+
+    spec = WorkflowSpec("w", flow, ("Writer",), {})
+    tasks = [TASK, TASK, Task("t2", "What is 3+3?", "6"), Task("t2", "What is 3+3?", "6")]
+    # a judge that approves every answer; exact match finds 2 of the 4 right
+    judge, _ = make_judge(lambda p: "yes", verdict="yes_no", check="qa_em")
+    episodes = run_episodes(spec, tasks, [0, 0, 1, 1], call=call, scheduler=RolloutScheduler({}), score=judge,
+                            prompts={}, params={}, format_penalty=0.0)
+    summary = summarize_episodes(episodes, [1])
+    assert summary["avg@n"] == 1.0 and summary["heldout_check"] == 0.5 and summary["heldout_agreement"] == 0.5
+    plain, _ = make_judge(lambda p: "yes", verdict="yes_no")  # no check: no held-out keys
+    episodes = run_episodes(spec, tasks, [0, 0, 1, 1], call=call, scheduler=RolloutScheduler({}), score=plain,
+                            prompts={}, params={}, format_penalty=0.0)
+    assert "heldout_check" not in summarize_episodes(episodes, [1])
 
 # ----------------------------------------------------------------------------- the real engine
 
@@ -378,3 +443,129 @@ def test_a_step_where_every_judge_call_fails_stops_the_run(tmp_path, monkeypatch
     assert "Traceback" not in out.stderr and "sk-secret-456" not in out.stderr + out.stdout
     written = "".join(p.read_text(errors="replace") for p in (tmp_path / "run").rglob("*") if p.is_file())
     assert "sk-secret-456" not in written
+
+
+# ----------------------------------------------------------------------------- the run report
+
+def test_judge_summary_by_hand_and_its_table():
+    from masrl.judges.report import judge_report_lines, judge_summary
+
+    def step(i, score, check, corr):
+        return {"step": i, "phase": "train", "judge/calls": 10.0, "judge/errors": float(i == 2),
+                "judge/unparsed": 1.0, "perf/judge_seconds": 1.0, "perf/step_seconds": 4.0, "judge/score": score,
+                "judge/heldout_check": check, "judge/heldout_agreement": 0.5, "judge/length_corr": corr}
+
+    records = [{"step": 0, "phase": "eval", "eval/test/avg@n": 0.1}, step(1, 0.2, 0.4, 0.1), step(2, 0.4, 0.4, 0.3),
+               step(3, 0.6, 0.2, 0.5), step(4, 0.8, 0.2, 0.7), step(4, 0.9, 0.0, 0.9)]  # step 4 logged twice
+    history = {"sft": {"avg@n": 0.25, "heldout_check": 0.5, "heldout_agreement": 0.75},
+               "final": {"avg@n": 0.75, "heldout_check": 0.25, "heldout_agreement": 0.5}}
+    s = judge_summary(records, history)
+    assert (s["steps"], s["calls"], s["errors"], s["unparsed"], s["judge_seconds"]) == (4, 40.0, 1.0, 4.0, 4.0)
+    assert s["share_of_step_time"] == 0.25 and s["length_corr_mean"] == pytest.approx((0.1 + 0.3 + 0.5 + 0.9) / 4)
+    assert s["window"] == 2 and s["first_steps"]["score"] == pytest.approx(0.3)
+    assert s["last_steps"]["score"] == pytest.approx(0.75) and s["last_steps"]["heldout_check"] == pytest.approx(0.1)
+    md = "\n".join(judge_report_lines(s, sft_steps=100))
+    assert "| 4 | 40 | 1 | 4 | 4.0 s | 25.0% | 0.450 / – |" in md
+    assert "| after SFT | 25.0% | 50.0% | 75.0% |" in md and "| after RL | 75.0% | 25.0% | 50.0% |" in md
+    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.700 |" in md  # corr (0.5 + 0.9) / 2
+    assert judge_summary([{"step": 1, "phase": "train", "team/reward": 1.0}], {}) is None
+    assert judge_report_lines(None, 0) == []
+
+
+def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    judge = {"model": "tiny", "tiny": TINY, "verdict": "yes_no", "max_new_tokens": 2, "check": "qa_em"}
+    cfg = {"name": "judged", "output_dir": str(tmp_path / "run"),
+           "task": {"name": "dataset", "params": {"train": str(data), "test": str(data), "reward": {"judge": judge}}},
+           "workflow": {"name": "single"}, "agents": {"Solver": {"policy": "p", "max_new_tokens": 4}},
+           "policies": {"p": {"model": "tiny", "tiny": TINY}}, "logging": {"progress": False, "plots": False},
+           "trainer": {"total_steps": 2, "batch_size": 2, "group_size": 2}, "eval": {"n": 2, "k": [1]}}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "masrl", "train", str(path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    md = (tmp_path / "run" / "report.md").read_text()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    j = report["judge"]
+    assert j["steps"] == 2 and j["unparsed"] >= j["calls"] >= 1  # a random tiny judge: no verdicts
+    assert set(j["eval"]) == {"sft", "final"} and "heldout_check" in report["eval"]["final"]
+    assert "## Judge" in md and "| before RL |" in md and "held-out check" in md
+
+
+def test_the_trainer_judges_a_rollout_in_one_batch_and_never_the_sft_demonstrations(tmp_path):
+    # the trainer wraps every score in the reward contract (GuardedScore): the wrapper keeps score_batch
+    from masrl.config import load_config
+    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+    from masrl.trainer import Trainer
+    from masrl.training.sft import collect_demonstrations
+    from masrl.workflows.batch_score import scores_in_batches
+
+    cfg = load_config("examples/judge_kb_team.yaml", [
+        "task.params.reward.judge.model=tiny", "task.params.reward.judge.max_new_tokens=2",
+        "sft.steps=0", "trainer.total_steps=1", "trainer.batch_size=2", "trainer.group_size=2",
+        "eval.before_after=false", "eval.every=0", "trainer.save_every=0", "logging.tensorboard=false",
+        "logging.plots=false", "logging.progress=false",
+        "policies.team.tiny.hidden_size=32", "policies.team.tiny.num_hidden_layers=1"])
+    with Trainer(cfg, run_dir=tmp_path / "run") as trainer:
+        judge = trainer.source.score
+        batches = []
+        complete = judge.backend.complete
+        judge.backend.complete = lambda prompts: batches.append(len(prompts)) or complete(prompts)
+        assert scores_in_batches(GuardedScore(judge))
+        rows = collect_demonstrations(trainer.spec, trainer.source.train[:3], trainer.source.teacher,
+                                      policies=trainer.policies, agents=cfg.agents, score=GuardedScore(judge),
+                                      prompts=cfg.workflow.prompts, params=trainer.params)
+        assert rows and batches == []  # the rows carry no reward: no judge call
+    # the rollout as the trainer runs it (run_episodes with the guarded score): one batch once the episodes are done
+    from masrl.rollout.runner import run_episodes
+    from masrl.rollout.scheduler import RolloutScheduler
+    from masrl.types import Turn
+    from masrl.workflows.base import WorkflowSpec
+
+    async def flow(task, team):
+        turn = await team.call("Writer", task.question)
+        return team.finish(answer=turn.text + task.id)
+
+    async def call(agent, prompt):
+        return Turn(agent=agent, policy="p", prompt_ids=[], response_ids=[], logprobs=[], text="4")
+
+    judge, backend = make_judge(lambda p: "yes", verdict="yes_no", check="qa_em")
+    tasks = [Task(f"t{i}", f"{i}+1?", str(i + 1)) for i in range(3)]
+    episodes = run_episodes(WorkflowSpec("w", flow, ("Writer",), {}), tasks, [0, 1, 2], call=call,
+                            scheduler=RolloutScheduler({}), score=GuardedScore(judge, RewardLedger()), prompts={},
+                            params={}, format_penalty=0.0)
+    assert [len(b) for b in backend.batches] == [3] and [e.reward for e in episodes] == [1.0] * 3
+    assert all("score_pending" not in e.info and "heldout_correct" in e.info for e in episodes)
+
+
+def test_guarded_score_batch_keeps_the_reward_contract():
+    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+
+    judge, _ = make_judge(lambda p: "yes", verdict="yes_no")
+    ledger = RewardLedger()
+    guarded = GuardedScore(judge, ledger)
+    assert [r["reward"] for r in guarded.score_batch([(TASK, "4"), (TASK, None)])] == [1.0, 0.0]
+    assert not hasattr(GuardedScore(lambda t, a: {"reward": 1.0}), "score_batch")  # a plain reward: one by one
+
+    class Broken:
+        def __call__(self, task, answer):
+            return {"reward": 0.0}
+
+        def score_batch(self, pairs):
+            if len(pairs) > 1:
+                raise RuntimeError("judge down")
+            return [{"reward": float("nan")}]
+
+    guarded = GuardedScore(Broken(), ledger)
+    down = guarded.score_batch([(TASK, "4"), (TASK, "5")])
+    assert [(r["reward"], r["reason"]) for r in down] == [(0.0, "score_error")] * 2 and "judge down" in down[0]["detail"]
+    assert guarded.score_batch([(TASK, "4")])[0]["reason"] == "score_error"  # a non-finite reward
+    counts = ledger.take()
+    assert counts.calls == 5 and counts.failed == 3

@@ -368,6 +368,28 @@ def test_report_on_fabricated_runs(tmp_path):
         report(out, ["est=ppo"])
 
 
+def test_report_gives_a_judges_heldout_check_after_sft_and_after_rl(tmp_path):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"name": "t", "seeds": [0, 1], "axes": {"judge": ["smol"]},
+                                                "cells": ["judge=smol"]}))
+    for seed, (before, after) in enumerate([(0.20, 0.50), (0.30, 0.40)]):
+        # a gradient at step 1 in one seed, at step 2 in the other: no step in common, nothing on the log axis
+        fabricate(out, "judge=smol", seed, 0.6, 0.9, [1.0, 0.0] if seed == 0 else [0.0, 1.0], [0, 0])
+        path = out / "judge=smol" / f"seed{seed}" / "report.json"
+        rep = json.loads(path.read_text())
+        rep["eval"]["sft"].update(heldout_check=before, heldout_agreement=0.5)
+        rep["eval"]["final"].update(heldout_check=after, heldout_agreement=0.25)
+        path.write_text(json.dumps(rep))
+    paths = report(out)  # the plots are still written
+    assert any(p.name == "grad_norms.png" for p in paths)
+    m = json.loads((out / "summary.json").read_text())["metrics"]
+    assert m["heldout_check_sft"]["arms"]["judge=smol"]["values"] == {"0": pytest.approx(20.0), "1": pytest.approx(30.0)}
+    assert m["heldout_check_gain"]["arms"]["judge=smol"]["mean"] == pytest.approx(20.0)  # (30 + 10) / 2
+    assert m["heldout_agreement_rl"]["arms"]["judge=smol"]["mean"] == pytest.approx(25.0)
+    assert m["heldout_check_rl"]["label"] == "held-out check (rule, not the judge) after RL"
+    assert "held-out check (rule, not the judge) after SFT" in (out / "summary.md").read_text()
+
 # ---------------------------------------------------------------------- end to end
 
 def test_quick_sweep_end_to_end(tmp_path, monkeypatch, capsys):

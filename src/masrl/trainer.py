@@ -424,6 +424,8 @@ def record_versions(run_dir: Path, versions: dict, resumed_at: int | None = None
 
 def write_report(trainer: Trainer) -> dict:
     """report.json + report.md (before/after table) and PNG curves in the run folder."""
+    from masrl.judges.report import judge_report_lines, judge_summary
+    from masrl.monitoring.logger import read_metrics
     from masrl.monitoring.plots import plot_training_curves
 
     cfg, run_dir = trainer.cfg, trainer.run_dir
@@ -453,6 +455,10 @@ def write_report(trainer: Trainer) -> dict:
         for label, summary in rows:
             stage = stage_name(label, cfg.sft.steps)
             lines.append(f"| {stage} | " + " | ".join(f"{100 * summary.get(k, float('nan')):.1f}%" for k in keys) + " |")
+    judge = judge_summary(read_metrics(run_dir), trainer.history)  # None without a judge
+    if judge is not None:
+        report["judge"] = judge
+        lines += judge_report_lines(judge, cfg.sft.steps)
     write_text_atomic(run_dir / "report.json", json.dumps(report, indent=1, default=float))
     write_text_atomic(run_dir / "report.md", "\n".join(lines) + "\n")
     if cfg.logging.plots:

@@ -18,10 +18,22 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: st
                for _, eps in sorted(by_task.items())]
     summary = dict(summarize_groups(results, ks)[bench])
     summary.update(agent_facts(episodes))
+    summary.update(heldout_check(episodes))
     failed = sum(not e.valid for e in episodes)
     if failed:  # episodes whose workflow raised: scored wrong (masrl.rollout.runner)
         summary["episode_errors"] = float(failed)
     return summary
+
+
+def heldout_check(episodes: Sequence[Episode]) -> dict[str, float]:
+    """``heldout_check``: the share of episodes a judge's rule-based check (``reward: {judge: {check: ...}}``)
+    found correct, on the same samples as avg@n, and ``heldout_agreement``: how often the judge's correct flag
+    equals the check's; empty when no episode carries a check."""
+    checked = [e for e in episodes if "heldout_correct" in e.info]
+    if not checked:
+        return {}
+    return {"heldout_check": sum(bool(e.info["heldout_correct"]) for e in checked) / len(checked),
+            "heldout_agreement": sum(bool(e.info["heldout_correct"]) == bool(e.correct) for e in checked) / len(checked)}
 
 
 def agent_facts(episodes: Sequence[Episode]) -> dict[str, float]:

@@ -56,6 +56,11 @@ class JudgeOptions(_Strict):
     init_seed: int = Field(0, description="seed of a tiny judge's random weights")
     remote: Optional[RemoteOptions] = None
     verdict: Literal["score", "yes_no", "pairwise"] = "score"
+    pairwise_against: Literal["reference", "group"] = Field("reference", description=(
+        "pairwise: compare each answer with the task's reference, or with other answers of its group (the same "
+        "task in the batch); both orders either way"))
+    opponents: int = Field(1, ge=1, description=(
+        "pairwise_against: group: answers of the group each answer is compared with (the next ones, cyclically)"))
     template: Optional[str] = Field(None, description="the judge prompt; fields per verdict (docs/training.md)")
     system_prompt: Optional[str] = None
     scale: tuple[float, float] = Field((1.0, 10.0), description="verdict score: the stated [lo, hi] scale")

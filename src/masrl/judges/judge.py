@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 from masrl.judges.backends import Reply
 from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template
-from masrl.judges.stats import JudgeStats, judged
+from masrl.judges.stats import JudgeStats, judged, unjudged
 from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
 from masrl.types import Task
 from masrl.workflows.base import render
@@ -38,19 +38,44 @@ class JudgeReward:
     def __call__(self, task: Task, answer: str | None) -> dict:
         return self.score_batch([(task, answer)])[0]
 
-    def prompts(self, task: Task, answer: str) -> list[str]:
-        """One prompt (score, yes_no) or two (pairwise: the answer as A against the reference as B, then swapped)."""
+    def prompts(self, task: Task, answer: str, opponents: Sequence[str] = ()) -> list[str]:
+        """One prompt (score, yes_no), or two per opponent (pairwise: the answer as A against the opponent as B,
+        then swapped; the opponents are the reference unless others are given). An opponent equal to the
+        answer is a tie without a call (no prompt)."""
         reference = reference_text(task.answer)
         if self.opts.verdict == "pairwise":
-            return [render(self.template, question=task.question, answer_a=answer, answer_b=reference),
-                    render(self.template, question=task.question, answer_a=reference, answer_b=answer)]
+            out = []
+            for other in opponents or [reference]:
+                if other != answer:
+                    out += [render(self.template, question=task.question, answer_a=answer, answer_b=other),
+                            render(self.template, question=task.question, answer_a=other, answer_b=answer)]
+            return out
         lo, hi = self.opts.scale
         return [render(self.template, question=task.question, answer=answer, reference=reference,
                        lo=f"{lo:g}", hi=f"{hi:g}")]
 
+    def opponents(self, pairs: Sequence[tuple[Task, str | None]]) -> list[list[str]]:
+        """For ``pairwise_against: group``: each answer's opponents, the next ``opponents`` answers of its group
+        (the answers to the same task in ``pairs``, in order, cyclically); none (the reference) for an answer
+        alone in its group, and for every answer with ``pairwise_against: reference``."""
+        out: list[list[str]] = [[] for _ in pairs]
+        if self.opts.verdict != "pairwise" or self.opts.pairwise_against != "group":
+            return out
+        groups: dict[tuple, list[int]] = {}
+        for i, (task, answer) in enumerate(pairs):
+            if answer is not None:
+                groups.setdefault((task.id, task.question), []).append(i)
+        for members in groups.values():
+            m = len(members)
+            for j, i in enumerate(members):
+                out[i] = [pairs[members[(j + d) % m]][1] for d in range(1, min(self.opts.opponents, m - 1) + 1)]
+        return out
+
     def score_batch(self, pairs: Sequence[tuple[Task, str | None]]) -> list[dict]:
         start = time.perf_counter()
-        asked = [self.prompts(task, answer) if answer is not None else [] for task, answer in pairs]
+        opponents = self.opponents(pairs)
+        asked = [self.prompts(task, answer, opp) if answer is not None else []
+                 for (task, answer), opp in zip(pairs, opponents)]
         todo = list(dict.fromkeys(p for ps in asked for p in ps if p not in self._cache))
         size = self.opts.max_batch_size
         for i in range(0, len(todo), size):
@@ -60,29 +85,39 @@ class JudgeReward:
                 if reply.error is not None:
                     self.stats.error(reply.error)
                 self._cache[prompt] = reply
-        results = [self._result(task, answer, [self._cache[p] for p in ps]) for (task, answer), ps in zip(pairs, asked)]
+        results = [self._result(task, answer, [self._cache[p] for p in ps], ties=self._ties(task, answer, opp))
+                   for (task, answer), ps, opp in zip(pairs, asked, opponents)]
         self.stats.seconds += time.perf_counter() - start
         return results
 
-    def _verdict(self, replies: list[Reply]) -> float | None:
+    def _ties(self, task: Task, answer: str | None, opponents: Sequence[str]) -> int:
+        """Comparisons of a pairwise answer with an equal opponent (each a tie, 0.5, without a call)."""
+        if self.opts.verdict != "pairwise" or answer is None:
+            return 0
+        return sum(other == answer for other in opponents or [reference_text(task.answer)])
+
+    def _verdict(self, replies: list[Reply], ties: int = 0) -> float | None:
         texts = [r.text or "" for r in replies]
-        if self.opts.verdict == "pairwise":
-            return pairwise_preference(parse_choice(texts[0]), parse_choice(texts[1]))
+        if self.opts.verdict == "pairwise":  # the mean preference over the comparisons with a verdict
+            prefs = [pairwise_preference(parse_choice(texts[i]), parse_choice(texts[i + 1]))
+                     for i in range(0, len(texts), 2)]
+            prefs = [p for p in prefs if p is not None] + [0.5] * ties
+            return sum(prefs) / len(prefs) if prefs else None
         if self.opts.verdict == "yes_no":
             return parse_yes_no(texts[0])
         return parse_score(texts[0], *self.opts.scale)
 
-    def _result(self, task: Task, answer: str | None, replies: list[Reply]) -> dict:
+    def _result(self, task: Task, answer: str | None, replies: list[Reply], ties: int = 0) -> dict:
         if answer is None:
-            return {"reward": 0.0, "correct": False, "reason": "no_answer"}
+            return unjudged(self.stats, self.check, task, answer, "no_answer")
         errors = [r.error for r in replies if r.error is not None]
         if errors:
-            return {"reward": 0.0, "correct": False, "reason": "judge_error", "detail": errors[0]}
-        value = self._verdict(replies)
+            return unjudged(self.stats, self.check, task, answer, "judge_error", detail=errors[0])
+        value = self._verdict(replies, ties)
         shown = " | ".join((r.text or "")[:200] for r in replies)
         if value is None:
             self.stats.no_verdict(shown)
-            return {"reward": 0.0, "correct": False, "reason": "judge_unparsed", "judge_output": shown}
+            return unjudged(self.stats, self.check, task, answer, "judge_unparsed", judge_output=shown)
         return {**judged(self.stats, self.check, task, answer, value, self.opts.correct_threshold),
                 "judge_output": shown}
 

@@ -17,7 +17,7 @@ import torch
 
 from masrl.errors import ConfigError
 from masrl.judges.config import RewardModelOptions, check_template
-from masrl.judges.stats import JudgeStats, judged
+from masrl.judges.stats import JudgeStats, judged, unjudged
 from masrl.models.hub import ModelLoadError
 from masrl.models.loading import DTYPES
 from masrl.types import Task
@@ -100,7 +100,8 @@ class RewardModelReward:
         start = time.perf_counter()
         answered = [i for i, (_, answer) in enumerate(pairs) if answer is not None]
         logits = self.logits([self.encode(*pairs[i]) for i in answered])
-        results = [{"reward": 0.0, "correct": False, "reason": "no_answer"} for _ in pairs]
+        results = [unjudged(self.stats, self.check, task, None, "no_answer") if answer is None else None
+                   for task, answer in pairs]
         for i, logit, value in zip(answered, logits, self.normalize(logits)):
             task, answer = pairs[i]
             results[i] = {**judged(self.stats, self.check, task, answer, value, self.opts.correct_threshold),

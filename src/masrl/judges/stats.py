@@ -3,8 +3,9 @@
 ``judge/calls``, ``judge/errors`` (calls that got no reply: timeouts, HTTP errors, an exhausted call
 budget), ``judge/unparsed`` (replies with no verdict), ``perf/judge_seconds``; ``judge/length_corr``
 (Pearson) and ``judge/length_spearman`` of judged reward vs answer length in characters over the step's
-samples; ``judge/heldout_check`` (the rule-based check's accuracy on the same samples) and
-``judge/heldout_agreement`` (how often the judge's correct flag equals the check's).
+samples with a verdict; ``judge/score`` (the mean judged reward of those samples); ``judge/heldout_check``
+(the rule-based check's accuracy on every answer of the step, those without a verdict included) and
+``judge/heldout_agreement`` (how often the judge's correct flag, False without a verdict, equals the check's).
 """
 from __future__ import annotations
 
@@ -95,6 +96,8 @@ class JudgeStats:
                           "template, verdict and max_new_tokens", JudgeWarning, stacklevel=2)
         out = {"judge/calls": float(self.calls), "judge/errors": float(self.errors),
                "judge/unparsed": float(self.unparsed), "perf/judge_seconds": self.seconds}
+        if self.rewards:
+            out["judge/score"] = sum(self.rewards) / len(self.rewards)
         for name, fn in (("judge/length_corr", pearson), ("judge/length_spearman", spearman)):
             value = fn(self.rewards, self.lengths)
             if value is not None:
@@ -106,11 +109,30 @@ class JudgeStats:
         return out
 
 
+def rule_check(check, task, answer: str | None) -> bool | None:
+    """The rule-based check's verdict on an answer (None without a check; an episode with no answer fails it)."""
+    if check is None:
+        return None
+    return False if answer is None else bool(check(task, answer)["correct"])
+
+
+def unjudged(stats: JudgeStats, check, task, answer: str | None, reason: str, **extra) -> dict:
+    """Reward 0 for an answer with no verdict (``reason``: no_answer, judge_error, judge_unparsed); the
+    rule-based check still counts it (the judge's correct flag is False), so ``judge/heldout_check`` and
+    ``judge/heldout_agreement`` are over every answer of the step, as avg@n is."""
+    out = {"reward": 0.0, "correct": False, "reason": reason, **extra}
+    rule = rule_check(check, task, answer)
+    if rule is not None:
+        out["heldout_correct"] = rule
+        stats.checks.append((False, rule))
+    return out
+
+
 def judged(stats: JudgeStats, check, task, answer: str, value: float, threshold: float) -> dict:
     """The result of a judged answer (``correct``: ``value >= threshold``), with the rule-based check's
     ``heldout_correct`` when the judge has one; recorded in ``stats``."""
     out = {"reward": value, "correct": value >= threshold}
-    rule = bool(check(task, answer)["correct"]) if check is not None else None
+    rule = rule_check(check, task, answer)
     if rule is not None:
         out["heldout_correct"] = rule
     stats.sample(value, answer, out["correct"], rule)

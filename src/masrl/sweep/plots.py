@@ -63,6 +63,7 @@ def plot_grad_norms(out: Path, runs, arms, colors) -> Path:
     agents = sorted({a for r in runs for a in r.grad_norms})
     fig, axes = plt.subplots(len(agents) or 1, 1, figsize=(8, 2.8 * max(1, len(agents))), squeeze=False)
     for ax, agent in zip(axes[:, 0], agents):
+        positive = False  # a log axis needs a value > 0 (every norm is 0 when no advantage was ever non-zero)
         for arm in arms:
             series = [r.grad_norms[agent] for r in runs if r.cell == arm and r.grad_norms.get(agent)]
             if not series:
@@ -70,7 +71,9 @@ def plot_grad_norms(out: Path, runs, arms, colors) -> Path:
             steps, med, lo, hi = _band(series)
             ax.plot(steps, med, color=colors[arm], label=f"{arm} (n={len(series)})", lw=1)
             ax.fill_between(steps, lo, hi, color=colors[arm], alpha=0.15)
-        ax.set_yscale("log")
+            positive = positive or any(v > 0 for v in hi)
+        if positive:
+            ax.set_yscale("log")
         ax.set_title(f"{agent}: grad norm (median, min-max over seeds)", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

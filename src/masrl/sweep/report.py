@@ -65,6 +65,11 @@ def run_metrics(run_dir: Path, report: dict, records: Sequence[dict]) -> dict[st
         name = avg if key == "avg@n" else key
         out[f"{name}_sft"], out[f"{name}_rl"] = before, after
         out[f"{name}_gain"] = after - before if before is not None and after is not None else None
+    for key in ("heldout_check", "heldout_agreement"):  # a judge's rule-based check beside its verdicts
+        if key in sft or key in final:
+            before, after = _pct(sft.get(key)), _pct(final.get(key))
+            out[f"{key}_sft"], out[f"{key}_rl"] = before, after
+            out[f"{key}_gain"] = after - before if before is not None and after is not None else None
     evals = [_pct(r.get("eval/test/avg@n")) for r in records if r.get("phase") == "eval"]
     out[f"{avg}_peak"] = max((v for v in evals if v is not None), default=None)
     final_acc = out.get(f"{avg}_rl")
@@ -277,6 +282,11 @@ def _describe(name: str) -> Metric:
     if name.startswith(("avg@", "pass@")):
         key, _, when = name.partition("_")
         return Metric(name, f"held-out {key} {stage[when]}", "lower" if when == "peak_drop" else "higher", "%")
+    if name.startswith("heldout_"):
+        key, _, when = name.rpartition("_")
+        what = {"heldout_check": "held-out check (rule, not the judge)",
+                "heldout_agreement": "judge agrees with the check"}[key]
+        return Metric(name, f"{what} {stage[when]}", "higher", "%")
     if "/" in name:
         kind, agent = name.split("/", 1)
         label = {"grad_norm_max": "grad-norm max", "grad_norm_median": "grad-norm median",

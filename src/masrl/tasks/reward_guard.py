@@ -258,18 +258,45 @@ class GuardedScore:
         self.name = reward_name(self.score)
         self.__name__ = self.name
         self.takes_episode = getattr(self.score, "takes_episode", False)  # a user reward sees the episode
+        if callable(getattr(self.score, "score_batch", None)):  # a judge, a reward model: scored in batches
+            self.score_batch = self._score_batch
 
     def __call__(self, task: Any, *args: Any, **kwargs: Any) -> dict:
         try:
-            result = self.score(task, *args, **kwargs)
-            reward = checked_reward(result["reward"], f"reward {self.name}: the reward", self.name)
-            out = {**result, "reward": reward}
-            out.setdefault("correct", out["reward"] >= 1.0)  # as Episode.correct reads an episode without it
+            out = self._checked(self.score(task, *args, **kwargs))
         except Exception as e:  # noqa: BLE001 - any failure of a reward scores 0 and is counted
-            self.ledger.record(self.name, task, e)
-            reason = "reward_timeout" if isinstance(e, RewardTimeout) else "score_error"
-            return {"reward": 0.0, "correct": False, "reason": reason, "detail": describe_error(e)}
+            return self._failed(task, e)
         self.ledger.record(self.name, task, None)
+        return out
+
+    def _checked(self, result: Any) -> dict:
+        reward = checked_reward(result["reward"], f"reward {self.name}: the reward", self.name)
+        out = {**result, "reward": reward}
+        out.setdefault("correct", out["reward"] >= 1.0)  # as Episode.correct reads an episode without it
+        return out
+
+    def _failed(self, task: Any, error: Exception) -> dict:
+        self.ledger.record(self.name, task, error)
+        reason = "reward_timeout" if isinstance(error, RewardTimeout) else "score_error"
+        return {"reward": 0.0, "correct": False, "reason": reason, "detail": describe_error(error)}
+
+    def _score_batch(self, pairs: list) -> list[dict]:
+        """The inner ``score_batch`` under the same contract, result by result (a call that raises, or returns
+        the wrong number of results, scores every answer of the batch 0 and counts each)."""
+        try:
+            results = list(self.score.score_batch(pairs))
+            if len(results) != len(pairs):
+                raise ValueError(f"score_batch returned {len(results)} results for {len(pairs)} answers")
+        except Exception as e:  # noqa: BLE001
+            return [self._failed(task, e) for task, _ in pairs]
+        out = []
+        for (task, _), result in zip(pairs, results):
+            try:
+                out.append(self._checked(result))
+            except Exception as e:  # noqa: BLE001
+                out.append(self._failed(task, e))
+                continue
+            self.ledger.record(self.name, task, None)
         return out
 
 

@@ -21,6 +21,7 @@ from masrl.training.policy import Policy, use_fused_adamw
 from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows, trainer_forward
 from masrl.types import Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
+from masrl.workflows.batch_score import scores_in_batches
 
 
 def from_program(prompt) -> bool:
@@ -61,7 +62,8 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
             return Turn(agent=agent, policy=policy.name, prompt_ids=prompt_ids, response_ids=policy.encode_response(text),
                         logprobs=[], text=text, prompt_text=shown if isinstance(shown, str) else prompt)
 
-        team = Team(task, spec, call, score, prompts=prompts, params=params)
+        # the rows carry no reward: a score that judges in batches (an LLM judge) is not called on the final answers
+        team = Team(task, spec, call, score, prompts=prompts, params=params, defer_score=scores_in_batches(score))
         return (await spec.fn(task, team)).turns
 
     async def all_tasks():  # one task after another: a teacher that draws from one random stream

@@ -1,0 +1,94 @@
+"""The judge section of a run's report (report.md, report.json ``judge``), for runs rewarded by a judge or a
+reward model: what the judge did over the RL steps (calls, errors, unparsed replies, its share of the step
+time), its length bias, and its score beside the rule-based check it never sees (``check:``), after SFT and
+after RL and over the first and last RL steps. Built from the ``judge/*`` records of metrics.jsonl and the
+held-out evaluations; empty for a run with a rule-based reward.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from masrl.evaluation.metrics import stage_name
+
+WINDOW = 5  # RL steps averaged at the start and at the end of the run
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    ok = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(ok) / len(ok) if ok else None
+
+
+def judge_summary(records: Sequence[Mapping[str, Any]], history: Mapping[str, Mapping[str, float]]) -> dict | None:
+    """The judge's totals and comparisons of one run, or None when no RL step called a judge.
+
+    ``records``: metrics.jsonl records (a step logged twice, after a resume, counts once: its last record);
+    ``history``: the held-out evaluations by label (``sft``, ``final``), as ``Trainer.history``.
+    """
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for r in records:
+        if r.get("phase") == "train" and "judge/calls" in r:
+            by_step[int(r["step"])] = r
+    if not by_step:
+        return None
+    steps = [by_step[s] for s in sorted(by_step)]
+
+    def total(key: str) -> float:
+        return float(sum(r.get(key) or 0.0 for r in steps))
+
+    judge_s, step_s = total("perf/judge_seconds"), total("perf/step_seconds")
+    window = min(WINDOW, max(len(steps) // 2, 1))
+    keys = {"score": "judge/score", "heldout_check": "judge/heldout_check",
+            "heldout_agreement": "judge/heldout_agreement", "length_corr": "judge/length_corr"}
+    out: dict[str, Any] = {
+        "steps": len(steps), "calls": total("judge/calls"), "errors": total("judge/errors"),
+        "unparsed": total("judge/unparsed"), "judge_seconds": judge_s,
+        "share_of_step_time": judge_s / step_s if step_s > 0 else None,
+        "length_corr_mean": _mean([r.get("judge/length_corr") for r in steps]),
+        "length_spearman_mean": _mean([r.get("judge/length_spearman") for r in steps]),
+        "window": window,
+        "first_steps": {name: _mean([r.get(k) for r in steps[:window]]) for name, k in keys.items()},
+        "last_steps": {name: _mean([r.get(k) for r in steps[-window:]]) for name, k in keys.items()},
+        "eval": {},
+    }
+    for label in ("sft", "final"):
+        summary = history.get(label)
+        if summary and "heldout_check" in summary:
+            out["eval"][label] = {"judge_accuracy": summary.get("avg@n"), "heldout_check": summary["heldout_check"],
+                                  "heldout_agreement": summary.get("heldout_agreement")}
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}%"
+
+
+def _num(v: float | None, digits: int = 3) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def judge_report_lines(summary: Mapping[str, Any] | None, sft_steps: int) -> list[str]:
+    """The markdown of :func:`judge_summary` (no lines for None)."""
+    if not summary:
+        return []
+    share = summary["share_of_step_time"]
+    lines = ["", "## Judge", "",
+             "| RL steps | judge calls | errors | unparsed | judge time | share of step time | length corr (Pearson / Spearman, mean over steps) |",
+             "|---|---|---|---|---|---|---|",
+             f"| {summary['steps']} | {summary['calls']:.0f} | {summary['errors']:.0f} | {summary['unparsed']:.0f} | "
+             f"{summary['judge_seconds']:.1f} s | {_pct(share)} | {_num(summary['length_corr_mean'])} / "
+             f"{_num(summary['length_spearman_mean'])} |"]
+    if summary["eval"]:
+        lines += ["", "Held-out evaluation: the judge's accuracy (avg@n) beside the rule-based check it never sees.", "",
+                  "| stage | judge accuracy | held-out check | judge agrees with check |", "|---|---|---|---|"]
+        for label, e in summary["eval"].items():
+            lines.append(f"| {stage_name(label, sft_steps)} | {_pct(e['judge_accuracy'])} | {_pct(e['heldout_check'])} | "
+                         f"{_pct(e['heldout_agreement'])} |")
+    w = summary["window"]
+    lines += ["", f"Training samples, mean over the first and the last {w} RL steps.", "",
+              "| RL steps | judge score | held-out check | judge agrees with check | length corr |", "|---|---|---|---|---|"]
+    for name, where in ((f"first {w}", "first_steps"), (f"last {w}", "last_steps")):
+        s = summary[where]
+        lines.append(f"| {name} | {_num(s['score'])} | {_pct(s['heldout_check'])} | {_pct(s['heldout_agreement'])} | "
+                     f"{_num(s['length_corr'])} |")
+    return lines
