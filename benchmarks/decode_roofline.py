@@ -42,9 +42,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchutil import RESULTS, command_line, machine_info, set_threads, write_json  # noqa: E402
 
-SMOLLM2_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                 "intermediate_size": 1536, "max_position_embeddings": 2048}
-
 
 def matmul_peak(dtype: torch.dtype, sizes=(512, 1024, 2048), reps: int = 3) -> dict:
     out = {}
@@ -79,32 +76,11 @@ def copy_bandwidth(mib: int = 512, reps: int = 5) -> dict:
 
 
 def build(name: str, lora: bool):
-    """(model, vocabulary size)."""
-    if name == "tiny":
-        from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    """(model, vocabulary size): the base model, with two LoRA adapters when ``lora`` (as lora_decode.py)."""
+    from lora_decode import build_base, with_adapters
 
-        base = build_tiny_model(build_char_tokenizer(), seed=0)
-    elif name == "smollm2-shape":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        base = LlamaForCausalLM(LlamaConfig(vocab_size=49152, tie_word_embeddings=True, **SMOLLM2_SHAPE))
-    else:
-        from masrl.models.hub import load_pretrained
-
-        base, _ = load_pretrained("smollm2-135m-instruct", dtype="float32")
-    base.eval()
-    if not lora:
-        return base, base.config.vocab_size
-    from masrl.models.lora import attach_adapters
-
-    model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32.0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.eval(), base.config.vocab_size
+    base = build_base(name)
+    return (with_adapters(base) if lora else base), base.config.vocab_size
 
 
 def step_cost(model, rows: int, context: float, product_dtype: torch.dtype, cache_dtype: torch.dtype) -> dict:

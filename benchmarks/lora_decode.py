@@ -37,11 +37,10 @@ SMOLLM2_SHAPE = {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_hea
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(name: str, targets: list[str] | None = None):
-    """(model with 2 adapters, vocabulary size for random prompts)."""
-    tok = build_char_tokenizer()
+def build_base(name: str):
+    """The base model of ``name`` (tiny, smollm2-shape: random weights of SmolLM2's shape, smollm2), in eval mode."""
     if name == "tiny":
-        base = build_tiny_model(tok, seed=0)
+        base = build_tiny_model(build_char_tokenizer(), seed=0)
     elif name == "smollm2-shape":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,13 +50,24 @@ def build(name: str, targets: list[str] | None = None):
         from masrl.models.hub import load_pretrained
 
         base, _ = load_pretrained("smollm2-135m-instruct", dtype="float32")
+    return base.eval()
+
+
+def with_adapters(base, targets: list[str] | None = None):
+    """``base`` with two LoRA adapters (Solver, Verifier; r 16) whose B matrices are random, not zero."""
     model = attach_adapters(base, ["Solver", "Verifier"], r=16, alpha=32.0, target_modules=targets)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if ".lora_B." in n:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.eval(), base.config.vocab_size
+    return model.eval()
+
+
+def build(name: str, targets: list[str] | None = None):
+    """(model with 2 adapters, vocabulary size for random prompts)."""
+    base = build_base(name)
+    return with_adapters(base, targets), base.config.vocab_size
 
 
 def timed(engine: TransformersEngine, requests) -> tuple[float, list]:
