@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,7 +17,8 @@ from masrl.judges.backends import Reply
 from masrl.judges.config import JudgeOptions
 from masrl.judges.judge import JudgeReward
 from masrl.judges.stats import JudgeFailedError, pearson, spearman
-from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
+from masrl.judges.verdicts import (pairwise_preference, parse_choice, parse_score, parse_yes_no, top_logprob_masses,
+                                   verdict_token_ids, yes_share)
 from masrl.tasks.rewards import resolve_reward
 from masrl.types import Task
 
@@ -66,6 +68,47 @@ def test_yes_no_and_pairwise_parsers():
     assert pairwise_preference("A", "B") == 1.0  # preferred in both orders
     assert pairwise_preference("A", "A") == 0.5  # a judge that always picks A: position bias cancels
     assert pairwise_preference("B", "A") == 0.0 and pairwise_preference("A", None) is None
+
+
+def test_yes_probability_helpers_by_hand():
+    import math
+
+    from masrl.models.tiny import build_char_tokenizer
+
+    chars = build_char_tokenizer()  # no word is one token: the first characters, " " (both sides) dropped
+    yes, no = verdict_token_ids(chars)
+    assert sorted(chars.decode([i]) for i in yes) == ["Y", "y"] and sorted(chars.decode([i]) for i in no) == ["N", "n"]
+    words = build_char_tokenizer(["yes", "Yes", "no"])  # one-token words: only those, not their first characters
+    yes, no = verdict_token_ids(words)
+    assert sorted(words.decode([i]) for i in yes) == ["Yes", "yes"] and [words.decode([i]) for i in no] == ["no"]
+    assert yes_share(0.3, 0.1, 0.01) == pytest.approx(0.75)
+    assert yes_share(0.004, 0.004, 0.01) is None and yes_share(0.0, 0.0, 0.0) is None
+    top = [{"token": " Yes", "logprob": math.log(0.5)}, {"token": "yes", "logprob": math.log(0.1)},
+           {"token": "No", "logprob": math.log(0.2)}, {"token": "Maybe", "logprob": math.log(0.15)}]
+    assert top_logprob_masses(top) == (pytest.approx(0.6), pytest.approx(0.2))
+    from masrl.evaluation.metrics import auc
+
+    # positives 0.35, 0.8 against negatives 0.1, 0.4: 3 of 4 pairs ordered; a tie counts half
+    assert auc([0.1, 0.4, 0.35, 0.8], [False, False, True, True]) == 0.75
+    assert auc([1.0, 1.0, 0.0], [True, False, False]) == 0.75 and auc([0.5], [True]) is None
+
+
+def test_yes_prob_verdict_reads_the_backend_probabilities():
+    class ProbBackend(FixedBackend):
+        def yes_probabilities(self, prompts):
+            self.batches.append(list(prompts))
+            return [Reply("Yes", p_yes=0.3, p_no=0.1) if "4" in p.split("Answer:")[-1] else
+                    Reply("x", p_yes=0.001, p_no=0.002) for p in prompts]
+
+    backend = ProbBackend(None)
+    judge = JudgeReward(JudgeOptions(model="tiny", verdict="yes_prob", check="qa_em"), backend,
+                        resolve_reward("qa_em"))
+    right, odd = judge.score_batch([(TASK, "4"), (TASK, "5")])
+    assert right["reward"] == pytest.approx(0.75) and right["correct"] and "P(yes)=0.3000" in right["judge_output"]
+    assert odd["reward"] == 0.0 and odd["reason"] == "judge_unparsed"  # 0.3% on yes + no < min_verdict_mass
+    assert len(backend.batches) == 1
+    metrics = judge.step_metrics()
+    assert metrics["judge/unparsed"] == 1 and metrics["judge/score"] == pytest.approx(0.75)
 
 
 def test_unparsed_verdict_scores_zero_with_reason_and_is_counted():
@@ -207,6 +250,7 @@ def test_evaluation_summary_reports_the_heldout_check_beside_the_judge():
                             prompts={}, params={}, format_penalty=0.0)
     summary = summarize_episodes(episodes, [1])
     assert summary["avg@n"] == 1.0 and summary["heldout_check"] == 0.5 and summary["heldout_agreement"] == 0.5
+    assert summary["judge_score"] == 1.0 and summary["heldout_auc"] == 0.5  # every answer scored 1: ties, chance
     plain, _ = make_judge(lambda p: "yes", verdict="yes_no")  # no check: no held-out keys
     episodes = run_episodes(spec, tasks, [0, 0, 1, 1], call=call, scheduler=RolloutScheduler({}), score=plain,
                             prompts={}, params={}, format_penalty=0.0)
@@ -227,6 +271,38 @@ def test_local_tiny_judge_is_greedy_deterministic_and_batch_equals_one_by_one():
     assert judges.build_judge(opts, {}) is judge  # the config check and the run share one judge
 
 
+def test_local_yes_prob_judge_with_a_known_verdict_and_batch_equals_the_unpadded_reference():
+    import torch
+
+    judge = judges.build_judge({"model": "tiny", "tiny": TINY, "verdict": "yes_prob", "init_seed": 5}, {})
+    backend = judge.backend
+    answers = ["4", "five or six", "22"]  # prompts of different lengths: left padding in one batch
+    prompts = [judge.prompts(TASK, a)[0] for a in answers]
+    batch = backend.yes_probabilities(prompts)
+    yes_ids, no_ids = backend.verdict_ids
+    for prompt, reply in zip(prompts, batch):  # the reference: one unpadded forward pass per prompt
+        with torch.no_grad():
+            logits = backend.model(torch.tensor([backend.encode(prompt)])).logits[0, -1]
+        probs = torch.softmax(logits.float(), -1)
+        assert reply.p_yes == pytest.approx(float(probs[yes_ids].sum()), abs=1e-6)
+        assert reply.p_no == pytest.approx(float(probs[no_ids].sum()), abs=1e-6)
+    # a judge whose verdict is known: zero weights and a bias of log 3 on "y" give P(y) = 3/Z and 1/Z to each
+    # of Y, n, N (Z = vocab + 2), so P(yes) / (P(yes) + P(no)) = 4 / 6 for every prompt
+    vocab = backend.model.config.vocab_size
+    head = torch.nn.Linear(backend.model.config.hidden_size, vocab, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[backend.tokenizer.convert_tokens_to_ids("y")] = math.log(3.0)
+    backend.model.lm_head = head
+    judge.step_metrics()
+    results = judge.score_batch([(TASK, a) for a in answers])
+    assert [r["reward"] for r in results] == [pytest.approx(2 / 3, abs=1e-6)] * 3
+    assert backend.yes_probabilities(prompts[:1])[0].p_no == pytest.approx(2 / (vocab + 2), abs=1e-7)
+    strict = JudgeReward(JudgeOptions(model="tiny", verdict="yes_prob", min_verdict_mass=0.99), backend)
+    assert strict(TASK, "4")["reason"] == "judge_unparsed"  # 6 / (vocab + 2) of the mass on yes + no
+
+
 # ----------------------------------------------------------------------------- remote judge
 
 class _Handler(BaseHTTPRequestHandler):
@@ -238,8 +314,12 @@ class _Handler(BaseHTTPRequestHandler):
         type(self).seen.append((self.headers.get("Authorization"), body))
         if self.mode == "slow":
             time.sleep(1.0)
-        text = ("not json at all" if self.mode == "garbage" else
-                json.dumps({"choices": [{"message": {"content": "yes"}}]}))
+        choice = {"message": {"content": "yes"}}
+        if self.mode == "logprobs":  # P(Yes) 0.5 + P(yes) 0.1 against P(No) 0.2 -> 0.75
+            choice["logprobs"] = {"content": [{"token": "Yes", "logprob": math.log(0.5), "top_logprobs": [
+                {"token": "Yes", "logprob": math.log(0.5)}, {"token": "No", "logprob": math.log(0.2)},
+                {"token": " yes", "logprob": math.log(0.1)}, {"token": "The", "logprob": math.log(0.1)}]}]}
+        text = "not json at all" if self.mode == "garbage" else json.dumps({"choices": [choice]})
         data = text.encode()
         try:
             self.send_response(200)
@@ -266,11 +346,11 @@ def server():
     httpd.server_close()
 
 
-def _remote_judge(httpd, monkeypatch, **remote):
+def _remote_judge(httpd, monkeypatch, verdict="yes_no", **remote):
     monkeypatch.setenv("MASRL_TEST_JUDGE_KEY", "sk-secret-123")
     url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
     return judges.build_judge({"remote": {"base_url": url, "model": "judge-1", "api_key_env": "MASRL_TEST_JUDGE_KEY",
-                                          **remote}, "verdict": "yes_no"}, {})
+                                          **remote}, "verdict": verdict}, {})
 
 
 def test_remote_judge_success_sends_the_key_only_in_the_header(server, monkeypatch, caplog):
@@ -300,6 +380,22 @@ def test_remote_judge_timeout_and_garbage_are_errors_and_stop_the_step(server, m
     with pytest.raises(JudgeFailedError, match="not a chat completion") as err:
         judge.step_metrics()
     assert "sk-secret-123" not in str(err.value)
+
+
+def test_remote_yes_prob_judge_reads_top_logprobs_and_a_reply_without_them_is_an_error(server, monkeypatch):
+    httpd, handler = server
+    handler.mode = "logprobs"
+    judge = _remote_judge(httpd, monkeypatch, verdict="yes_prob")
+    result = judge(TASK, "4")
+    assert result["reward"] == pytest.approx(0.75) and result["correct"]
+    body = handler.seen[0][1]
+    assert (body["logprobs"], body["top_logprobs"], body["max_tokens"]) == (True, 20, 1)
+    handler.mode = "ok"  # an endpoint that ignores logprobs: an error, not a silent zero
+    judge.step_metrics()
+    result = judge(TASK, "5")
+    assert result["reason"] == "judge_error" and "no logprobs" in result["detail"]
+    with pytest.raises(JudgeFailedError, match="no logprobs"):
+        judge.step_metrics()
 
 
 def test_remote_call_budget_counts_errors_without_stopping_a_partial_step(server, monkeypatch):
@@ -453,11 +549,13 @@ def test_judge_summary_by_hand_and_its_table():
     def step(i, score, check, corr):
         return {"step": i, "phase": "train", "judge/calls": 10.0, "judge/errors": float(i == 2),
                 "judge/unparsed": 1.0, "perf/judge_seconds": 1.0, "perf/step_seconds": 4.0, "judge/score": score,
-                "judge/heldout_check": check, "judge/heldout_agreement": 0.5, "judge/length_corr": corr}
+                "judge/heldout_check": check, "judge/heldout_agreement": 0.5, "judge/length_corr": corr,
+                "judge/heldout_auc": 0.6}
 
     records = [{"step": 0, "phase": "eval", "eval/test/avg@n": 0.1}, step(1, 0.2, 0.4, 0.1), step(2, 0.4, 0.4, 0.3),
                step(3, 0.6, 0.2, 0.5), step(4, 0.8, 0.2, 0.7), step(4, 0.9, 0.0, 0.9)]  # step 4 logged twice
-    history = {"sft": {"avg@n": 0.25, "heldout_check": 0.5, "heldout_agreement": 0.75},
+    history = {"sft": {"avg@n": 0.25, "heldout_check": 0.5, "heldout_agreement": 0.75, "judge_score": 0.3,
+                       "heldout_auc": 0.625},
                "final": {"avg@n": 0.75, "heldout_check": 0.25, "heldout_agreement": 0.5}}
     s = judge_summary(records, history)
     assert (s["steps"], s["calls"], s["errors"], s["unparsed"], s["judge_seconds"]) == (4, 40.0, 1.0, 4.0, 4.0)
@@ -466,8 +564,9 @@ def test_judge_summary_by_hand_and_its_table():
     assert s["last_steps"]["score"] == pytest.approx(0.75) and s["last_steps"]["heldout_check"] == pytest.approx(0.1)
     md = "\n".join(judge_report_lines(s, sft_steps=100))
     assert "| 4 | 40 | 1 | 4 | 4.0 s | 25.0% | 0.450 / – |" in md
-    assert "| after SFT | 25.0% | 50.0% | 75.0% |" in md and "| after RL | 75.0% | 25.0% | 50.0% |" in md
-    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.700 |" in md  # corr (0.5 + 0.9) / 2
+    assert "| after SFT | 25.0% | 0.300 | 50.0% | 75.0% | 0.625 |" in md
+    assert "| after RL | 75.0% | – | 25.0% | 50.0% | – |" in md  # no score or AUC recorded
+    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.600 | 0.700 |" in md  # corr (0.5 + 0.9) / 2
     assert judge_summary([{"step": 1, "phase": "train", "team/reward": 1.0}], {}) is None
     assert judge_report_lines(None, 0) == []
 

@@ -1,21 +1,35 @@
 """Probe a local judge on answers whose verdict is known: three answers equal to the reference, three naming
 another entity of the synthetic knowledge base, with the judge example's template and the default yes/no and
-score templates. Prints each reply and the parsed verdicts.
+score templates. Prints each reply and the parsed verdicts. Then the probability verdict (``yes_prob``) on 48
+training questions of the example's knowledge base (never its held-out ones), each with the right answer and
+with another entity of the same relation: mean P(yes) / (P(yes) + P(no)) on right and on wrong answers, the
+AUC between them (0.5: chance) and the mean probability on yes + no, per template.
 
     python benchmarks/study/judge_probe.py [--model smollm2-135m-instruct]
 """
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 
 import torch
 
+from masrl.evaluation.metrics import auc
 from masrl.judges.backends import LocalJudge
 from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions
 from masrl.judges.verdicts import parse_score, parse_yes_no
+from masrl.tasks.synthetic_kb import synthetic_kb
 
 EXAMPLE = ("Question: {question}\nReference answer: {reference}\nAnswer: {answer}\nDoes the answer name the same "
            "thing as the reference? Reply yes or no.")  # examples/judge_kb_team.yaml
+PROBABILITY_TEMPLATES = {  # yes_prob templates probed on training questions
+    "default": DEFAULT_TEMPLATES["yes_prob"], "example": EXAMPLE,
+    "same word": "Reference: {reference}\nAnswer: {answer}\nAre the reference and the answer the same word? Reply yes or no.",
+    "quoted": 'Is "{answer}" the same as "{reference}"? Reply yes or no.',
+    "student": ("Question: {question}\nThe correct answer is {reference}.\nA student answered: {answer}\nIs the "
+                "student's answer correct? Reply yes or no."),
+    "match": 'Does "{answer}" match "{reference}" exactly? Answer yes or no.'}
 CASES = [("Bulzi lives in?", "Kovaro", "Kovaro"), ("Tamek works for?", "Zuvel", "Zuvel"),
          ("Rinso lives in?", "Mapla", "Mapla"), ("Bulzi lives in?", "Kovaro", "Zuvel"),
          ("Tamek works for?", "Zuvel", "Mapla"), ("Rinso lives in?", "Mapla", "Kovaro")]  # 3 right, 3 wrong
@@ -34,6 +48,37 @@ def main() -> None:
                                                   for q, ref, a in CASES])]
         parsed = [parse_yes_no(t) if verdict == "yes_no" else parse_score(t, 1.0, 10.0) for t in replies]
         print(f"{name}: right answers {parsed[:3]}, wrong answers {parsed[3:]}; replies {replies}", flush=True)
+    probability_probe(args.model)
+
+
+def kb_cases(n: int = 48, seed: int = 0) -> list[tuple[str, str, str, bool]]:
+    """``(question, reference, answer, right)``: ``n`` training questions of examples/judge_kb_team.yaml's knowledge
+    base, each once with its gold answer and once with the gold answer of another question of the same relation."""
+    tasks, _ = synthetic_kb(seed=0, split="train", n_people=500, n_companies=60, n_cities=40, name_length=5,
+                            relations=["lives_in", "works_for"], question_style="cloze", split_by="person")
+    rng = random.Random(seed)
+    picked = rng.sample(tasks, n)
+    cases = []
+    for task in picked:
+        others = sorted({t.answer[0] for t in tasks if t.meta["relation"] == task.meta["relation"]} - {task.answer[0]})
+        cases += [(task.question, task.answer[0], task.answer[0], True),
+                  (task.question, task.answer[0], rng.choice(others), False)]
+    return cases
+
+
+def probability_probe(model: str) -> None:
+    cases = kb_cases()
+    judge = LocalJudge(JudgeOptions(model=model, verdict="yes_prob"))
+    for name, template in PROBABILITY_TEMPLATES.items():
+        replies = judge.yes_probabilities([template.format(question=q, reference=ref, answer=a)
+                                           for q, ref, a, _ in cases])
+        shares = [r.p_yes / (r.p_yes + r.p_no) for r in replies]
+        right = [v for v, c in zip(shares, cases) if c[3]]
+        wrong = [v for v, c in zip(shares, cases) if not c[3]]
+        mass = statistics.fmean(r.p_yes + r.p_no for r in replies)
+        print(f"yes_prob, {name} template: {len(right)} right / {len(wrong)} wrong answers; mean P(yes) share right "
+              f"{statistics.fmean(right):.3f}, wrong {statistics.fmean(wrong):.3f}; AUC "
+              f"{auc(shares, [c[3] for c in cases]):.3f}; mean P(yes) + P(no) {mass:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,11 @@ __all__ = [
     "TaskResult",
     "avg_at_n",
     "default_answer_normalizer",
+    "auc",
     "maj_at_k",
     "majority_answer",
     "pass_at_k",
+    "ranks",
     "summarize_groups",
 ]
 
@@ -38,6 +40,32 @@ def stage_name(label: str, sft_steps: int) -> str:
     """The name every report gives an evaluation stage: ``sft`` is "after SFT" (or "before RL" when the run
     had no SFT cold start), ``final`` is "after RL", a step label is kept as it is."""
     return {"sft": "after SFT" if sft_steps else "before RL", "final": "after RL"}.get(label, label)
+
+
+def ranks(values: list[float]) -> list[float]:
+    """1-based ranks, ties given their average rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def auc(scores: list[float], labels: list[bool]) -> float | None:
+    """The probability that a positive's score exceeds a negative's (ties count half): the area under the ROC
+    curve, by ranks (Mann-Whitney); None without both a positive and a negative."""
+    n_pos = sum(bool(v) for v in labels)
+    n_neg = len(labels) - n_pos
+    if not n_pos or not n_neg:
+        return None
+    rank_sum = sum(r for r, v in zip(ranks(scores), labels) if v)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

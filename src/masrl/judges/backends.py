@@ -2,7 +2,8 @@
 greedy generate per call), or an OpenAI-compatible endpoint (``masrl.judges.remote``).
 
 ``complete(prompts)`` returns one :class:`Reply` per prompt, in order; a reply that could not be had
-carries ``error`` instead of ``text``.
+carries ``error`` instead of ``text``. ``yes_probabilities(prompts)`` (verdict ``yes_prob``) reads the
+probability of yes and of no at the reply's first token instead of generating: ``p_yes`` and ``p_no``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from masrl.config import PolicyConfig
 from masrl.judges.config import JudgeOptions
+from masrl.judges.verdicts import verdict_token_ids
 from masrl.models.hub import ModelLoadError
 from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import GenRequest
@@ -23,6 +25,8 @@ from masrl.rollout.factory import make_engine
 class Reply:
     text: str | None
     error: str | None = None
+    p_yes: float | None = None  # yes_prob: the first reply token's probability mass on yes and on no
+    p_no: float | None = None
 
 
 def frozen_policy_config(model: str, *, tiny: dict, dtype: str, trust_remote_code: bool, init_seed: int):
@@ -47,6 +51,13 @@ class LocalJudge:
         self.system_prompt, self.max_new_tokens = opts.system_prompt, opts.max_new_tokens
         self.endpoint = f"local judge {opts.model!r}"
         self.room = max(int(getattr(self.model.config, "max_position_embeddings", 4096)) - opts.max_new_tokens, 1)
+        self.max_batch_size = opts.max_batch_size
+        self.verdict_ids = None
+        if opts.verdict == "yes_prob":
+            try:
+                self.verdict_ids = verdict_token_ids(self.tokenizer)
+            except ValueError as e:
+                raise ModelLoadError(f"task.params.reward.judge.verdict: {e}") from None
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt as one user message through the judge's chat template; an over-long prompt keeps its end
@@ -68,3 +79,31 @@ class LocalJudge:
             results = self.engine.generate(requests)
         self.engine.clear_prefix_cache()
         return [Reply(self.tokenizer.decode(r.response_ids, skip_special_tokens=True)) for r in results]
+
+    def yes_probabilities(self, prompts: Sequence[str]) -> list[Reply]:
+        """One forward pass per batch (left-padded, positions counted from each row's first token, only the last
+        position's logits): each prompt's next-token distribution summed over the yes and the no tokens
+        (:func:`masrl.judges.verdicts.verdict_token_ids`), in float32; ``text`` is the most likely token."""
+        if not prompts:
+            return []
+        yes_ids, no_ids = (torch.tensor(ids) for ids in self.verdict_ids)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        out: list[Reply] = []
+        device = next(self.model.parameters()).device
+        for start in range(0, len(prompts), self.max_batch_size):
+            rows = [self.encode(p) for p in prompts[start:start + self.max_batch_size]]
+            width = max(len(r) for r in rows)
+            ids = torch.full((len(rows), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, row in enumerate(rows):
+                ids[i, width - len(row):] = torch.tensor(row)
+                mask[i, width - len(row):] = 1
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            with torch.no_grad():
+                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                    position_ids=positions.to(device), logits_to_keep=1, use_cache=False).logits
+            probs = torch.softmax(logits[:, -1].float(), dim=-1).cpu()
+            p_yes, p_no, top = probs[:, yes_ids].sum(-1), probs[:, no_ids].sum(-1), probs.argmax(-1)
+            out += [Reply(self.tokenizer.decode([int(t)]), p_yes=float(y), p_no=float(n))
+                    for t, y, n in zip(top, p_yes, p_no)]
+        return out

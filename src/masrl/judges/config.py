@@ -11,10 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from masrl.errors import ConfigError
 
-VERDICTS = ("score", "yes_no", "pairwise")
+VERDICTS = ("score", "yes_no", "yes_prob", "pairwise")
 # the placeholders a judge template may use, per verdict; the first group must all appear
 TEMPLATE_FIELDS = {"score": ({"question", "answer"}, {"reference", "lo", "hi"}),
                    "yes_no": ({"question", "answer"}, {"reference"}),
+                   "yes_prob": ({"question", "answer"}, {"reference"}),
                    "pairwise": ({"question", "answer_a", "answer_b"}, set()),
                    "reward_model": ({"question"}, set())}
 DEFAULT_TEMPLATES = {
@@ -22,6 +23,8 @@ DEFAULT_TEMPLATES = {
               "Reference answer: {reference}\nAnswer: {answer}\nReply with 'Score: N'."),
     "yes_no": ("Is the answer to the question correct?\nQuestion: {question}\nReference answer: {reference}\n"
                "Answer: {answer}\nReply yes or no."),
+    "yes_prob": ("Is the answer to the question correct?\nQuestion: {question}\nReference answer: {reference}\n"
+                 "Answer: {answer}\nReply yes or no."),
     "pairwise": ("Which answer to the question is better?\nQuestion: {question}\nAnswer A: {answer_a}\n"
                  "Answer B: {answer_b}\nReply [[A]], [[B]] or [[tie]]."),
 }
@@ -55,7 +58,9 @@ class JudgeOptions(_Strict):
     trust_remote_code: bool = False
     init_seed: int = Field(0, description="seed of a tiny judge's random weights")
     remote: Optional[RemoteOptions] = None
-    verdict: Literal["score", "yes_no", "pairwise"] = "score"
+    verdict: Literal["score", "yes_no", "yes_prob", "pairwise"] = "score"
+    min_verdict_mass: float = Field(0.01, ge=0, le=1, description=(
+        "yes_prob: a reply whose first token puts less probability than this on yes + no has no verdict"))
     pairwise_against: Literal["reference", "group"] = Field("reference", description=(
         "pairwise: compare each answer with the task's reference, or with other answers of its group (the same "
         "task in the batch); both orders either way"))

@@ -1,7 +1,8 @@
 """An LLM judge as a task's score function: ``(task, answer) -> {"reward", "correct", ...}``.
 
-``score_batch(pairs)`` judges many answers with one batched greedy generate (the rollout scores every
-episode's final answer this way once the episodes are done; :mod:`masrl.workflows.batch_score`);
+``score_batch(pairs)`` judges many answers with one batched greedy generate (``yes_prob``: one batched
+forward pass); the rollout scores every episode's final answer this way once the episodes are done
+(:mod:`masrl.workflows.batch_score`);
 calling the judge with one answer (``team.score`` mid-episode) is a batch of one. Replies are cached
 by prompt within a step, so the same (question, answer) is judged once.
 """
@@ -13,7 +14,7 @@ from typing import Any, Callable, Sequence
 from masrl.judges.backends import Reply
 from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template
 from masrl.judges.stats import JudgeStats, judged, unjudged
-from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no
+from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no, yes_share
 from masrl.types import Task
 from masrl.workflows.base import render
 
@@ -23,6 +24,14 @@ def reference_text(gold: Any) -> str:
     if isinstance(gold, (list, tuple)):
         return " or ".join(str(g) for g in gold)
     return "" if gold is None else str(gold)
+
+
+def _shown(reply: Reply) -> str:
+    """A reply as ``judge_output`` records it: its text, and for ``yes_prob`` the two probabilities."""
+    text = (reply.text or "")[:200]
+    if reply.p_yes is None:
+        return text
+    return f"{text!r} P(yes)={reply.p_yes:.4f} P(no)={reply.p_no:.4f}"
 
 
 class JudgeReward:
@@ -78,9 +87,10 @@ class JudgeReward:
                  for (task, answer), opp in zip(pairs, opponents)]
         todo = list(dict.fromkeys(p for ps in asked for p in ps if p not in self._cache))
         size = self.opts.max_batch_size
+        ask = self.backend.yes_probabilities if self.opts.verdict == "yes_prob" else self.backend.complete
         for i in range(0, len(todo), size):
             chunk = todo[i:i + size]
-            for prompt, reply in zip(chunk, self.backend.complete(chunk)):
+            for prompt, reply in zip(chunk, ask(chunk)):
                 self.stats.calls += 1
                 if reply.error is not None:
                     self.stats.error(reply.error)
@@ -105,6 +115,11 @@ class JudgeReward:
             return sum(prefs) / len(prefs) if prefs else None
         if self.opts.verdict == "yes_no":
             return parse_yes_no(texts[0])
+        if self.opts.verdict == "yes_prob":
+            reply = replies[0]
+            if reply.p_yes is None or reply.p_no is None:
+                return None
+            return yes_share(reply.p_yes, reply.p_no, self.opts.min_verdict_mass)
         return parse_score(texts[0], *self.opts.scale)
 
     def _result(self, task: Task, answer: str | None, replies: list[Reply], ties: int = 0) -> dict:
@@ -114,7 +129,7 @@ class JudgeReward:
         if errors:
             return unjudged(self.stats, self.check, task, answer, "judge_error", detail=errors[0])
         value = self._verdict(replies, ties)
-        shown = " | ".join((r.text or "")[:200] for r in replies)
+        shown = " | ".join(_shown(r) for r in replies)
         if value is None:
             self.stats.no_verdict(shown)
             return unjudged(self.stats, self.check, task, answer, "judge_unparsed", judge_output=shown)

@@ -2,7 +2,9 @@
 
 Each call has a deadline (``timeout_s``) and is retried with exponential backoff on a timeout, a
 connection error, HTTP 429 or 5xx; other HTTP errors and replies without ``choices[0].message.content``
-are errors at once. ``max_calls_per_step`` caps the calls of one step (the rest are errors). The key is
+are errors at once. With verdict ``yes_prob`` each call asks for one token with ``logprobs`` and
+``top_logprobs: 20`` and reads the probabilities of yes and no among them (a reply without logprobs is an
+error: the endpoint must support them, as vLLM and the OpenAI API do). ``max_calls_per_step`` caps the calls of one step (the rest are errors). The key is
 read from the environment variable ``api_key_env`` when the judge is built and kept only in the request
 headers: it is never logged, never in an error message, never in the run folder.
 """
@@ -17,6 +19,7 @@ from typing import Sequence
 from masrl.errors import ConfigError
 from masrl.judges.backends import Reply
 from masrl.judges.config import RemoteOptions
+from masrl.judges.verdicts import top_logprob_masses
 
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -53,31 +56,39 @@ class RemoteJudge:
             return True
 
     def complete(self, prompts: Sequence[str]) -> list[Reply]:
+        return self._map(prompts, probabilities=False)
+
+    def yes_probabilities(self, prompts: Sequence[str]) -> list[Reply]:
+        return self._map(prompts, probabilities=True)
+
+    def _map(self, prompts: Sequence[str], probabilities: bool) -> list[Reply]:
         if not prompts:
             return []
         with ThreadPoolExecutor(max_workers=min(self.opts.concurrency, len(prompts))) as pool:
-            return list(pool.map(self._one, prompts))
+            return list(pool.map(lambda p: self._one(p, probabilities), prompts))
 
-    def _one(self, prompt: str) -> Reply:
+    def _one(self, prompt: str, probabilities: bool = False) -> Reply:
         if not self._take_budget():
             return Reply(None, f"call budget of {self.opts.max_calls_per_step} per step exhausted")
         messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
             [{"role": "user", "content": prompt}]
         body = {"model": self.opts.model, "messages": messages, "temperature": 0.0,
                 "max_tokens": self.max_new_tokens}
+        if probabilities:
+            body.update(max_tokens=1, logprobs=True, top_logprobs=20)
         delay, error = self.opts.backoff_s, "no attempt"
         for attempt in range(self.opts.retries + 1):
             if attempt:
                 time.sleep(delay)
                 delay *= 2
-            reply, error, retry = self._attempt(body)
+            reply, error, retry = self._attempt(body, probabilities)
             if reply is not None:
                 return reply
             if not retry:
                 break
         return Reply(None, error)
 
-    def _attempt(self, body: dict) -> tuple[Reply | None, str, bool]:
+    def _attempt(self, body: dict, probabilities: bool = False) -> tuple[Reply | None, str, bool]:
         """``(reply, error, worth retrying)``."""
         httpx = self._httpx
         try:
@@ -95,7 +106,15 @@ class RemoteJudge:
             return None, f"not a chat completion: {response.text[:200]!r}", False
         if not isinstance(content, str):
             return None, f"not a chat completion: {response.text[:200]!r}", False
-        return Reply(content), "", False
+        if not probabilities:
+            return Reply(content), "", False
+        try:
+            top = response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            p_yes, p_no = top_logprob_masses(top)
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None, ("no logprobs in the reply (verdict yes_prob needs an endpoint that returns "
+                          f"top_logprobs): {response.text[:200]!r}"), False
+        return Reply(content, p_yes=p_yes, p_no=p_no), "", False
 
     def close(self) -> None:
         self._client.close()

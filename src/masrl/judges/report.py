@@ -39,7 +39,8 @@ def judge_summary(records: Sequence[Mapping[str, Any]], history: Mapping[str, Ma
     judge_s, step_s = total("perf/judge_seconds"), total("perf/step_seconds")
     window = min(WINDOW, max(len(steps) // 2, 1))
     keys = {"score": "judge/score", "heldout_check": "judge/heldout_check",
-            "heldout_agreement": "judge/heldout_agreement", "length_corr": "judge/length_corr"}
+            "heldout_agreement": "judge/heldout_agreement", "heldout_auc": "judge/heldout_auc",
+            "length_corr": "judge/length_corr"}
     out: dict[str, Any] = {
         "steps": len(steps), "calls": total("judge/calls"), "errors": total("judge/errors"),
         "unparsed": total("judge/unparsed"), "judge_seconds": judge_s,
@@ -54,8 +55,10 @@ def judge_summary(records: Sequence[Mapping[str, Any]], history: Mapping[str, Ma
     for label in ("sft", "final"):
         summary = history.get(label)
         if summary and "heldout_check" in summary:
-            out["eval"][label] = {"judge_accuracy": summary.get("avg@n"), "heldout_check": summary["heldout_check"],
-                                  "heldout_agreement": summary.get("heldout_agreement")}
+            out["eval"][label] = {"judge_accuracy": summary.get("avg@n"), "judge_score": summary.get("judge_score"),
+                                  "heldout_check": summary["heldout_check"],
+                                  "heldout_agreement": summary.get("heldout_agreement"),
+                                  "heldout_auc": summary.get("heldout_auc")}
     return out
 
 
@@ -79,16 +82,19 @@ def judge_report_lines(summary: Mapping[str, Any] | None, sft_steps: int) -> lis
              f"{summary['judge_seconds']:.1f} s | {_pct(share)} | {_num(summary['length_corr_mean'])} / "
              f"{_num(summary['length_spearman_mean'])} |"]
     if summary["eval"]:
-        lines += ["", "Held-out evaluation: the judge's accuracy (avg@n) beside the rule-based check it never sees.", "",
-                  "| stage | judge accuracy | held-out check | judge agrees with check |", "|---|---|---|---|"]
+        lines += ["", "Held-out evaluation: the judge's accuracy (avg@n) and mean score beside the rule-based check it "
+                  "never sees; AUC: how well the judge's score ranks the answers the check passes above the others.", "",
+                  "| stage | judge accuracy | judge score | held-out check | judge agrees with check | AUC vs check |",
+                  "|---|---|---|---|---|---|"]
         for label, e in summary["eval"].items():
-            lines.append(f"| {stage_name(label, sft_steps)} | {_pct(e['judge_accuracy'])} | {_pct(e['heldout_check'])} | "
-                         f"{_pct(e['heldout_agreement'])} |")
+            lines.append(f"| {stage_name(label, sft_steps)} | {_pct(e['judge_accuracy'])} | {_num(e.get('judge_score'))} | "
+                         f"{_pct(e['heldout_check'])} | {_pct(e['heldout_agreement'])} | {_num(e.get('heldout_auc'))} |")
     w = summary["window"]
     lines += ["", f"Training samples, mean over the first and the last {w} RL steps.", "",
-              "| RL steps | judge score | held-out check | judge agrees with check | length corr |", "|---|---|---|---|---|"]
+              "| RL steps | judge score | held-out check | judge agrees with check | AUC vs check | length corr |",
+              "|---|---|---|---|---|---|"]
     for name, where in ((f"first {w}", "first_steps"), (f"last {w}", "last_steps")):
         s = summary[where]
         lines.append(f"| {name} | {_num(s['score'])} | {_pct(s['heldout_check'])} | {_pct(s['heldout_agreement'])} | "
-                     f"{_num(s['length_corr'])} |")
+                     f"{_num(s.get('heldout_auc'))} | {_num(s['length_corr'])} |")
     return lines

@@ -5,7 +5,9 @@ budget), ``judge/unparsed`` (replies with no verdict), ``perf/judge_seconds``; `
 (Pearson) and ``judge/length_spearman`` of judged reward vs answer length in characters over the step's
 samples with a verdict; ``judge/score`` (the mean judged reward of those samples); ``judge/heldout_check``
 (the rule-based check's accuracy on every answer of the step, those without a verdict included) and
-``judge/heldout_agreement`` (how often the judge's correct flag, False without a verdict, equals the check's).
+``judge/heldout_agreement`` (how often the judge's correct flag, False without a verdict, equals the check's);
+``judge/heldout_auc`` (how well the judged reward ranks the answers the check passes above those it fails,
+over the samples with a verdict: 1 perfect, 0.5 chance; a step where the check passes all or none has none).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from masrl.errors import UserInputError
+from masrl.evaluation.metrics import auc, ranks
 
 
 class JudgeWarning(UserWarning):
@@ -37,21 +40,6 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy)
 
 
-def ranks(values: list[float]) -> list[float]:
-    """1-based ranks, ties given their average rank."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
 def spearman(xs: list[float], ys: list[float]) -> float | None:
     return pearson(ranks(xs), ranks(ys)) if len(xs) >= 3 else None
 
@@ -70,6 +58,7 @@ class JudgeStats:
     rewards: list[float] = field(default_factory=list)
     lengths: list[float] = field(default_factory=list)
     checks: list[tuple[bool, bool]] = field(default_factory=list)  # (judge's correct, rule's correct)
+    ranked: list[tuple[float, bool]] = field(default_factory=list)  # (judged reward, rule's correct)
 
     def no_verdict(self, reply: str) -> None:
         self.unparsed += 1
@@ -84,6 +73,7 @@ class JudgeStats:
         self.lengths.append(float(len(answer or "")))
         if check is not None:
             self.checks.append((judged_correct, check))
+            self.ranked.append((reward, check))
 
     def pop(self) -> dict[str, float]:
         """The step's metrics, then reset; :class:`JudgeFailedError` when every call of the step failed."""
@@ -105,6 +95,9 @@ class JudgeStats:
         if self.checks:
             out["judge/heldout_check"] = sum(c for _, c in self.checks) / len(self.checks)
             out["judge/heldout_agreement"] = sum(j == c for j, c in self.checks) / len(self.checks)
+        value = auc([r for r, _ in self.ranked], [c for _, c in self.ranked])
+        if value is not None:
+            out["judge/heldout_auc"] = value
         self.__init__(self.endpoint)
         return out
 

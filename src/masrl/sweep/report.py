@@ -65,7 +65,7 @@ def run_metrics(run_dir: Path, report: dict, records: Sequence[dict]) -> dict[st
         name = avg if key == "avg@n" else key
         out[f"{name}_sft"], out[f"{name}_rl"] = before, after
         out[f"{name}_gain"] = after - before if before is not None and after is not None else None
-    for key in ("heldout_check", "heldout_agreement"):  # a judge's rule-based check beside its verdicts
+    for key in ("heldout_check", "heldout_agreement", "heldout_auc"):  # a judge's rule-based check beside its verdicts
         if key in sft or key in final:
             before, after = _pct(sft.get(key)), _pct(final.get(key))
             out[f"{key}_sft"], out[f"{key}_rl"] = before, after
@@ -285,7 +285,8 @@ def _describe(name: str) -> Metric:
     if name.startswith("heldout_"):
         key, _, when = name.rpartition("_")
         what = {"heldout_check": "held-out check (rule, not the judge)",
-                "heldout_agreement": "judge agrees with the check"}[key]
+                "heldout_agreement": "judge agrees with the check",
+                "heldout_auc": "AUC of the judge's reward against the check"}[key]
         return Metric(name, f"{what} {stage[when]}", "higher", "%")
     if "/" in name:
         kind, agent = name.split("/", 1)
