@@ -210,6 +210,23 @@ def test_separate_tokenizer_that_does_not_exist(write_cfg, model_without_chat_te
     _fails_clearly(["train", path], capsys, "policy tokenizer", "no_tokenizer_here", "does not exist")
 
 
+@pytest.mark.parametrize("eos", [10**9, -1])
+def test_model_stop_token_outside_the_vocabulary(write_cfg, tmp_path, capsys, eos):
+    """A model folder whose generation_config names a stop token the model does not have (the stop table is
+    sized by the largest id: 10**9 would zero-fill ~1 GB per rollout call) is one error naming the file."""
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+
+    folder = tmp_path / "bad_eos"
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 2, "intermediate_size": 32, "max_position_embeddings": 64})
+    model.generation_config.eos_token_id = [tok.eos_token_id, eos]
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    path = write_cfg(**{"policies.shared.model": str(folder)})
+    _fails_clearly(["train", path], capsys, "generation_config.eos_token_id", str(eos), "not a token id")
+
+
 # ----------------------------------------------------------------------------- workflows and conflicts
 
 def test_workflow_module_that_does_not_exist(write_cfg, capsys):

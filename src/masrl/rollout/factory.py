@@ -15,14 +15,33 @@ from masrl.rollout.base import Engine
 from masrl.rollout.engine import TransformersEngine
 
 
-def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    """The tokenizer's EOS and the model's generation-config EOS ids, sorted."""
-    eos_ids = {int(tokenizer.eos_token_id)}
+def stop_token_ids(model: torch.nn.Module, tokenizer, name: str = "model") -> list[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids, sorted.
+
+    Each id must be a token of the model (0 <= id < the output vocabulary): an id past it could never be
+    sampled, and the engine's stop table is sized by the largest id, so a stray 10**9 in a model folder's
+    ``generation_config.json`` would cost gigabytes per call. Such an id is one :class:`ConfigError`."""
+    sources = [("the tokenizer's eos_token_id", tokenizer.eos_token_id)]
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        eos_ids.add(gen_eos)
-    elif isinstance(gen_eos, (list, tuple)):
-        eos_ids.update(int(e) for e in gen_eos)
+    if isinstance(gen_eos, (list, tuple)):
+        sources += [("generation_config.eos_token_id", e) for e in gen_eos]
+    elif gen_eos is not None:
+        sources.append(("generation_config.eos_token_id", gen_eos))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = head.weight.shape[0] if head is not None and hasattr(head, "weight") else \
+        getattr(getattr(model, "config", None), "vocab_size", None)
+    sources = [(where, value) for where, value in sources if value is not None]
+    if not sources:
+        raise ConfigError(f"{name}: the model has no stop token (neither the tokenizer's eos_token_id nor "
+                          f"generation_config.eos_token_id is set): set one in the model folder")
+    eos_ids = set()
+    for where, value in sources:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0 or \
+                (vocab is not None and value >= vocab):
+            raise ConfigError(f"{name}: the model's stop token {where} = {value!r} is not a token id of the model "
+                              f"(0 to {vocab - 1 if vocab else '?'}): fix or remove it in the model folder's "
+                              f"tokenizer or generation_config.json")
+        eos_ids.add(int(value))
     return sorted(eos_ids)
 
 
@@ -32,7 +51,7 @@ def make_engine(rollout: RolloutConfig | None, model: torch.nn.Module, tokenizer
     """Policy ``name``'s rollout engine for ``model`` (``rollout.engine``: transformers or vllm; None: the
     in-process engine with its defaults). A model built in memory is written under ``workdir`` for vLLM to
     load; ``autocast``: the in-process engine decodes in that mixed precision, as ``trainer.autocast`` trains."""
-    eos_ids = stop_token_ids(model, tokenizer)
+    eos_ids = stop_token_ids(model, tokenizer, f"policy {name}" if name != "judge" else "the judge")
     if rollout is not None and rollout.engine == "vllm":
         return _vllm_engine(name, policy, rollout, model, tokenizer, eos_ids, seed, workdir)
     prefix = {} if rollout is None else {"prefix_cache": rollout.prefix_cache,
