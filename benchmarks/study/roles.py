@@ -18,8 +18,9 @@ def pct(x):
 def run_row(d):
     rep = json.load(open(f"{d}/report.json"))
     recs = read_metrics(Path(d))
-    evals = [pct(r.get("eval/test/avg@n")) for r in recs if r.get("phase") == "eval"]
-    evals = [v for v in evals if v is not None]
+    evals = [(r.get("step"), pct(r.get("eval/test/avg@n"))) for r in recs if r.get("phase") == "eval"]
+    eval_steps = [step for step, v in evals if v is not None]
+    evals = [v for _, v in evals if v is not None]
     sft, final = pct(rep["eval"]["sft"]["avg@n"]), pct(rep["eval"]["final"]["avg@n"])
     peak = max(evals + [final])
     train = [r for r in recs if r.get("phase") == "train"]
@@ -37,7 +38,8 @@ def run_row(d):
     for p in per.values():
         p["token_share"] = p["tokens"] / tot
     curves = {a: [r.get(f"agent/{a}/grad_share") for r in train] for a in roles}
-    return dict(sft=sft, peak=peak, final=final, drop=peak - final, cliff=peak - final >= CLIFF, evals=evals, roles=per,
+    return dict(sft=sft, peak=peak, final=final, drop=peak - final, cliff=peak - final >= CLIFF, evals=evals,
+                eval_steps=eval_steps, roles=per,
                 curves=curves)
 
 def fmt(v, f="{:.1f}"):
@@ -56,8 +58,9 @@ for d in sorted(glob.glob(f"{root}/*=*/seed*/report.json")):
     cells.setdefault(cell, {})[int(os.path.basename(run)[4:])] = run_row(run)
 
 print(f"# E5 per cell: peak, final, cliffs (final >= {CLIFF:.0f} points below peak), per-role telemetry\n")
-print("Accuracies: held-out avg@4 in %, mean over seeds (per seed in brackets, seed order). Peak: the best of the evals at "
-      "steps 10, 20 and the final one. Gradient share: the role's share of the shared policy's gradient norm "
+steps = sorted({st for runs in cells.values() for row in runs.values() for st in row["eval_steps"]})
+print("Accuracies: held-out avg@4 in %, mean over seeds (per seed in brackets, seed order). Peak: the best of the "
+      f"held-out evaluations (logged at steps {', '.join(map(str, steps))}; step 0 is after SFT) and the final one. Gradient share: the role's share of the shared policy's gradient norm "
       "(`agent/<role>/grad_share`), mean over RL steps; token share: the role's share of trained tokens.\n")
 print("| cell | seeds | after SFT | peak | final | peak − final | cliffs |")
 print("|---|---|---|---|---|---|---|")
