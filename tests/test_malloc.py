@@ -18,6 +18,9 @@ import torch
 if sys.argv[1] == "tuned":
     from masrl.runtime.malloc import tune_malloc
     assert tune_malloc()["M_MMAP_MAX"] == 0
+if sys.argv[1] == "lean":
+    from masrl.runtime.malloc import tune_malloc
+    assert tune_malloc("lean")["M_MMAP_THRESHOLD"] == 128 << 10
 torch.set_num_threads(1)
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.randn(8, 132, 576)      # 2.4 MB: SmolLM2's activations
@@ -29,6 +32,11 @@ for name, fn, n in (("medium", lambda: x.pow(2) * x, 200), ("large", lambda: w.c
     for _ in range(n):
         y = fn(); del y
     out[name] = (faults() - f) / n
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+acts = [torch.full((8, 132, 576), 1.0) for _ in range(200)]  # 480 MiB of activations
+before = rss()
+acts = acts[::4]  # free 3 of every 4 (360 MiB); the ones kept sit between the freed ones
+out["returned_mib"] = before - rss()
 print(json.dumps(out))
 """
 
@@ -54,11 +62,29 @@ def test_tuned_malloc_reuses_freed_tensor_memory_instead_of_faulting_it_in_again
 
 
 @glibc
+def test_lean_malloc_hands_freed_activations_back_to_the_kernel():
+    """``lean``: the resident set follows the live tensors — 150 freed activations (360 MiB) among 50 live ones go
+    back to the kernel; the fast heap and glibc's defaults (once their threshold has risen) keep the holes. The
+    price: every such tensor is faulted in afresh."""
+    pages_medium = 8 * 132 * 576 * 4 / 4096 * 2
+    lean, tuned, default = _probe("lean"), _probe("tuned"), _probe("default")
+    assert lean["returned_mib"] > 330, lean
+    assert tuned["returned_mib"] < 50 and default["returned_mib"] < 50, (tuned, default)
+    assert lean["medium"] > 0.9 * pages_medium and lean["large"] > 0.9 * 6000 * 2048 * 4 / 4096, lean
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="'slim' is not one of fast, lean"):
+        malloc.tune_malloc("slim")
+
+
+@glibc
 def test_tune_malloc_is_idempotent_and_reports_what_it_set():
     first = malloc.tune_malloc()
     assert first == malloc.tune_malloc() == malloc.applied()
     assert first["M_MMAP_MAX"] == 0 and first["M_TRIM_THRESHOLD"] == malloc.TRIM_THRESHOLD
-    assert first["M_TOP_PAD"] == malloc.TOP_PAD and first["glibc"]
+    assert first["M_TOP_PAD"] == malloc.TOP_PAD and first["glibc"] and first["mode"] == "fast"
+    assert malloc.tune_malloc("lean") == first  # once per process: the first mode stays
 
 
 def test_no_glibc_means_no_change(monkeypatch):
@@ -67,15 +93,21 @@ def test_no_glibc_means_no_change(monkeypatch):
     assert malloc.tune_malloc() is None and malloc.applied() is None
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_trainer_applies_it_unless_turned_off(tmp_path, monkeypatch, enabled):
+@pytest.mark.parametrize("setting, mode", [("true", "fast"), ("false", None), ("lean", "lean")])
+def test_trainer_applies_it_unless_turned_off(tmp_path, monkeypatch, setting, mode):
     from masrl.config import load_config
     import masrl.trainer as trainer_mod
 
     calls = []
-    monkeypatch.setattr(trainer_mod, "tune_malloc", lambda: calls.append(1))
-    cfg = load_config("examples/quickstart.yaml", ["sft.steps=0", f"trainer.tune_malloc={str(enabled).lower()}",
+    monkeypatch.setattr(trainer_mod, "tune_malloc", lambda mode="fast": calls.append(mode))
+    cfg = load_config("examples/quickstart.yaml", ["sft.steps=0", f"trainer.tune_malloc={setting}",
                                                    f"output_dir={tmp_path}"])
-    assert cfg.trainer.tune_malloc is enabled
     trainer_mod.Trainer(cfg, progress=False)
-    assert calls == ([1] if enabled else [])
+    assert calls == ([mode] if mode else [])
+
+
+def test_an_unknown_setting_is_one_config_error():
+    from masrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"trainer.tune_malloc': Input should be True, False or 'lean' \(got 'slim'\)"):
+        load_config("examples/quickstart.yaml", ["trainer.tune_malloc=slim"])

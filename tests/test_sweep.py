@@ -254,6 +254,22 @@ def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones
     assert runs[0].log_path.exists() and not any(r.log_path.exists() for r in runs[1:])  # nothing else started
 
 
+def test_execute_records_the_peak_rss_of_the_run(tmp_path):
+    """``ru_maxrss`` from ``wait4``: a child that writes 600 MiB peaks above that, one that does nothing far below.
+    Both also count the launcher's high-water mark at the fork (Linux keeps it across exec), so the two runs are
+    launched from a small Python process, not from this (pytest, torch imported) one."""
+    launcher = ("import json, sys; from masrl.sweep.run import execute\n"
+                "big = execute([sys.executable, '-c', \"b = b'x' * (600 << 20)\"], sys.argv[1] + '/big.log', sys.argv[1])\n"
+                "small = execute([sys.executable, '-c', 'pass'], sys.argv[1] + '/small.log', sys.argv[1])\n"
+                "print(json.dumps([big, small]))")
+    out = subprocess.run([sys.executable, "-c", launcher, str(tmp_path)], capture_output=True, text=True, check=True)
+    big, small = json.loads(out.stdout.splitlines()[-1])
+    assert big["rc"] == small["rc"] == 0
+    assert big["peak_rss_mib"] >= 600 and 0 < small["peak_rss_mib"] < big["peak_rss_mib"] - 250
+    run = expand_runs(SweepSpec.model_validate(spec_dict()), tmp_path)[0]
+    sweep_run.Progress(total=1, parallel=1).done(run, big, ok=True)  # the progress line prints it
+
+
 # ---------------------------------------------------------------------- statistics
 
 def test_t_quantiles_match_the_table():
@@ -292,7 +308,8 @@ def fabricate(out: Path, cell: str, seed: int, sft: float, rl: float, norms: lis
     run_dir = out / cell / f"seed{seed}"
     run_dir.mkdir(parents=True)
     (out / cell / f"seed{seed}.log").write_text("...\nmasrl: error: out of memory\n" if rc else "done\n")
-    (out / cell / f"seed{seed}.json").write_text(json.dumps({"rc": rc, "wall_s": 100.0 + seed, "cpu_s": 90.0}))
+    (out / cell / f"seed{seed}.json").write_text(json.dumps({"rc": rc, "wall_s": 100.0 + seed, "cpu_s": 90.0,
+                                                                 "peak_rss_mib": 2000.0 + 10 * seed}))
     if rc:
         return
     steps = len(norms)
@@ -350,6 +367,8 @@ def test_report_on_fabricated_runs(tmp_path):
     assert s["metrics"]["chi2_drift_final/Solver"]["arms"]["est=drmas"]["values"]["0"] == pytest.approx(0.3)
     assert s["metrics"]["train_reward_final"]["arms"]["est=drmas"]["mean"] == pytest.approx(0.52)
     assert s["metrics"]["wall_s"]["arms"]["est=drmas"]["values"] == {"0": 100.0, "1": 101.0}
+    assert s["metrics"]["peak_rss_mib"]["arms"]["est=drmas"]["values"] == {"0": 2000.0, "1": 2010.0}
+    assert s["metrics"]["peak_rss_mib"]["unit"] == "MiB" and s["metrics"]["peak_rss_mib"]["better"] == "lower"
     failed, missing, unfinished = sorted(s["not_finished"], key=lambda r: r["status"])
     assert (unfinished["cell"], unfinished["seed"], unfinished["status"]) == ("est=grpo", 3, "unfinished")
     assert "still running, or interrupted" in unfinished["reason"] and "[RL 3/40]" in unfinished["reason"]

@@ -338,11 +338,13 @@ class TrainerConfig(_Strict):
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
     threads: Optional[int] = Field(None, gt=0, le=4096, description="torch CPU threads (None: torch's default)")
-    tune_malloc: bool = Field(True, description=(
-        "glibc (Linux): serve every tensor from malloc's heap and keep freed memory (up to 2 GiB) for reuse, "
-        "instead of a fresh mmap per large tensor that is faulted in page by page (masrl.runtime.malloc; a "
-        "SmolLM2-135M update: ~360k -> ~3.5k page faults, 8.1 -> 5.6 CPU s; bitwise the same results). The "
-        "process keeps up to 2 GiB of freed memory. false: glibc's defaults"))
+    tune_malloc: Literal[True, False, "lean"] = Field(True, description=(
+        "glibc (Linux) malloc settings, process-wide (masrl.runtime.malloc; results bitwise the same in every "
+        "mode). true: serve every tensor from malloc's heap and keep freed memory (up to 2 GiB) for reuse, "
+        "instead of a fresh mmap per large tensor that is faulted in page by page (a SmolLM2-135M update: ~360k "
+        "-> ~3.5k page faults, 8.1 -> 5.6 CPU s); the heap stays near its high-water mark. lean: every block "
+        "above 128 KiB is its own mapping, handed back on free (as MALLOC_MMAP_THRESHOLD_=131072): the least "
+        "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

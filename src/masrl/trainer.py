@@ -73,7 +73,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, run_dir: Path | None = None, progress: bool | None = None):
         self.cfg = cfg
         if cfg.trainer.tune_malloc:  # before any model is built (masrl.runtime.malloc)
-            tune_malloc()
+            tune_malloc("lean" if cfg.trainer.tune_malloc == "lean" else "fast")
         self.team = TeamRunner(cfg, run_dir=run_dir, progress=progress)
         self.run_dir, self.show_progress = self.team.run_dir, self.team.show_progress
         mon = cfg.monitoring
@@ -219,7 +219,7 @@ class Trainer:
                         "perf/step_seconds": time.perf_counter() - t0,
                         "perf/rollout_tokens_per_s": generated / max(t_rollout, 1e-9),
                         "perf/train_tokens_per_s": trained / max(t_update, 1e-9),
-                        "perf/rss_mib": _rss_mib()})
+                        "perf/rss_mib": _rss_mib(), "perf/peak_rss_mib": _peak_rss_mib()})
         if judged:  # the judge scores inside the rollout: its share of the step
             metrics.update(judged)
             metrics["perf/judge_share"] = judged["perf/judge_seconds"] / max(metrics["perf/step_seconds"], 1e-9)
@@ -412,6 +412,21 @@ def _rss_mib() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
+
+
+def _peak_rss_mib() -> float:
+    """The most this process has held resident so far (MiB): ``VmHWM`` on Linux (this process alone: reset at
+    exec), else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def record_versions(run_dir: Path, versions: dict, resumed_at: int | None = None) -> None:

@@ -111,11 +111,15 @@ def _any(record: dict, suffix: str) -> bool:
 
 
 def run_times(run: RunResult, log_path: Path) -> dict[str, float | None]:
-    """Wall and CPU seconds from the sweep's record (seed<S>.json); else wall from the run folder's file
-    times (config.yaml written at the start, report.json at the end) and no CPU time."""
+    """Wall and CPU seconds (and the peak RSS, where the record has it) from the sweep's record (seed<S>.json);
+    else wall from the run folder's file times (config.yaml written at the start, report.json at the end) and no
+    CPU time."""
     try:
         rec = json.loads(log_path.with_suffix(".json").read_text())
-        return {"wall_s": float(rec["wall_s"]), "cpu_s": float(rec["cpu_s"])}
+        times = {"wall_s": float(rec["wall_s"]), "cpu_s": float(rec["cpu_s"])}
+        if isinstance(rec.get("peak_rss_mib"), (int, float)) and rec["peak_rss_mib"] > 0:
+            times["peak_rss_mib"] = float(rec["peak_rss_mib"])
+        return times
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -297,9 +301,9 @@ def _describe(name: str) -> Metric:
     labels = {"train_reward_final": (f"train reward, last {TRAIN_REWARD_WINDOW} steps", "higher"),
               "nonfinite_steps": ("steps with a non-finite gradient", "lower"),
               "skipped_steps": ("steps with a skipped update", "lower"), "wall_s": ("wall time", "lower"),
-              "cpu_s": ("CPU time", "lower")}
+              "cpu_s": ("CPU time", "lower"), "peak_rss_mib": ("peak RSS of the run's process", "lower")}
     label, better = labels.get(name, (name, None))
-    return Metric(name, label, better, "s" if name.endswith("_s") else "")
+    return Metric(name, label, better, "s" if name.endswith("_s") else "MiB" if name.endswith("_mib") else "")
 
 
 def summarize(runs: Sequence[RunResult], axes: dict[str, list[str]], base: dict[str, str], name: str) -> dict:
@@ -330,7 +334,7 @@ def _fmt(v: float | None, unit: str) -> str:
         return "–"
     if unit == "%":
         return f"{v:.1f}"
-    return f"{v:.0f}" if unit == "s" or (abs(v) >= 100 and float(v).is_integer()) else f"{v:.4g}"
+    return f"{v:.0f}" if unit in ("s", "MiB") or (abs(v) >= 100 and float(v).is_integer()) else f"{v:.4g}"
 
 
 def _ci(s: dict, unit: str) -> str:

@@ -107,7 +107,9 @@ _RUNNING: set[subprocess.Popen] = set()  # this process's runs in flight (termin
 
 
 def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None) -> dict:
-    """Run one process, stdout+stderr to ``log_path``; its exit code, wall and CPU seconds."""
+    """Run one process, stdout+stderr to ``log_path``; its exit code, wall and CPU seconds, and its peak resident
+    set (``ru_maxrss`` from ``wait4``: the largest of the process and the children it waited for; Linux keeps the
+    high-water mark across exec, so it is at least this process's resident set at the fork)."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     started, t0 = time.time(), time.monotonic()
     with open(log_path, "w") as log:
@@ -120,8 +122,13 @@ def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None) -
             _RUNNING.discard(proc)
         proc.returncode = os.waitstatus_to_exitcode(status)
     return {"argv": argv, "rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 2),
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "started": started, "finished": time.time(),
-            "host": socket.gethostname()}
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 2), "peak_rss_mib": round(maxrss_mib(usage.ru_maxrss), 1),
+            "started": started, "finished": time.time(), "host": socket.gethostname()}
+
+
+def maxrss_mib(ru_maxrss: int) -> float:
+    """``ru_maxrss`` in MiB: Linux reports KiB, macOS bytes."""
+    return ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
 
 
 def record_path(run: Run) -> Path:
@@ -142,8 +149,13 @@ class Progress:
         if not ok:
             self.failed.append(run)
         print(f"[sweep {len(self.walls)}/{self.total}] {run.cell.name} seed {run.seed}: rc {rec['rc']}, "
-              f"{_fmt_s(rec['wall_s'])} wall, {_fmt_s(rec['cpu_s'])} CPU, {status}; "
+              f"{_fmt_s(rec['wall_s'])} wall, {_fmt_s(rec['cpu_s'])} CPU{_fmt_rss(rec)}, {status}; "
               f"ETA {_fmt_s(eta) if left else 'done'}", flush=True)
+
+
+def _fmt_rss(rec: dict) -> str:
+    rss = rec.get("peak_rss_mib")
+    return f", peak RSS {rss / 1024:.1f} GiB" if isinstance(rss, (int, float)) and rss > 0 else ""
 
 
 def _fmt_s(seconds: float) -> str:
