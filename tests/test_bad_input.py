@@ -227,6 +227,24 @@ def test_model_stop_token_outside_the_vocabulary(write_cfg, tmp_path, capsys, eo
     _fails_clearly(["train", path], capsys, "generation_config.eos_token_id", str(eos), "not a token id")
 
 
+def test_a_stop_token_error_names_a_policy_called_judge_as_a_policy():
+    """The error names the model by the caller's label: a policy that happens to be called "judge" is "policy
+    judge", the judge backend says "the judge"."""
+    from masrl.config import ConfigError, PolicyConfig
+    from masrl.models.tiny import build_char_tokenizer, build_tiny_model
+    from masrl.rollout.factory import make_engine
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                   "num_key_value_heads": 2, "intermediate_size": 32, "max_position_embeddings": 64})
+    model.generation_config.eos_token_id = [tok.eos_token_id, -1]
+    kw = {"policy": PolicyConfig(model="tiny"), "seed": 0, "max_batch_size": 4}
+    with pytest.raises(ConfigError, match=r"^policy judge: the model's stop token"):
+        make_engine(None, model, tok, name="judge", **kw)
+    with pytest.raises(ConfigError, match=r"^the judge: the model's stop token"):
+        make_engine(None, model, tok, name="judge", label="the judge", **kw)
+
+
 # ----------------------------------------------------------------------------- workflows and conflicts
 
 def test_workflow_module_that_does_not_exist(write_cfg, capsys):

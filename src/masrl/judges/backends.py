@@ -47,7 +47,7 @@ class LocalJudge:
         self.model.eval()
         self.model.requires_grad_(False)
         self.engine = make_engine(None, self.model, self.tokenizer, name="judge", policy=pcfg, seed=0,
-                                  max_batch_size=opts.max_batch_size)
+                                  max_batch_size=opts.max_batch_size, label="the judge")
         self.system_prompt, self.max_new_tokens = opts.system_prompt, opts.max_new_tokens
         self.endpoint = f"local judge {opts.model!r}"
         self.room = max(int(getattr(self.model.config, "max_position_embeddings", 4096)) - opts.max_new_tokens, 1)

@@ -47,11 +47,12 @@ def stop_token_ids(model: torch.nn.Module, tokenizer, name: str = "model") -> li
 
 def make_engine(rollout: RolloutConfig | None, model: torch.nn.Module, tokenizer, *, name: str,
                 policy: PolicyConfig, seed: int, max_batch_size: int, autocast: str | None = None,
-                workdir: str | Path | None = None) -> Engine:
+                workdir: str | Path | None = None, label: str | None = None) -> Engine:
     """Policy ``name``'s rollout engine for ``model`` (``rollout.engine``: transformers or vllm; None: the
     in-process engine with its defaults). A model built in memory is written under ``workdir`` for vLLM to
-    load; ``autocast``: the in-process engine decodes in that mixed precision, as ``trainer.autocast`` trains."""
-    eos_ids = stop_token_ids(model, tokenizer, f"policy {name}" if name != "judge" else "the judge")
+    load; ``autocast``: the in-process engine decodes in that mixed precision, as ``trainer.autocast`` trains.
+    ``label`` names the model in errors (default ``policy <name>``)."""
+    eos_ids = stop_token_ids(model, tokenizer, label or f"policy {name}")
     if rollout is not None and rollout.engine == "vllm":
         return _vllm_engine(name, policy, rollout, model, tokenizer, eos_ids, seed, workdir)
     prefix = {} if rollout is None else {"prefix_cache": rollout.prefix_cache,
