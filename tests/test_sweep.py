@@ -174,6 +174,21 @@ def test_shipped_example_spec_expands(tmp_path, monkeypatch, capsys):
     assert cfg.trainer.threads == 1 and cfg.algorithm.estimator == "grpo"
 
 
+@pytest.mark.parametrize("path", sorted(p.relative_to(REPO).as_posix()
+                                         for p in (REPO / "benchmarks" / "study").glob("*.yaml")))
+def test_every_study_spec_expands_to_valid_configs(path, tmp_path, monkeypatch):
+    """The study's specs are the commands docs/study.md publishes: each expands and every run's config loads."""
+    monkeypatch.chdir(REPO)
+    spec = load_spec(path)
+    base = str(spec.base)
+    if base.startswith("runs/") and not (REPO / base).exists():  # an earlier sweep's export
+        pytest.skip(f"{path}: its base {base} is made by an earlier sweep")
+    runs = expand_runs(spec, tmp_path)
+    assert runs
+    for run in runs:
+        assert run.config().trainer.threads is None or run.config().trainer.threads >= 1
+
+
 # ---------------------------------------------------------------------- resumability
 
 def finish_run(run, steps: int | None = None, report_text: str | None = None) -> None:

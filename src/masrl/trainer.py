@@ -95,16 +95,20 @@ class Trainer:
     # ------------------------------------------------------------------ stages
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
         """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
-        function set one), minus the format penalty if it is invalid."""
-        turns, keys, scores = [], [], []
+        function set one, weighted by :func:`class_weights` where the workflow labelled its class), minus the
+        format penalty if it is invalid."""
+        turns, keys, team_rewards, scores = [], [], [], []
         penalty = self.cfg.algorithm.format_penalty
         per_turn = self.cfg.algorithm.reward == "per_turn"
         for e in episodes:
             for t in e.turns:
                 turns.append(t)
                 keys.append((e.group_id, e.episode_id))
-                base = t.reward if per_turn and t.reward is not None else e.reward
-                scores.append(base - (0.0 if t.valid else penalty))
+                team_rewards.append(e.reward)
+        weights = class_weights(turns) if per_turn else {}
+        for t, team_reward in zip(turns, team_rewards):
+            base = t.reward * weights.get(id(t), 1.0) if per_turn and t.reward is not None else team_reward
+            scores.append(base - (0.0 if t.valid else penalty))
         return turns, keys, torch.tensor(scores, dtype=torch.float32)
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
@@ -412,6 +416,24 @@ def _rss_mib() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
+
+
+def class_weights(turns: Sequence[Turn]) -> dict[int, float]:
+    """Class-balanced per-turn rewards: among one step's turns of an agent that carry their own reward and a
+    ``info["reward_class"]`` label (e.g. the Verifier's, by the class of the answer it judged), a turn of class
+    ``c`` is weighted ``n / (K * n_c)`` (``n`` such turns, ``K`` classes present, ``n_c`` of class ``c``), so the
+    agent's mean reward over the step is the mean of its per-class mean rewards (balanced accuracy for a 0/1
+    verdict reward). Keyed by ``id(turn)``; turns without a label are not weighted."""
+    counts: dict[str, dict[object, int]] = defaultdict(lambda: defaultdict(int))
+    for t in turns:
+        if t.reward is not None and t.info.get("reward_class") is not None:
+            counts[t.agent][t.info["reward_class"]] += 1
+    weights = {}
+    for t in turns:
+        if t.reward is not None and t.info.get("reward_class") is not None:
+            by_class = counts[t.agent]
+            weights[id(t)] = sum(by_class.values()) / (len(by_class) * by_class[t.info["reward_class"]])
+    return weights
 
 
 def _peak_rss_mib() -> float:

@@ -37,6 +37,10 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     ``verifier_reward: verdict`` gives each Verifier turn its own reward, 1 when its verdict is right
     (approve a correct solution, reject a wrong one) else 0; it takes effect with
     ``algorithm.reward: per_turn`` (default ``team``: every turn scores the team reward, as in Dr. MAS).
+    ``verifier_reward: balanced``: the same verdict reward, and each Verifier turn is labelled by the class of the
+    answer it judged (``info["reward_class"]``: ``right_answer`` / ``wrong_answer``), so the trainer weights the
+    two classes equally within a step (:meth:`masrl.trainer.Trainer.score_turns`): a Verifier that approves
+    everything scores 0.5 however many answers are right, instead of the share of right answers.
     ``transcript: true``: the episode is one running transcript. The first Solver prompt is rendered as
     usual (empty ``context``); every later turn continues the previous turn's token ids
     (``team.extend``) with the next agent's cue, ``Verifier_cue`` / ``Solver_cue`` (fields: ``question``),
@@ -50,8 +54,8 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     if untagged not in ("approve", "reject"):
         raise ConfigError(f"math_solver_verifier: untagged_verdict must be approve or reject, got {untagged!r}")
     verifier_reward = team.params["verifier_reward"]
-    if verifier_reward not in ("team", "verdict"):
-        raise ConfigError(f"math_solver_verifier: workflow.params.verifier_reward must be team or verdict, "
+    if verifier_reward not in ("team", "verdict", "balanced"):
+        raise ConfigError(f"math_solver_verifier: workflow.params.verifier_reward must be team, verdict or balanced, "
                           f"got {verifier_reward!r}")
     transcript = team.params["transcript"]
     if type(transcript) is not bool:
@@ -76,8 +80,10 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
         verdict = verdict or untagged
         verifier.info["verdict"] = verdict
         verifier.info["judged_correct"] = team.score(solver.text)["correct"]
-        if verifier_reward == "verdict":
+        if verifier_reward in ("verdict", "balanced"):
             verifier.reward = float((verdict == "approve") == bool(verifier.info["judged_correct"]))
+        if verifier_reward == "balanced":
+            verifier.info["reward_class"] = "right_answer" if verifier.info["judged_correct"] else "wrong_answer"
         verdicts.append(verdict)
         context += team.render("context", agent="Verifier", text=verifier.text)
         if verdict == "approve":
