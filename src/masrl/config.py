@@ -248,7 +248,8 @@ class AlgorithmConfig(_Strict):
     format_penalty: float = Field(0.1, description="subtracted from the score of an invalid (malformed) turn")
     reward: Literal["team", "per_turn"] = Field("team", description=(
         "team: every turn scores the team reward (Dr. MAS); per_turn: a turn scores its own reward when the "
-        "reward function set one (turn.reward), else the team reward"))
+        "reward function set one (turn.reward), else the team reward; an own reward whose turn carries "
+        "info['reward_class'] is class-balanced within the step (masrl.trainer.class_weights)"))
     group_by: Literal["agent", "slot"] = Field("agent", description=(
         "agent-wise statistics per role (parallel same-role agents pooled) or per role slot"))
     loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
