@@ -534,3 +534,81 @@ def test_sweep_report_tolerates_damaged_runs_and_counts_them(tmp_path, damage):
     report(out)
     runs = json.loads((out / "summary.json").read_text())["runs"]
     assert runs["total"] == 4 and runs["ok"] == (3 if name == "report.json" else 4)
+
+
+def _manifest(out: Path, seeds: list[int], cells: list[str], name: str = "t") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"name": name, "seeds": seeds, "axes": {"est": ["grpo", "drmas"]},
+                                                "cells": cells}))
+
+
+def test_report_with_a_prior_summary_fills_the_runs_the_folder_lacks(tmp_path, capsys):
+    """A sweep continued on another machine: seeds 0-1 were reported there (their folders are gone), seed 2 and a
+    re-run of (grpo, 1) finished here. The summary counts all three seeds, the folder's own run wins its slot, and
+    every run taken from the prior says so."""
+    first = tmp_path / "first"
+    _manifest(first, [0, 1], ["est=grpo", "est=drmas"])
+    fabricate(first, "est=grpo", 0, 0.30, 0.40, [1.0, 2.0], [0, 0], mid=0.50)
+    fabricate(first, "est=grpo", 1, 0.30, 0.20, [1.0, 2.0], [0, 0])
+    fabricate(first, "est=drmas", 0, 0.30, 0.46, [1.0, 2.0], [0, 0])
+    fabricate(first, "est=drmas", 1, 0, 0, [], [], rc=1)
+    report(first)
+    prior = tmp_path / "committed_summary.json"
+    shutil.copy(first / "summary.json", prior)
+    shutil.rmtree(first)
+
+    here = tmp_path / "here"
+    _manifest(here, [1, 2], ["est=grpo", "est=drmas"])
+    fabricate(here, "est=grpo", 1, 0.30, 0.36, [1.0, 2.0], [0, 0])  # wins over the prior's 20.0
+    fabricate(here, "est=grpo", 2, 0.30, 0.41, [1.0, 2.0], [0, 0])
+    fabricate(here, "est=drmas", 2, 0.30, 0.50, [1.0, 2.0], [0, 0])
+    assert cli_main(["sweep", "report", str(here), "--prior", str(prior)]) == 0
+    s = json.loads((here / "summary.json").read_text())
+    rl = s["metrics"]["avg@4_rl"]
+    assert rl["arms"]["est=grpo"]["values"] == {"0": pytest.approx(40.0), "1": pytest.approx(36.0),
+                                                "2": pytest.approx(41.0)}
+    assert rl["arms"]["est=drmas"]["values"] == {"0": pytest.approx(46.0), "2": pytest.approx(50.0)}
+    assert rl["comparisons"][0]["seeds"] == [0, 2] and rl["comparisons"][0]["diffs"] == [pytest.approx(6.0),
+                                                                                       pytest.approx(9.0)]
+    assert s["metrics"]["avg@4_peak"]["arms"]["est=grpo"]["values"]["0"] == pytest.approx(50.0)
+    assert s["runs"] == {"ok": 5, "total": 6} and s["priors"] == [{"path": str(prior), "runs_used": 2}]
+    (failed,) = s["not_finished"]  # the prior's failed run, still not finished here: listed with its source
+    assert (failed["cell"], failed["seed"], failed["status"]) == ("est=drmas", 1, "failed")
+    assert "exit code 1" in failed["reason"] and str(prior) in failed["reason"]
+    sources = {(r["cell"], r["seed"]): r.get("source") for r in s["per_run"]}
+    assert sources == {("est=grpo", 0): str(prior), ("est=grpo", 1): None, ("est=grpo", 2): None,
+                       ("est=drmas", 0): str(prior), ("est=drmas", 2): None}
+    curve = next(r["eval_curve"] for r in s["per_run"] if (r["cell"], r["seed"]) == ("est=grpo", 0))
+    assert curve == [[0, pytest.approx(30.0)], [1, pytest.approx(50.0)], [2, pytest.approx(40.0)]]
+    assert f"2 from `{prior}`" in (here / "summary.md").read_text()
+    assert (here / "heldout_accuracy.png").stat().st_size > 0
+
+    again = tmp_path / "again"  # the merged summary is itself a prior: a third machine continues from it
+    _manifest(again, [3], ["est=grpo", "est=drmas"])
+    fabricate(again, "est=drmas", 3, 0.30, 0.44, [1.0], [0])
+    report(again, priors=[here / "summary.json"])
+    s3 = json.loads((again / "summary.json").read_text())
+    assert s3["metrics"]["avg@4_rl"]["arms"]["est=drmas"]["values"] == {
+        "0": pytest.approx(46.0), "2": pytest.approx(50.0), "3": pytest.approx(44.0)}
+    assert s3["runs"]["ok"] == 6
+
+    other = tmp_path / "other"
+    _manifest(other, [0], ["est=grpo"], name="another")
+    fabricate(other, "est=grpo", 0, 0.30, 0.40, [1.0], [0])
+    _fails_with_one_line(["sweep", "report", other, "--prior", prior], capsys, "summarizes sweep 't'", "'another'")
+
+
+@pytest.mark.parametrize("content", ['{"name": "t", "axes": {"est": ["a"]}, "per_run": [{"cell": "est=b", "seed": 0, '
+                                     '"metrics": {}}]}',
+                                     '{"name": "t", "axes": {"est": ["a"]}, "per_run": [{"cell": "est=a", "seed": 0, '
+                                     '"metrics": {"avg@4_rl": "high"}}]}',
+                                     '{"name": "t", "axes": {"est": ["a"]}, "runs": {"ok": 3}}', "[]", "{\"name\": "],
+                         ids=["cell_off_axes", "metric_not_number", "no_per_run", "list", "truncated"])
+def test_report_refuses_a_damaged_prior_before_writing(tmp_path, capsys, content):
+    out = tmp_path / "sweep"
+    _manifest(out, [0], ["est=grpo"])
+    fabricate(out, "est=grpo", 0, 0.30, 0.40, [1.0], [0])
+    prior = tmp_path / "prior.json"
+    prior.write_text(content)
+    _fails_with_one_line(["sweep", "report", out, "--prior", prior], capsys, f"--prior {prior}")
+    assert not (out / "summary.json").exists()

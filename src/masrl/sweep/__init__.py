@@ -10,7 +10,8 @@ from pathlib import Path
 from masrl.argtypes import MAX_COUNT, bounded
 
 MAX_GPUS_PER_RUN = 1024
-USAGE = "masrl sweep SPEC.yaml [options]  |  masrl sweep report DIR [--baseline-arm AXIS=LABEL ...]"
+USAGE = ("masrl sweep SPEC.yaml [options]  |  masrl sweep report DIR [--baseline-arm AXIS=LABEL ...] "
+         "[--prior SUMMARY.json ...]")
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -37,6 +38,9 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="the sweep's output folder")
     p.add_argument("--baseline-arm", action="append", default=[], metavar="AXIS=LABEL",
                    help="the arm the others are compared with on that axis (default: the axis's first label)")
+    p.add_argument("--prior", action="append", default=[], metavar="SUMMARY.json",
+                   help="an earlier report's summary.json of the same sweep (e.g. the committed one, when the run "
+                   "folders are on another machine): its finished runs fill the slots DIR has not finished")
     return p
 
 
@@ -48,7 +52,7 @@ def main(argv: list[str]) -> int:
         args = report_parser().parse_args(argv[1:])
         from masrl.sweep.report import report
 
-        paths = report(args.dir, args.baseline_arm)
+        paths = report(args.dir, args.baseline_arm, args.prior)
         for p in paths:
             print(p)
         return 0

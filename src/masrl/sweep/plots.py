@@ -34,8 +34,10 @@ def plot_accuracy(out: Path, runs, arms, colors) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     curves = any(len(r.eval_curve) > 2 for r in runs)
     for i, arm in enumerate(arms):
-        mine = [r for r in runs if r.cell == arm]
+        mine = [r for r in runs if r.cell == arm and (r.eval_curve or not curves)]  # a prior's run may have no curve
         if curves:
+            if not mine:
+                continue
             steps, med, lo, hi = _band([r.eval_curve for r in mine])
             ax.plot(steps, med, color=colors[arm], label=f"{arm} (n={len(mine)})")
             ax.fill_between(steps, lo, hi, color=colors[arm], alpha=0.2)

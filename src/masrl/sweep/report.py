@@ -4,6 +4,11 @@ Per metric: each arm's mean ± 95% t-interval over its seeds (n stated), the pai
 arm against its baseline on the seeds both have (with its interval) and how many seeds favour each
 side. Runs that did not finish are listed with their reason, never dropped silently. Writes
 ``summary.json``, ``summary.md`` and PNGs into DIR. Metric definitions: docs/study.md.
+
+``--prior SUMMARY.json`` (``report(out, priors=[...])``): a sweep continued in another folder or on another machine.
+The runs an earlier report of the same sweep counted (its ``per_run``, with their metrics and held-out curves) fill
+the (cell, seed) slots that DIR has no finished run for; a run finished in DIR wins. Every run used from a prior is
+marked with its source in ``summary.json`` and counted in ``summary.md``.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from masrl.sweep.stats import mean_ci, paired
 
 TRAIN_REWARD_WINDOW = 10  # train_reward_final: mean team/reward over the last 10 RL steps
 MAX_MANIFEST_BYTES = 16 << 20  # OUT/sweep.json: 10,000 runs' cell names and the spec take a few MB at most
+MAX_PRIOR_BYTES = 256 << 20  # a summary.json of 10,000 runs with ~40 metrics and 11-point curves: ~100 MB
 
 
 @dataclass
@@ -37,6 +43,7 @@ class RunResult:
     grad_norms: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # agent -> (step, norm)
     rl_steps: int = 0
     avg_key: str = "avg@n"
+    source: str = ""  # "" for a run folder in DIR, else the prior summary.json its metrics come from
 
 
 @dataclass(frozen=True)
@@ -178,16 +185,8 @@ def read_manifest(path: Path) -> dict:
     def refuse(why: str) -> ConfigError:
         return ConfigError(f"masrl sweep report: {path}: {why}; re-run `masrl sweep SPEC` to rewrite it, or delete it "
                            "to report the run folders found")
-    try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise refuse(f"{size:,} bytes; the limit is {MAX_MANIFEST_BYTES:,} (a sweep of {MAX_RUNS:,} runs "
-                         "writes far less)")
-        manifest = json.loads(decode_utf8(path.read_bytes(), path, "sweep manifest"))
-    except (OSError, ValueError, RecursionError, UserInputError) as e:  # unreadable, not UTF-8/JSON, too deep
-        if isinstance(e, ConfigError):
-            raise
-        raise refuse(f"not a readable JSON file ({e})") from None
+    manifest = _read_json(path, MAX_MANIFEST_BYTES, refuse, "sweep manifest",
+                          f" (a sweep of {MAX_RUNS:,} runs writes far less)")
     if not isinstance(manifest, dict):
         raise refuse("not a JSON object")
     axes, seeds, cells = manifest.get("axes"), manifest.get("seeds"), manifest.get("cells")
@@ -205,6 +204,19 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest.get("name", ""), str):
         raise refuse("'name' is not a string")
     return manifest
+
+
+def _read_json(path: Path, limit: int, refuse, what: str, why_limit: str = ""):
+    """The JSON value in ``path``, its size checked before it is read; ``refuse(why)`` makes the one error."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise refuse(f"{size:,} bytes; the limit is {limit:,}{why_limit}")
+        return json.loads(decode_utf8(path.read_bytes(), path, what))
+    except (OSError, ValueError, RecursionError, UserInputError) as e:  # unreadable, not UTF-8/JSON, too deep
+        if isinstance(e, ConfigError):
+            raise
+        raise refuse(f"not a readable JSON file ({e})") from None
 
 
 def found_runs(out: Path) -> list[tuple[tuple[tuple[str, str], ...], int]]:
@@ -326,7 +338,9 @@ def summarize(runs: Sequence[RunResult], axes: dict[str, list[str]], base: dict[
               if r.status != "ok"]
     return {"name": name, "axes": axes, "baselines": base, "confidence": 0.95,
             "runs": {"ok": len(ok), "total": len(runs)}, "not_finished": not_ok, "metrics": metrics,
-            "per_run": [{"cell": r.cell, "seed": r.seed, "metrics": r.metrics} for r in ok]}
+            "per_run": [{"cell": r.cell, "seed": r.seed, "metrics": r.metrics,
+                         "eval_curve": [list(p) for p in r.eval_curve], **({"source": r.source} if r.source else {})}
+                        for r in ok]}
 
 
 def _fmt(v: float | None, unit: str) -> str:
@@ -349,7 +363,7 @@ def to_markdown(summary: dict) -> str:
              "Each arm: mean ± half-width of the 95% Student-t interval over seeds (n − 1 df; n = seeds with a "
              "value). Comparisons: arm − baseline, paired on the seeds both arms have. Accuracies in %.",
              "Baselines: " + ", ".join(f"{a}={lab}" for a, lab in summary["baselines"].items()), ""]
-    lines += _not_finished_md(summary["not_finished"]) + _headline_md(summary)
+    lines += _priors_md(summary.get("priors", [])) + _not_finished_md(summary["not_finished"]) + _headline_md(summary)
     for name, m in summary["metrics"].items():
         unit = m["unit"]
         better = f" ({m['better']} is better)" if m["better"] else ""
@@ -389,6 +403,14 @@ def _headline_md(summary: dict) -> list[str]:
     return lines + [""]
 
 
+def _priors_md(priors: list[dict]) -> list[str]:
+    if not priors:
+        return []
+    used = "; ".join(f"{p['runs_used']} from `{p['path']}`" for p in priors)
+    return [f"Runs from earlier reports of this sweep (their folders are not in this one): {used}. Their metrics and "
+            "held-out curves are the earlier report's; their gradient-norm curves are not plotted.", ""]
+
+
 def _not_finished_md(rows: list[dict]) -> list[str]:
     if not rows:
         return ["Every run finished.", ""]
@@ -397,17 +419,119 @@ def _not_finished_md(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def report(out: str | Path, baseline_arms: Sequence[str] = ()) -> list[Path]:
-    """Summarize the sweep in ``out``; returns the files written."""
+def read_prior(path: str | Path) -> dict:
+    """An earlier ``summary.json`` of a sweep: {"name", "axes", "runs": [RunResult of each finished run],
+    "not_finished": [RunResult]}, or one ``ConfigError`` naming the file and what is wrong with it."""
+    path = Path(path)
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"masrl sweep report --prior {path}: {why}; pass a summary.json that `masrl sweep report` "
+                           "wrote for this sweep")
+    data = _read_json(path, MAX_PRIOR_BYTES, refuse, "sweep summary")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise refuse("not a JSON object with a 'name'")
+    axes = data.get("axes")
+    if not (isinstance(axes, dict) and all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                           for v in axes.values())):
+        raise refuse("'axes' is not a mapping of axis -> list of labels")
+
+    def entry(i: int, item, what: str) -> RunResult:
+        where = f"{what}[{i}]"
+        if not isinstance(item, dict):
+            raise refuse(f"{where} is not an object")
+        labels = parse_cell_name(item.get("cell")) if isinstance(item.get("cell"), str) else None
+        seed = item.get("seed")
+        if labels is None or not isinstance(seed, int) or isinstance(seed, bool):
+            raise refuse(f"{where}: 'cell' is not a cell name (axis=label__...) or 'seed' is not an integer")
+        unknown = [f"{a}={lab}" for a, lab in labels if lab not in axes.get(a, ())]
+        if unknown or {a for a, _ in labels} != set(axes):
+            raise refuse(f"{where}: cell {item['cell']!r} does not fit the summary's axes {axes}")
+        run = RunResult(item["cell"], labels, seed, path.parent / item["cell"] / f"seed{seed}", "ok", source=str(path))
+        if what == "not_finished":
+            status, reason = item.get("status"), item.get("reason", "")
+            if status not in ("failed", "unfinished", "missing") or not isinstance(reason, str):
+                raise refuse(f"{where}: 'status' is not failed/unfinished/missing or 'reason' is not a string")
+            run.status, run.reason = status, f"{reason} (in {path})"
+            return run
+        metrics, curve = item.get("metrics"), item.get("eval_curve", [])
+        if not (isinstance(metrics, dict) and all(isinstance(k, str) and (v is None or _number(v))
+                                                  for k, v in metrics.items())):
+            raise refuse(f"{where}: 'metrics' is not a mapping of name -> number or null")
+        if not (isinstance(curve, list) and all(isinstance(p, list) and len(p) == 2 and _number(p[0])
+                                                and _number(p[1]) for p in curve)):
+            raise refuse(f"{where}: 'eval_curve' is not a list of [step, accuracy %] pairs")
+        run.metrics = {k: None if v is None else float(v) for k, v in metrics.items()}
+        run.eval_curve = [(int(a), float(b)) for a, b in curve]
+        run.avg_key = next((k[:-4] for k in metrics if k.startswith("avg@") and k.endswith("_sft")), "avg@n")
+        return run
+
+    lists = {k: data.get(k, []) for k in ("per_run", "not_finished")}
+    if not all(isinstance(v, list) for v in lists.values()) or len(lists["per_run"]) + len(lists["not_finished"]) > MAX_RUNS:
+        raise refuse(f"'per_run' and 'not_finished' are not lists of at most {MAX_RUNS:,} runs in all")
+    counts = data.get("runs")
+    if not lists["per_run"] and isinstance(counts, dict) and counts.get("ok"):
+        raise refuse("it counts finished runs but has no 'per_run' list (written by an older masrl); re-run "
+                     "`masrl sweep report` where its run folders are")
+    return {"name": data["name"], "axes": axes, "path": str(path),
+            "runs": [entry(i, x, "per_run") for i, x in enumerate(lists["per_run"])],
+            "not_finished": [entry(i, x, "not_finished") for i, x in enumerate(lists["not_finished"])]}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def merge_priors(runs: list[RunResult], axes: dict[str, list[str]], name: str, priors: Sequence[dict]
+                 ) -> tuple[list[RunResult], dict[str, list[str]], list[dict]]:
+    """``runs`` of DIR with each prior's finished runs in the slots DIR has not finished, the union of the axes (the
+    priors' label order first), the runs in axis order; and per prior how many of its runs were used."""
+    axes = {a: list(v) for a, v in axes.items()}
+    by_key = {(r.cell, r.seed): r for r in runs}
+    used = []
+    for prior in priors:
+        where = prior["path"]
+        if prior["name"] != name:
+            raise ConfigError(f"masrl sweep report --prior {where}: it summarizes sweep {prior['name']!r}, this folder "
+                              f"holds sweep {name!r}; pass a summary of the same sweep")
+        if set(prior["axes"]) != set(axes):
+            raise ConfigError(f"masrl sweep report --prior {where}: its axes {sorted(prior['axes'])} are not this "
+                              f"folder's {sorted(axes)}")
+        for a, labels in prior["axes"].items():
+            axes[a] = list(labels) + [lab for lab in axes[a] if lab not in labels]
+        n = 0
+        for run in prior["runs"]:
+            mine = by_key.get((run.cell, run.seed))
+            if mine is None or mine.status != "ok":
+                by_key[(run.cell, run.seed)] = run
+                n += 1
+        for run in prior["not_finished"]:  # a slot never run here keeps the prior's reason (e.g. its exit code)
+            mine = by_key.get((run.cell, run.seed))
+            if mine is None or mine.status == "missing":
+                by_key[(run.cell, run.seed)] = run
+        used.append({"path": where, "runs_used": n})
+    order = {a: {lab: i for i, lab in enumerate(v)} for a, v in axes.items()}
+    merged = sorted(by_key.values(), key=lambda r: ([order[a][lab] for a, lab in r.labels], r.seed))
+    return merged, axes, used
+
+
+def report(out: str | Path, baseline_arms: Sequence[str] = (), priors: Sequence[str | Path] = ()) -> list[Path]:
+    """Summarize the sweep in ``out`` (with the finished runs of earlier summaries ``priors`` where ``out`` has none);
+    returns the files written."""
     from masrl.sweep.plots import plot_sweep
 
     out = Path(out)
     if not out.is_dir():
         raise ConfigError(f"masrl sweep report: {out} is not a folder")
+    loaded = [read_prior(p) for p in priors]  # every prior checked before anything is written
     axes, expected, name = discover(out)
-    base = baselines(axes, baseline_arms)
     runs = [load_run(out, labels, seed) for labels, seed in expected]
+    used: list[dict] = []
+    if loaded:
+        runs, axes, used = merge_priors(runs, axes, name, loaded)
+    base = baselines(axes, baseline_arms)
     summary = summarize(runs, axes, base, name)
+    if used:
+        summary["priors"] = used
     paths = [_write(out / "summary.json", json.dumps(summary, indent=1, default=str)),
              _write(out / "summary.md", to_markdown(summary))]
     if any(r.status == "ok" for r in runs):
