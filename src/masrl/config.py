@@ -281,7 +281,10 @@ class RolloutConfig(_Strict):
         "transformers engine: prefill each distinct prompt of a call once (a GRPO group) and reuse the "
         "keys/values of earlier rows of the same rollout whose tokens start a new prompt (the next turn "
         "of an append-only transcript); vLLM has its own (rollout.kwargs.enable_prefix_caching)"))
-    prefix_cache_mib: float = Field(1024.0, gt=0.0, description="memory for the stored keys/values per policy")
+    prefix_cache_mib: float = Field(1024.0, gt=0.0, description=(
+        "memory for the stored keys/values per policy; the size decides which prefixes are reused, and a reused "
+        "prefix's keys/values differ from a recomputed one's by float rounding, so another size can change the "
+        "sampled tokens (not bitwise the same run)"))
     continuous_batching: bool = Field(False, description=(
         "transformers engine: one running decode batch per policy that admits each agent call as its episode "
         "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "

@@ -48,6 +48,13 @@ def _submodels(annotation) -> list[tuple[str, type[BaseModel]]]:
 
 
 def _type_name(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Literal:  # the values as YAML writes them: true, not True
+        return "Literal[" + ", ".join(json.dumps(a) for a in typing.get_args(annotation)) + "]"
+    if typing.get_origin(annotation) is typing.Union and any(typing.get_origin(a) is typing.Literal
+                                                             for a in typing.get_args(annotation)):
+        args = typing.get_args(annotation)
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return f"Optional[{' | '.join(names)}]" if type(None) in args else " | ".join(names)
     text = repr(annotation) if not isinstance(annotation, type) else annotation.__name__
     for noise in ("typing.", "masrl.config.", "<class '", "'>", "NoneType"):
         text = text.replace(noise, "None" if noise == "NoneType" else "")
