@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -267,6 +269,42 @@ def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones
         sweep_run.sweep(spec, tmp_path, jobs=1)
     assert time.monotonic() - t0 < 30 and not sweep_run._RUNNING  # the 60 s run was terminated
     assert runs[0].log_path.exists() and not any(r.log_path.exists() for r in runs[1:])  # nothing else started
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_terminated_sweep_terminates_its_running_runs(tmp_path, monkeypatch, signum):
+    """``kill`` (SIGTERM) or a closed terminal (SIGHUP) stops the sweep as Ctrl-C does: the running run is
+    terminated, no further run starts, and the sweep's handlers are gone afterwards."""
+    monkeypatch.chdir(REPO)
+    spec = SweepSpec.model_validate(spec_dict())
+    runs = expand_runs(spec, tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(sweep_run, "run_argv", lambda run, nice: sleeper)
+    real_wait = sweep_run.wait
+    seen = []
+
+    def unhandled(sig, frame):  # what runs if the sweep installed no handler of its own
+        raise RuntimeError("the sweep did not handle the signal")
+
+    def signal_once_running(pending, return_when):
+        while not sweep_run._RUNNING:
+            real_wait(pending, timeout=0.05)
+        seen.extend(sweep_run._RUNNING)
+        os.kill(os.getpid(), signum)
+        return real_wait(pending, return_when=return_when)
+
+    old = signal.signal(signum, unhandled)
+    try:
+        monkeypatch.setattr(sweep_run, "wait", signal_once_running)
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt, match=signal.Signals(signum).name):
+            sweep_run.sweep(spec, tmp_path, jobs=1)
+        assert signal.getsignal(signum) is unhandled  # restored
+    finally:
+        signal.signal(signum, old)
+    assert time.monotonic() - t0 < 30 and not sweep_run._RUNNING
+    assert seen and seen[0].wait(timeout=10) is not None  # the 60 s run was terminated
+    assert not any(r.log_path.exists() for r in runs[1:])  # nothing else started
 
 
 def test_execute_records_the_peak_rss_of_the_run(tmp_path):

@@ -13,11 +13,14 @@ checkpoint: every run of a comparison is then produced the same way, uninterrupt
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -170,6 +173,27 @@ def _finish(run: Run, rec: dict, progress: Progress) -> None:
     progress.done(run, rec, rec["rc"] == 0 and read_report(run.run_dir) is not None)
 
 
+@contextlib.contextmanager
+def stop_on_termination():
+    """SIGTERM and SIGHUP (``kill``, a batch scheduler's preemption, a closed terminal) stop the sweep as Ctrl-C
+    does: no further run starts and the running ones are terminated. Left running, a sweep's runs would go on
+    writing into the folders the next ``masrl sweep`` starts over. (A sweep started in the background of a
+    non-interactive shell ignores SIGINT; these still reach it.) Main thread only; the old handlers come back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"masrl sweep: {signal.Signals(signum).name}")
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def run_local(runs: Sequence[Run], jobs: int, nice: int, progress: Progress) -> None:
     """``jobs`` runs at a time. Interrupted (Ctrl-C), no further run starts and the running ones are
     terminated: they are partial runs, started over by the next ``masrl sweep``."""
@@ -271,10 +295,11 @@ def sweep(spec: SweepSpec, out: Path, *, jobs: int = 1, nice: int = 0, ray_addre
           f"{len(done)} finished (skipped), {len(todo)} to run "
           f"{'on Ray' if ray_address else f'{jobs} at a time'}; out {out}", flush=True)
     progress = Progress(len(todo), parallel)
-    if ray_address is None:
-        run_local(todo, jobs, nice, progress)
-    else:
-        run_ray(todo, ray_address, gpus, nice, progress)
+    with stop_on_termination():
+        if ray_address is None:
+            run_local(todo, jobs, nice, progress)
+        else:
+            run_ray(todo, ray_address, gpus, nice, progress)
     if progress.failed:
         print(f"[sweep] {len(progress.failed)} of {len(todo)} runs failed: "
               + ", ".join(f"{r.cell.name}/seed{r.seed}" for r in progress.failed), flush=True)
