@@ -5,7 +5,8 @@
    read + written / time), each on ``--threads`` intra-op threads, the median of ``--reps``.
 2. The decode step: ``TransformersEngine.generate`` (the shipped defaults: the fast decode step, masrl's CPU decode
    attention, the preallocated cache; precision ``--autocast`` resolved as ``trainer.autocast`` does, ``auto``: bf16
-   only on a CPU with native bf16) at 1, 8, 32 and 128 rows, ``--prompt`` prompt tokens, ``--new`` new tokens, no stop
+   only on a CPU with native bf16; the allocator settings of a training run, ``--malloc``) at 1, 8, 32 and 128
+   rows, ``--prompt`` prompt tokens, ``--new`` new tokens, no stop
    token, sampled at temperature 1. Tokens per second = rows x (new - 1) / (time of a call with ``new`` tokens -
    time of a call with 1 token): the prefill cancels. Time is process CPU time (one thread: the step's own time,
    less moved by other processes on a shared machine than the wall clock; both are recorded); the calls alternate,
@@ -139,9 +140,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--autocast", default="auto", help="as trainer.autocast (auto: bf16 on a CPU with native bf16)")
     ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="ROWS")
+    ap.add_argument("--malloc", choices=["fast", "lean", "default"], default="fast",
+                    help="glibc allocator settings as trainer.tune_malloc (fast: a training run's default; default: "
+                         "glibc's own)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     set_threads(args.threads)
+    from masrl.runtime.malloc import tune_malloc
+
+    malloc = tune_malloc(args.malloc) if args.malloc != "default" else {"mode": "default"}
     from masrl.models.precision import resolve_autocast
     from masrl.rollout.engine import GenRequest, TransformersEngine
     from masrl.versions import git_sha
@@ -217,7 +224,7 @@ def main() -> None:
             print(f"  {op['op']:40s} {op['self_s']:.3f} s  {op['calls']} calls")
     info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     data = {"rows": out_rows, "model": args.model, "lora": args.lora, "precision": str(product_dtype)[6:],
-            "fast_decode_used": fast_used, "prompt_tokens": args.prompt, "new_tokens": args.new, "reps": args.reps,
+            "fast_decode_used": fast_used, "malloc": malloc, "prompt_tokens": args.prompt, "new_tokens": args.new, "reps": args.reps,
             "matmul_peak": peaks, "copy_bandwidth": bandwidth, "machine": info}
     if profiles:
         data["profile"] = profiles

@@ -209,7 +209,7 @@ def test_engine_of_a_sharded_model_keeps_transformers_forward(tok, monkeypatch):
     model = _model(tok, "mha")
     built = []
     for_model = FastDecode.for_model.__func__
-    monkeypatch.setattr(FastDecode, "for_model", classmethod(lambda cls, *a: built.append(1) or for_model(cls, *a)))
+    monkeypatch.setattr(FastDecode, "for_model", classmethod(lambda cls, *a, **k: built.append(1) or for_model(cls, *a, **k)))
     engine = _engine(model, tok, True)
     engine.model_sharded()
     assert sum(len(r.response_ids) for r in engine.generate(_requests(tok))) > 50

@@ -169,6 +169,77 @@ def test_fast_decoder_rebuilt_when_the_precision_changes(tok):
         assert FastDecode.for_model(model, low) is not low
 
 
+from masrl.models import fast_decode as fast_decode_module  # noqa: E402
+from masrl.models.packed_linear import available as packing_available  # noqa: E402
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="no oneDNN prepacked bf16 linear here (torch "
+                                                                   "build or an AVX2-only CPU)")
+
+
+def _packed_fast(model, mode, monkeypatch) -> FastDecode:
+    """The fast step with every base weight prepacked (the tiny configs are below the packing threshold)."""
+    monkeypatch.setattr(fast_decode_module, "MIN_WEIGHT", 0)
+    with _autocast(mode), cpu_attention(model):
+        fast = FastDecode.for_model(model, packed=True)
+    assert fast.packed and all(w.is_mkldnn for layer in fast.layers
+                               for w, _ in [*layer["qkv"], layer["o"], *layer["gate_up"], layer["down"]])
+    assert fast.head[0].is_mkldnn
+    return fast
+
+
+@needs_packing
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_packed_step_is_bitwise_the_unpacked_step(tok, name, mode, monkeypatch):
+    """oneDNN-prepacked bf16 weights (Qwen2's q/k/v biases included) give the step's logits and cache bitwise."""
+    model = _in_mode(_model(tok, name), mode)
+    plain = _fast(model, mode)
+    assert not plain.packed and not plain.head[0].is_mkldnn
+    packed = _packed_fast(model, mode, monkeypatch)
+    for rows, prompt, padded in ((1, 5, False), (8, 9, True), (33, 12, True)):
+        want, want_cache = _steps(model, mode, rows, prompt, 5, padded, plain)
+        got, got_cache = _steps(model, mode, rows, prompt, 5, padded, packed)
+        assert torch.equal(got, want), (rows, prompt, padded)
+        assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+
+
+@needs_packing
+def test_the_packed_comparison_catches_a_dropped_bias(tok, monkeypatch):
+    """The bitwise check can fail: a packed product that drops Qwen2's q/k/v biases changes the logits."""
+    model = _in_mode(_model(tok, "qwen2"), "autocast")
+    with torch.no_grad():  # transformers initialises biases to 0, which dropping would not change
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.uniform_(-0.5, 0.5)
+    plain = _fast(model, "autocast")
+    packed = _packed_fast(model, "autocast", monkeypatch)
+    real = fast_decode_module.packed_linear
+    monkeypatch.setattr(fast_decode_module, "packed_linear", lambda x, w, b=None: real(x, w, None))
+    want, _ = _steps(model, "autocast", 8, 9, 3, True, plain)
+    got, _ = _steps(model, "autocast", 8, 9, 3, True, packed)
+    assert not torch.equal(got, want)
+
+
+@needs_packing
+def test_packing_follows_the_engine_flag_and_the_precision(tok, monkeypatch):
+    monkeypatch.setattr(fast_decode_module, "MIN_WEIGHT", 0)
+    model = _model(tok, "gqa")
+    with cpu_attention(model):
+        assert not FastDecode.for_model(model, packed=True).packed  # float32 products: F.linear (MKL), never packed
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            packed = FastDecode.for_model(model, packed=True)
+            assert packed.packed and FastDecode.for_model(model, packed, packed=True) is packed
+            assert not FastDecode.for_model(model, packed, packed=False).packed
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                autocast="bfloat16", packed_linear=False)
+    engine.generate([GenRequest(tok("Q 1+2\nS ")["input_ids"], 1.0, 1.0, 4)])
+    assert engine._fast is not None and not engine._fast.packed
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                autocast="bfloat16")
+    engine.generate([GenRequest(tok("Q 1+2\nS ")["input_ids"], 1.0, 1.0, 4)])
+    assert engine._fast is not None and engine._fast.packed
+
+
 peft = pytest.importorskip("peft")
 
 ADAPTERS = {

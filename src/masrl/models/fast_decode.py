@@ -34,8 +34,11 @@ and weights in bf16 (the weights cast once per weight version and kept with the 
 casting a stacked copy at every step), norms, residual sums and rotary embeddings in float32 by the same type
 promotion, the keys/values in the engine's float32 cache. Measured bitwise transformers' forward in bf16 and
 under autocast on the tiny configs (``tests/test_fast_decode_bf16.py``, which allows 1e-3 of the largest entry
-for another BLAS's summation order of the stacked products). The step does not use the oneDNN-packed weights of
-:mod:`masrl.models.packed_linear` (prefills still do).
+for another BLAS's summation order of the stacked products). With ``packed=True`` (the engine's default where
+:func:`masrl.models.packed_linear.available`) the bf16 products run on weights prepacked once for oneDNN
+(:func:`masrl.models.packed_linear.pack`), the same inner product as ``F.linear``'s bf16 path without its
+per-call reorder of the weight: bitwise the same logits (``tests/test_fast_decode_bf16.py``); decode tokens per
+CPU second in benchmarks/RESULTS.md "Decode roofline".
 
 It applies only where that equality is meant to hold; everything else goes through ``model(...)``:
 one of those three classes as transformers builds it (not wrapped by PEFT other than for LoRA, no hooks, no FSDP2
@@ -58,6 +61,7 @@ import torch.nn.functional as F
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, grouped_decode_attention
 from masrl.models.lora_decode import LoraGroup, adapter_dtypes, base_linear, is_lora, row_scales, unsupported_lora
+from masrl.models.packed_linear import MIN_WEIGHT, available as packing_available, linear as packed_linear, pack
 
 # stacked q/k/v and gate/up weights are a copy of most of the model: above this many bytes the projections run
 # one by one instead (still lean, no copy)
@@ -198,19 +202,22 @@ class FastDecode:
     adapter weight or the active adapters changed."""
 
     def __init__(self, model: torch.nn.Module, previous: "FastDecode | None" = None,
-                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)):
+                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), packed: bool = False):
         self.model = model
         self.llama = _causal_lm(model)[0]
         self.dtypes = dtypes  # (residual stream, matrix products): see precision()
+        self.packed = self._packs(packed, dtypes)
         self.base_key, self.lora_key = self._weights_key(model)
         inner = self.llama.model
         if (previous is not None and previous.model is model and previous.base_key == self.base_key
-                and previous.dtypes == dtypes):
+                and previous.dtypes == dtypes and previous.packed == self.packed):
             self.stacked, self.layers = previous.stacked, previous.layers  # only the adapters changed
             self.head = previous.head
         else:
             self.stacked, self.layers = self._base_layers(inner.layers, dtypes[1])
             self.head = self._pair(self.llama.lm_head, dtypes[1])
+            if self.packed:
+                self._pack_base()
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.embed = inner.embed_tokens.weight.detach()
         self.hidden = inner.embed_tokens.embedding_dim
@@ -264,6 +271,25 @@ class FastDecode:
                     down=cls._pair(m.down_proj, dtype)))
         return stacked, out
 
+    @staticmethod
+    def _packs(packed: bool, dtypes: tuple[torch.dtype, torch.dtype]) -> bool:
+        """Whether the step's products run on prepacked weights: asked for, bf16 products, a CPU that packs them."""
+        return packed and dtypes[1] == torch.bfloat16 and packing_available()
+
+    def _pack_base(self) -> None:
+        """Every base weight pair of at least :data:`masrl.models.packed_linear.MIN_WEIGHT` entries with its weight
+        in oneDNN's layout: for float32 weights under autocast it replaces their bf16 copy; bf16 weights (read in
+        place unpacked) gain one packed copy."""
+        def packed(pair):
+            weight, bias = pair
+            return (pack(weight), bias) if weight.numel() >= MIN_WEIGHT else pair
+
+        for layer in self.layers:
+            for name in ("qkv", "gate_up"):
+                layer[name] = [packed(pair) for pair in layer[name]]
+            layer["o"], layer["down"] = packed(layer["o"]), packed(layer["down"])
+        self.head = packed(self.head)
+
     def _lora_groups(self, layers) -> None:
         """Per layer the stacked adapters of q/k/v, o, gate/up and down (None where no projection carries one),
         those of the LM head, and the distinct block layouts (their per-row scales are made once per routing)."""
@@ -290,11 +316,13 @@ class FastDecode:
         return tuple(base), tuple(lora)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None) -> "FastDecode | None":
+    def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None,
+                  packed: bool = False) -> "FastDecode | None":
         """A :class:`FastDecode` for ``model`` in the precision transformers would decode it in now (float32,
         bfloat16 weights, float32 weights under bf16 autocast: :func:`precision`), ``previous`` reused when its
         weights and precision are unchanged, its stacked base weights when only adapters changed; None when it
-        does not apply (:func:`unsupported`, another autocast dtype)."""
+        does not apply (:func:`unsupported`, another autocast dtype). ``packed``: bf16 products on prepacked
+        weights where this CPU packs them."""
         if unsupported(model) is not None:
             return None
         dtypes = precision(model)
@@ -302,15 +330,24 @@ class FastDecode:
             return None
         if (previous is not None and previous.model is model and previous.dtypes == dtypes
                 and previous.lora_dtype == cls._adapter_dtype(model, dtypes)
+                and previous.packed == cls._packs(packed, dtypes)
                 and (previous.base_key, previous.lora_key) == cls._weights_key(model)):
             return previous
-        return cls(model, previous, dtypes)
+        return cls(model, previous, dtypes, packed)
 
     @staticmethod
-    def _project(x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    def _linear(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """``x @ weight.T + bias``; a prepacked weight (an mkldnn tensor) through oneDNN's inner product."""
+        weight, bias = pair
+        if weight.is_mkldnn:
+            return packed_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @classmethod
+    def _project(cls, x: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
         if len(pairs) == 1:
-            return F.linear(x, *pairs[0])
-        return torch.cat([F.linear(x, *pair) for pair in pairs], -1)
+            return cls._linear(x, pairs[0])
+        return torch.cat([cls._linear(x, pair) for pair in pairs], -1)
 
     @staticmethod
     def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -351,7 +388,7 @@ class FastDecode:
 
     def _step(self, ids, mask, positions, cache, routes) -> torch.Tensor:
         batch, hidden = ids.shape[0], self.hidden
-        scales, lora, norm = self._row_scales(routes), self._lora, self._rms_norm
+        scales, lora, norm, linear = self._row_scales(routes), self._lora, self._rms_norm, self._linear
         low = self.dtypes[1]  # every matrix product's inputs (autocast's cast, or the weights' own dtype)
         h = F.embedding(ids, self.embed)
         cos, sin = self.llama.model.rotary_emb(h, positions[:, None])  # [batch, 1, head_dim], in h's dtype
@@ -374,11 +411,11 @@ class FastDecode:
             query = qk[:, :q_heads, None, :]
             attn = grouped_decode_attention(query.float(), keys.float(), values.float(), additive, layer["scaling"])
             attn = attn.view(batch, n_q).to(query.dtype).to(low)
-            h = h + lora(F.linear(attn, *layer["o"]), attn, groups["o"], scales)
+            h = h + lora(linear(attn, layer["o"]), attn, groups["o"], scales)
             x = norm(h, layer["norm2"]).to(low)
             gate_up = lora(self._project(x, layer["gate_up"]), x, groups["gate_up"], scales)
             n = layer["n_inner"]
             inner = F.silu(gate_up[:, :n]) * gate_up[:, n:]
-            h = h + lora(F.linear(inner, *layer["down"]), inner, groups["down"], scales)
+            h = h + lora(linear(inner, layer["down"]), inner, groups["down"], scales)
         x = norm(h, self.norm).to(low)
-        return lora(F.linear(x, *self.head), x, self.head_lora, scales)
+        return lora(linear(x, self.head), x, self.head_lora, scales)

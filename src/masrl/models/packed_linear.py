@@ -47,6 +47,21 @@ def available() -> bool:
     return True
 
 
+BATCH_HINT = 8  # oneDNN picks the blocked layout for this many rows (any row count works, with the same results)
+
+
+def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
+    """A bf16 copy of ``weight`` (``[out, in]``, float32 or bf16) in oneDNN's blocked layout, for :func:`linear`."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), batch_hint)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` in bf16 for a weight packed by :func:`pack` (``x`` bf16): bitwise ``F.linear``'s bf16
+    product (the same oneDNN inner product, without reordering the weight at every call)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def _packable(module: torch.nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (type(module) is torch.nn.Linear and module.bias is None and isinstance(w, torch.Tensor)
@@ -58,8 +73,8 @@ def _packable(module: torch.nn.Module) -> bool:
 class PackedLinears:
     """Packed bf16 copies of a model's large Linear weights, reused while the weights do not change."""
 
-    def __init__(self, batch_hint: int = 8):
-        self.batch_hint = batch_hint  # oneDNN picks the blocked layout for this many rows (any count works)
+    def __init__(self, batch_hint: int = BATCH_HINT):
+        self.batch_hint = batch_hint
         self._packed: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.packs = 0  # weights packed so far (a repack after each weight change)
 
@@ -71,9 +86,7 @@ class PackedLinears:
         key = (w._version, w.data_ptr())
         hit = self._packed.get(id(module))
         if hit is None or hit[0] != key:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(torch.bfloat16), self.batch_hint)
-            hit = (key, packed)
+            hit = (key, pack(w, self.batch_hint))
             self._packed[id(module)] = hit
             self.packs += 1
         return hit[1]
@@ -102,6 +115,6 @@ def _packed_forward(owner: PackedLinears, module: torch.nn.Linear):
         if (x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
                 or torch.get_autocast_dtype("cpu") != torch.bfloat16 or torch.is_grad_enabled()):
             return plain(x)
-        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), owner._weight(module), None, "none", [], "")
+        return linear(x.to(torch.bfloat16), owner._weight(module))
 
     return forward

@@ -229,7 +229,7 @@ class TransformersEngine(Engine):
         if (not self.fast_decode or self.sharded_model or cache is None or not self.preallocate_cache
                 or not self.preallocatable(model)):
             return None
-        self._fast = FastDecode.for_model(model, self._fast)
+        self._fast = FastDecode.for_model(model, self._fast, packed=self.packed_linears is not None)
         return self._fast
 
     def cache_dtype(self, model) -> torch.dtype | None:
