@@ -420,6 +420,14 @@ class CollapseConfig(_Strict):
     invalid_rise: float = Field(0.2, gt=0.0, le=1.0, description="breach: invalid-turn share above baseline + this")
 
 
+class NoSignalConfig(_Strict):
+    """RL steps in which every advantage is 0 (masrl.monitoring.signal; docs/monitoring.md)."""
+
+    action: Literal["log", "stop"] = Field("log", description=(
+        "after `patience` such steps in a row: warn (again after a step with signal), or stop the run (exit 2)"))
+    patience: int = Field(5, ge=1, description="consecutive RL steps with every advantage 0 that warn or stop")
+
+
 class MonitoringConfig(_Strict):
     """Per-role instruments (docs/monitoring.md)."""
 
@@ -429,6 +437,8 @@ class MonitoringConfig(_Strict):
         "even when algorithm.loss.kl_coef is 0; costs one extra no-grad forward per micro-batch"))
     spike: SpikeConfig = Field(default_factory=SpikeConfig, description="gradient-spike detector")
     collapse: CollapseConfig = Field(default_factory=CollapseConfig, description="collapse detector")
+    no_signal: NoSignalConfig = Field(default_factory=NoSignalConfig, description="steps without a learning signal "
+                                                                                  "(every advantage 0)")
     capture_threshold: float = Field(0.8, gt=0.0, lt=1.0, description="role-capture: grad-mass share")
     capture_patience: int = Field(10, ge=1, description="role-capture: consecutive steps")
 

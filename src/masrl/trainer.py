@@ -14,6 +14,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +35,7 @@ from masrl.monitoring.logger import MetricsLogger
 from masrl.monitoring.progress import Progress
 from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.collapse import CollapseMonitor
+from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
 from masrl.tasks.reward_guard import GuardedScore, RewardError, check_failures
@@ -82,6 +84,7 @@ class Trainer:
                                     min_history=mon.spike.min_history, action=mon.spike.action)
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.collapse = CollapseMonitor(list(cfg.agents), **mon.collapse.model_dump())
+        self.signal = SignalMonitor(**mon.no_signal.model_dump())  # steps where every advantage is 0
         self.rolled_back_to: int | None = None  # monitoring.collapse.action: rollback
         self.step = 0
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
@@ -214,6 +217,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         metrics.update(step_metrics(episodes, turns, scores, advantages))
+        metrics.update(self.signal.update(self.step + 1, episodes, advantages))
         metrics.update(self.team.last_reward_counts.metrics())
         metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
         self.monitor(episodes, turns, metrics)
@@ -250,6 +254,7 @@ class Trainer:
                 self.runtime.load_spike_state(state["spikes"])
             if "collapse" in state:
                 self.collapse.load_state_dict(state["collapse"])
+            self.signal.load_state_dict(state.get("signal", {}))
             start_step = int(state["step"])
             print(f"[masrl] resumed from {path} (step {start_step})")
         else:
@@ -272,6 +277,8 @@ class Trainer:
                 self.step += 1
                 self.logger.log(self.step, metrics)
                 progress.advance(_progress_text(metrics, self.cfg.agents))
+                if self.signal.stop_message:  # monitoring.no_signal.action: stop (the step is logged)
+                    raise NoSignalError(self.signal.stop_message)
                 if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step < cfg.trainer.total_steps:
                     self.logger.log(self.step, self.evaluate(f"step_{self.step}"), phase="eval")
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
@@ -290,6 +297,8 @@ class Trainer:
         finally:
             self.logger.close()
         report = write_report(self)
+        if self.signal.final_warning():  # a run that never saw a reward other than 0 does not end quietly
+            warnings.warn(self.signal.final_warning(), NoSignalWarning, stacklevel=2)
         if cfg.trainer.export:  # the end-of-run hook: the one place the driver reaches the export package
             from masrl.export import ExportError, export_run
 
@@ -336,7 +345,7 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         state = {"history": self.history, "spikes": self.runtime.spike_state(self.spikes.state_dict()),
-                 "collapse": self.collapse.state_dict(),
+                 "collapse": self.collapse.state_dict(), "signal": self.signal.state_dict(),
                  **({"drift": self.drift.state_dict()} if self.drift is not None else {})}
         return ckpt.save_checkpoint(self.run_dir, step, self.policies, state, keep=self._keep_checkpoints())
 
@@ -474,7 +483,8 @@ def write_report(trainer: Trainer) -> dict:
               "workflow": cfg.workflow.name, "steps": trainer.step, "eval": trainer.history,
               "versions": trainer.versions,
               "collapse": {"action": cfg.monitoring.collapse.action, "rolled_back_to": trainer.rolled_back_to,
-                           "events": [asdict(e) for e in trainer.collapse.events]}}
+                           "events": [asdict(e) for e in trainer.collapse.events]},
+              "no_signal": trainer.signal.summary()}
     lines = [f"# masrl run report: {cfg.name} (seed {cfg.seed})", "",
              f"workflow `{cfg.workflow.name}`, estimator `{cfg.algorithm.estimator}`, "
              f"{trainer.step} RL steps, {_eval_size(rows, cfg)}", ""]
@@ -483,7 +493,11 @@ def write_report(trainer: Trainer) -> dict:
     if trainer.rolled_back_to is not None:
         lines.append(f"- RL stopped at step {trainer.step}; the weights are those of step {trainer.rolled_back_to} "
                      "(monitoring.collapse.action: rollback)")
-    if trainer.collapse.events:
+    final = trainer.signal.final_warning()
+    if trainer.signal.no_signal_steps:
+        lines.append(f"- no learning signal (every advantage 0) in {trainer.signal.no_signal_steps} of "
+                     f"{trainer.signal.steps} RL steps" + (f"; {final}" if final else ""))
+    if trainer.collapse.events or trainer.signal.no_signal_steps:
         lines.append("")
     if rows:
         keys = [k for k in rows[0][1] if k.startswith(("avg@", "pass@", "maj@"))]
