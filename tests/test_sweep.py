@@ -250,12 +250,17 @@ def test_sweep_runs_only_unfinished_runs_and_reports_failures(tmp_path, monkeypa
     held.close()
 
 
-def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones(tmp_path, monkeypatch):
+def _sleeping_runs(tmp_path, monkeypatch):
+    """(spec, runs) of a sweep whose every run is a 60 s sleep."""
     monkeypatch.chdir(REPO)
     spec = SweepSpec.model_validate(spec_dict())
-    runs = expand_runs(spec, tmp_path)
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     monkeypatch.setattr(sweep_run, "run_argv", lambda run, nice: sleeper)
+    return spec, expand_runs(spec, tmp_path)
+
+
+def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones(tmp_path, monkeypatch):
+    spec, runs = _sleeping_runs(tmp_path, monkeypatch)
     real_wait = sweep_run.wait
 
     def interrupt(pending, return_when):  # Ctrl-C once the first run is under way
@@ -275,11 +280,7 @@ def test_interrupted_sweep_starts_no_further_run_and_terminates_the_running_ones
 def test_a_terminated_sweep_terminates_its_running_runs(tmp_path, monkeypatch, signum):
     """``kill`` (SIGTERM) or a closed terminal (SIGHUP) stops the sweep as Ctrl-C does: the running run is
     terminated, no further run starts, and the sweep's handlers are gone afterwards."""
-    monkeypatch.chdir(REPO)
-    spec = SweepSpec.model_validate(spec_dict())
-    runs = expand_runs(spec, tmp_path)
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    monkeypatch.setattr(sweep_run, "run_argv", lambda run, nice: sleeper)
+    spec, runs = _sleeping_runs(tmp_path, monkeypatch)
     real_wait = sweep_run.wait
     seen = []
 

@@ -297,8 +297,9 @@ class Trainer:
         finally:
             self.logger.close()
         report = write_report(self)
-        if self.signal.final_warning():  # a run that never saw a reward other than 0 does not end quietly
-            warnings.warn(self.signal.final_warning(), NoSignalWarning, stacklevel=2)
+        never_rewarded = self.signal.final_warning()  # such a run does not end quietly
+        if never_rewarded:
+            warnings.warn(never_rewarded, NoSignalWarning, stacklevel=2)
         if cfg.trainer.export:  # the end-of-run hook: the one place the driver reaches the export package
             from masrl.export import ExportError, export_run
 
