@@ -106,4 +106,10 @@ def test_gpu_check_script_skips_every_check_without_cuda():
     lines = out.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [["SKIP", f"{name}:"] for name in
                                                     ("engine_logprobs_vs_trainer", "rl_step_bf16", "fsdp_one_rank",
-                                                     "peak_memory_vs_plan")]
+                                                     "peak_memory_vs_plan", "mixed_lora", "lora_team_rl_step_bf16",
+                                                     "engine_speed_smollm2_shape")]
+    # a subset by name; a name that is no check is refused with the list
+    out = subprocess.run(["bash", str(script), "fsdp_one_rank"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and [line.split()[1] for line in out.stdout.splitlines()] == ["fsdp_one_rank:"]
+    out = subprocess.run(["bash", str(script), "fsdp"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "no check named fsdp" in out.stderr and "mixed_lora" in out.stderr
