@@ -30,7 +30,7 @@ from masrl.io.rows import BadRow, RowPos, detect_row_format, iter_records, parse
 from masrl.types import Task
 
 FORMATS = ("jsonl", "json", "parquet", "hf")
-_KNOWN_PARAMS = {"train", "test", "format", "fields", "reward", "answer_fallback", "reward_mode"}
+_KNOWN_PARAMS = {"train", "test", "format", "fields", "reward", "answer_fallback", "reward_mode", "score_cache"}
 
 
 # ----------------------------------------------------------------------------- reading rows

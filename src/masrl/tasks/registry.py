@@ -127,17 +127,20 @@ def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """Synthetic ``def f(xs)`` tasks with hidden tests (masrl.tasks.code.synthetic), sandboxed reward."""
     from masrl.tasks.code.synthetic import CodeSynthConfig, CodeSynthTeacher, code_synth_score, make_code_synth_tasks
 
-    params = {k: v for k, v in cfg.params.items() if k not in ("reward_mode", "timeout_s")}
+    params = {k: v for k, v in cfg.params.items() if k not in ("reward_mode", "timeout_s", "score_cache")}
     try:
         train, test = make_code_synth_tasks(CodeSynthConfig(**params))
     except TypeError as e:
         raise ConfigError(f"task.params for code_synth: {e}; known: "
-                          f"{sorted(CodeSynthConfig.__dataclass_fields__) + ['reward_mode', 'timeout_s']}") from None
+                          f"{sorted(CodeSynthConfig.__dataclass_fields__) + ['reward_mode', 'score_cache', 'timeout_s']}") from None
     try:
         teacher = CodeSynthTeacher(**sft_teacher)
     except TypeError as e:
         raise ConfigError(f"sft.teacher for code_synth: {e}; known: slip_rate, verifier_noise, seed") from None
-    score = code_synth_score(cfg.params.get("reward_mode", "fraction"), cfg.params.get("timeout_s", 1.0))
+    from masrl.tasks.code.scoring import cache_entries_param
+
+    score = code_synth_score(cfg.params.get("reward_mode", "fraction"), cfg.params.get("timeout_s", 1.0),
+                             cache_entries_param(cfg.params))
     return TaskSource("code_synth", train, test, score, teacher.reply)
 
 

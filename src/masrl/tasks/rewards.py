@@ -142,10 +142,11 @@ for _metric in ("em", "f1", "subem"):
 
 @register_reward("code", builder=True)
 def _code(params: Mapping[str, Any]):
-    """The sandboxed tests' pass fraction (``task.params.reward_mode``: fraction or binary)."""
-    from masrl.tasks.code.scoring import make_code_score
+    """The sandboxed tests' pass fraction (``task.params.reward_mode``: fraction or binary; ``score_cache``:
+    results kept for identical programs, 0 for none)."""
+    from masrl.tasks.code.scoring import cache_entries_param, make_code_score
 
-    return make_code_score(params.get("reward_mode", "fraction"))
+    return make_code_score(params.get("reward_mode", "fraction"), cache_entries=cache_entries_param(params))
 
 
 _FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)

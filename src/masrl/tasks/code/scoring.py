@@ -40,7 +40,7 @@ from masrl.tasks.code.data import free_names
 from masrl.tasks.code.extract import extract_code
 from masrl.types import Task
 
-__all__ = ["score_code", "score_many", "make_code_score", "RemoteRef", "CandidateError", "SandboxFailure"]
+__all__ = ["score_code", "score_many", "make_code_score", "ScoreCache", "RemoteRef", "CandidateError", "SandboxFailure"]
 
 log = logging.getLogger(__name__)
 MODES = ("fraction", "all")
@@ -654,13 +654,121 @@ def score_many(tasks: Sequence[Task], answers: Sequence[str | None], mode: str =
     return sb.map(lambda ta: score_code(ta[0], ta[1], mode=mode, sandbox=sb, **kwargs), zip(tasks, answers))
 
 
-def make_code_score(mode: str = "fraction", **kwargs: Any):
-    """A ``ScoreFn`` ``(task, answer) -> dict`` bound to ``mode`` and scoring options."""
+# per-test reasons whose outcome depends on the program's text alone (not on load, timing or memory): results made
+# of these alone are kept by ScoreCache
+_STABLE_TEST_REASONS = ("ok", "wrong_answer", "skipped", "no_code", "syntax_error", "load_error")
+DEFAULT_CACHE_ENTRIES = 4096
+
+
+def _stable(result: dict) -> bool:
+    """Whether ``result`` would come out the same for the same program on another run: every test passed, failed
+    an assertion, raised (not a ``MemoryError``), or the program did not compile / load. Timeouts, memory and
+    output limits, killed processes and sandbox failures depend on the machine's load and are never kept."""
+    for t in result.get("tests", ()):
+        why = str(t.get("reason", ""))
+        if why in _STABLE_TEST_REASONS or (why.startswith("exception: ") and not why.startswith("exception: Memory")):
+            continue
+        if why.startswith("load_error: ") and "MemoryError" not in why:
+            continue
+        return False
+    return True
+
+
+class ScoreCache:
+    """Results of (hidden tests, program, scoring options) already run, least recently used dropped past
+    ``max_entries``; thread-safe. In a GRPO group many samples are the same program (2/3 of the sandbox
+    executions of a code Eval-Opt run after 100 RL steps); each is run once.
+
+    Only results whose outcome depends on the program's text alone are kept (:func:`_stable`), and not those of
+    HumanEval checks that draw random inputs. A program whose outcome varies from run to run on its own (it
+    reads the clock, the order of a set of strings) gets its first outcome for every identical copy while it is
+    kept."""
+
+    def __init__(self, max_entries: int = DEFAULT_CACHE_ENTRIES):
+        from collections import OrderedDict
+
+        self.max_entries = int(max_entries)
+        self._entries: "OrderedDict[bytes, dict]" = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    @staticmethod
+    def key(spec: dict, code: str, mode: str, options: dict) -> bytes | None:
+        """The entry of ``code`` on ``spec``'s tests (None: not cacheable: a HumanEval check that uses ``random``)."""
+        import hashlib
+        import json
+
+        if spec.get("kind") == "humaneval" and "random" in str(spec.get("test", "")):
+            return None
+        payload = json.dumps([spec, code, mode, sorted(options.items())], sort_keys=True, default=repr)
+        return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=20).digest()
+
+    def get(self, key: bytes) -> dict | None:
+        import copy
+
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+        return copy.deepcopy(hit)
+
+    def put(self, key: bytes, result: dict) -> None:
+        import copy
+
+        if self.max_entries <= 0 or not _stable(result):
+            return
+        with self._lock:
+            self._entries[key] = copy.deepcopy(result)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def cache_entries_param(params: Any, where: str = "task.params.score_cache") -> int:
+    """``task.params.score_cache`` (entries of the code reward's :class:`ScoreCache`; 0 turns it off)."""
+    from masrl.errors import ConfigError
+
+    value = params.get("score_cache", DEFAULT_CACHE_ENTRIES) if hasattr(params, "get") else DEFAULT_CACHE_ENTRIES
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where} must be a whole number of cached results >= 0 (0: run every program), "
+                          f"got {value!r}")
+    return value
+
+
+def make_code_score(mode: str = "fraction", *, cache_entries: int = DEFAULT_CACHE_ENTRIES, **kwargs: Any):
+    """A ``ScoreFn`` ``(task, answer) -> dict`` bound to ``mode`` and scoring options (``score_code``'s keywords).
+
+    ``cache_entries`` > 0: a :class:`ScoreCache` of that many results (the function's ``cache``); a program
+    already scored on the same task is not run again, and its result has ``cached: True`` and the lookup's
+    ``duration_s``. 0: every answer is run."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    cache = ScoreCache(cache_entries) if cache_entries else None
+    extract = kwargs.pop("extract", True)
 
     def score(task: Task, answer: str | None) -> dict:
-        return score_code(task, answer, mode=mode, **kwargs)
+        if cache is None:
+            return score_code(task, answer, mode=mode, extract=extract, **kwargs)
+        t0 = time.monotonic()
+        code = extract_code(answer) if extract else ("" if answer is None else str(answer))
+        key = ScoreCache.key(task.answer, code, mode, kwargs) if isinstance(task.answer, dict) else None
+        hit = cache.get(key) if key is not None else None
+        if hit is not None:
+            hit["cached"], hit["duration_s"] = True, round(time.monotonic() - t0, 4)
+            return hit
+        result = score_code(task, code, mode=mode, extract=False, **kwargs)
+        if key is not None:
+            cache.put(key, result)
+        result["cached"] = False
+        return result
 
     score.__name__ = f"code_score_{mode}"
+    score.cache = cache
     return score

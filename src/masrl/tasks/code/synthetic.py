@@ -110,16 +110,18 @@ def make_code_synth_tasks(cfg: CodeSynthConfig) -> tuple[list[Task], list[Task]]
     return train, test
 
 
-def code_synth_score(mode: str = "fraction", timeout_s: float = 1.0):
+def code_synth_score(mode: str = "fraction", timeout_s: float = 1.0, cache_entries: int | None = None):
     """The sandboxed score of ``code_synth``: ``timeout_s`` per hidden test (a reference program takes
     microseconds), ``3 * timeout_s`` for a whole answer, so a looping program costs seconds, not ``n_tests``
-    times the MBPP default of 5 s."""
-    from masrl.tasks.code.scoring import make_code_score
+    times the MBPP default of 5 s. ``cache_entries``: results kept for identical programs
+    (:class:`~masrl.tasks.code.scoring.ScoreCache`; None: its default, 0: none)."""
+    from masrl.tasks.code.scoring import DEFAULT_CACHE_ENTRIES, make_code_score
 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0.05 <= timeout_s <= 60:
         raise ConfigError(f"task.params.timeout_s for code_synth must be a number of seconds in [0.05, 60], "
                           f"got {timeout_s!r}")
-    return make_code_score(mode, timeout_s=float(timeout_s), total_timeout_s=3.0 * float(timeout_s))
+    return make_code_score(mode, timeout_s=float(timeout_s), total_timeout_s=3.0 * float(timeout_s),
+                           cache_entries=DEFAULT_CACHE_ENTRIES if cache_entries is None else cache_entries)
 
 
 def _blocks(prompt: str) -> list[str]:
