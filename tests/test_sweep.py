@@ -166,6 +166,40 @@ def test_dry_run_prints_every_argv(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 
+def test_seeds_option_runs_only_those_seeds(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    spec = str(write_spec(tmp_path, seeds=[0, 1, 2]))
+    assert cli_main(["sweep", spec, "--dry-run", "--seeds", "2,0", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    seeds = [ln.split(" seed ")[1].split()[0] for ln in out.splitlines() if ln.startswith("# ")]
+    assert seeds == ["0"] * 4 + ["2"] * 4  # the spec's order, seed 1 left out
+    for value, needle in (("3", "--seeds 3: not among the seeds of"), ("1,x", "seeds must be whole numbers"),
+                          ("1,1", "seeds repeat")):
+        try:
+            code = cli_main(["sweep", spec, "--dry-run", "--seeds", value])
+        except SystemExit as e:  # argparse refuses the value
+            code = e.code
+        assert code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_seed_subset_sweep_runs_those_and_lists_all_seeds(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    spec = SweepSpec.model_validate(spec_dict(seeds=[0, 1, 2]))
+    started = []
+
+    def fake_execute(argv, log_path, cwd, env=None):
+        run = next(r for r in expand_runs(spec, tmp_path) if str(r.log_path) == log_path)
+        started.append(run.seed)
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        finish_run(run)
+        return {"argv": argv, "rc": 0, "wall_s": 1.0, "cpu_s": 1.0}
+
+    monkeypatch.setattr(sweep_run, "execute", fake_execute)
+    assert sweep_run.sweep(spec, tmp_path, seeds=[1]) == 0
+    assert started == [1, 1, 1, 1] and "4 cells x 1 of 3 seeds = 4 runs" in capsys.readouterr().out
+    assert json.loads((tmp_path / "sweep.json").read_text())["seeds"] == [0, 1, 2]
+
+
 def test_shipped_example_spec_expands(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     spec = load_spec("examples/sweeps/quickstart_estimators.yaml")

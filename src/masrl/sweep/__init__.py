@@ -29,7 +29,20 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="2 RL steps, tiny SFT and eval: a smoke test, not a result")
     p.add_argument("--dry-run", action="store_true", help="print every run's command line and whether it is "
                    "finished, run nothing")
+    p.add_argument("--seeds", type=_seed_list, metavar="S[,S...]",
+                   help="run only these of the spec's seeds (e.g. to share a sweep between machines, or to run the "
+                   "seeds an earlier folder lacks; `masrl sweep report --prior` joins the parts)")
     return p
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds must be whole numbers separated by commas, got {text!r}") from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds repeat: {text!r}")
+    return seeds
 
 
 def report_parser() -> argparse.ArgumentParser:
@@ -71,5 +84,10 @@ def main(argv: list[str]) -> int:
     if not out:
         raise ConfigError(f"{args.spec}: no output folder: set 'out:' in the spec or pass --out")
     check_output_dir(out, "--out" if args.out else f"{args.spec}: out")
+    if args.seeds is not None:
+        missing = [s for s in args.seeds if s not in spec.seeds]
+        if missing:
+            raise ConfigError(f"--seeds {','.join(map(str, missing))}: not among the seeds of {args.spec} "
+                              f"({', '.join(map(str, spec.seeds))})")
     return sweep(spec, Path(out), jobs=args.jobs, nice=args.nice, ray_address=args.ray, gpus=args.gpus_per_run,
-                 quick=args.quick, dry_run=args.dry_run)
+                 quick=args.quick, dry_run=args.dry_run, seeds=args.seeds)

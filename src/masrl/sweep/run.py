@@ -273,11 +273,14 @@ def write_manifest(spec: SweepSpec, out: Path, quick: bool) -> None:
 
 
 def sweep(spec: SweepSpec, out: Path, *, jobs: int = 1, nice: int = 0, ray_address: str | None = None,
-          gpus: float = 0.0, quick: bool = False, dry_run: bool = False) -> int:
-    """Run every unfinished run of ``spec``; 0 if all finished, 1 if any failed."""
+          gpus: float = 0.0, quick: bool = False, dry_run: bool = False, seeds: Sequence[int] | None = None) -> int:
+    """Run every unfinished run of ``spec`` (of ``seeds`` only, when given: a subset of the spec's); 0 if all
+    finished, 1 if any failed. OUT/sweep.json lists all the spec's seeds either way."""
     cells = expand_cells(spec)
     check_bases(cells)
     runs = expand_runs(spec, out)
+    if seeds is not None:
+        runs = [r for r in runs if r.seed in set(seeds)]
     if quick:  # per base config: only what it has (an SFT stage, periodic eval) is made smaller
         extra = {base: quick_overrides(load_config(base)) for base in {c.base for c in cells}}
         for run in runs:
@@ -291,7 +294,8 @@ def sweep(spec: SweepSpec, out: Path, *, jobs: int = 1, nice: int = 0, ray_addre
     lock = _lock(out)  # noqa: F841 — held until this function returns (the process ends)
     write_manifest(spec, out, quick)
     parallel = jobs if ray_address is None else len(todo)
-    print(f"[sweep] {spec.name}: {len(cells)} cells x {len(spec.seeds)} seeds = {len(runs)} runs; "
+    n_seeds = len(spec.seeds) if seeds is None else f"{len(seeds)} of {len(spec.seeds)}"
+    print(f"[sweep] {spec.name}: {len(cells)} cells x {n_seeds} seeds = {len(runs)} runs; "
           f"{len(done)} finished (skipped), {len(todo)} to run "
           f"{'on Ray' if ray_address else f'{jobs} at a time'}; out {out}", flush=True)
     progress = Progress(len(todo), parallel)
