@@ -127,3 +127,16 @@ def test_task_configs_take_score_cache():
     with pytest.raises(ConfigError, match="score_cache"):
         cfg = TaskConfig(name="code_synth", params={"train_size": 10, "score_cache": -3})
         source_loader(cfg)(cfg, {})
+
+
+def test_guarded_reward_counts_cached_calls_in_metrics():
+    from masrl.tasks.reward_guard import GuardedScore
+
+    guarded = GuardedScore(code_synth_score("fraction", timeout_s=1.0))
+    program = _fenced("def f(xs):\n    return len(xs)")
+    for _ in range(3):
+        guarded(TASKS[0], program)
+    guarded(TASKS[1], program)
+    counts = guarded.ledger.take().metrics()
+    assert counts["reward/calls"] == 4 and counts["reward/cached"] == 2 and counts["reward/errors"] == 0
+    assert guarded.ledger.take().metrics()["reward/cached"] == 0  # counted per rollout

@@ -8,7 +8,8 @@
   process alive); once :data:`MAX_ABANDONED` such threads are still running, further calls are not made
   and the run stops.
 * Every call, error and timeout is counted in a :class:`RewardLedger`; the trainer takes the counts after
-  each rollout (``reward/calls``, ``reward/errors``, ``reward/timeouts`` in metrics.jsonl) and
+  each rollout (``reward/calls``, ``reward/errors``, ``reward/timeouts``, and ``reward/cached``: calls a reward
+  answered from its own cache, in metrics.jsonl) and
   :func:`check_failures` stops the run (:class:`RewardError`, exit 2) when a rollout's calls fail on at
   least ``task.reward_max_error_share`` of them. The first failure of a run is logged with its
   traceback; later ones are one summary line per step.
@@ -178,6 +179,7 @@ class RewardCounts:
     name: str | None = None
     first: str | None = None
     abandoned: int = 0  # calls still running past their deadline when the counts were taken
+    cached: int = 0  # calls answered from the reward's own cache (a result with ``cached: True``: the code reward)
 
     @property
     def failed(self) -> int:
@@ -185,7 +187,7 @@ class RewardCounts:
 
     def metrics(self) -> dict[str, float]:
         return {"reward/calls": float(self.calls), "reward/errors": float(self.errors),
-                "reward/timeouts": float(self.timeouts)}
+                "reward/timeouts": float(self.timeouts), "reward/cached": float(self.cached)}
 
     def summary(self) -> dict[str, int]:
         """For an evaluation's results (``reward_calls``, ``reward_errors``, ``reward_timeouts``)."""
@@ -206,11 +208,12 @@ class RewardLedger:
         self._counts = RewardCounts()
         self._shown: set[str] = set()
 
-    def record(self, name: str, task: Any, error: BaseException | None) -> None:
+    def record(self, name: str, task: Any, error: BaseException | None, cached: bool = False) -> None:
         with self._lock:
             counts = self._counts
             counts.calls += 1
             if error is None:
+                counts.cached += bool(cached)
                 return
             if isinstance(error, RewardTimeout):
                 counts.timeouts += 1
@@ -266,7 +269,7 @@ class GuardedScore:
             out = self._checked(self.score(task, *args, **kwargs))
         except Exception as e:  # noqa: BLE001 - any failure of a reward scores 0 and is counted
             return self._failed(task, e)
-        self.ledger.record(self.name, task, None)
+        self.ledger.record(self.name, task, None, cached=out.get("cached") is True)
         return out
 
     def _checked(self, result: Any) -> dict:
@@ -296,7 +299,7 @@ class GuardedScore:
             except Exception as e:  # noqa: BLE001
                 out.append(self._failed(task, e))
                 continue
-            self.ledger.record(self.name, task, None)
+            self.ledger.record(self.name, task, None, cached=out[-1].get("cached") is True)
         return out
 
 
