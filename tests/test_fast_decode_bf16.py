@@ -8,7 +8,8 @@ same places as transformers (autocast's casts of every ``Linear``'s input and we
 sums by type promotion), so what is left is the BLAS's summation order. The comparison is tight enough to tell a step
 that ignores autocast (float32 products) from the real one. Per-row LoRA adapters in bf16 and under autocast: within
 :data:`LORA_TOLERANCE` of PEFT's forward with the row's adapter active. Through the engine: greedy tokens identical
-with ``fast_decode`` on and off under a fixed seed, the fast step really used.
+with ``fast_decode`` on and off under a fixed seed, the fast step really used; with adapters a row may part from the
+reference only at a near-tie of the reference's own logits.
 """
 import pytest
 import torch
@@ -39,11 +40,18 @@ def tok():
 
 
 def _in_mode(model, mode: str):
-    """``model`` with norms that are not all ones (a misplaced bf16 rounding of a norm shows), in ``mode``'s dtype."""
+    """``model`` with norms that are not all ones (a misplaced bf16 rounding of a norm shows), in ``mode``'s dtype.
+
+    The norms are drawn from their own seeded generator: from the global one, they depended on which tests ran
+    before, and about 1 draw in 150 (MHA under autocast, Sapphire Rapids, one thread) meets a single-element
+    rounding flip between the stacked and the separate q/k/v products (one value-cache entry one bf16 step apart
+    at one row, carried into 64 logits: 1.6e-3 against the 1e-3 tolerance); now every run compares the same
+    model."""
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
-                p.uniform_(0.5, 1.5)
+                p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) + 0.5)
     return model.to(torch.bfloat16) if mode.startswith("bfloat16") else model
 
 
@@ -305,24 +313,76 @@ def _requests(tok, adapters=(None,)):
 
 
 # The base step is bitwise here, so greedy tokens are identical. With adapters the step is within LORA_TOLERANCE,
-# not bitwise: a near-tie can flip a greedy token (autocast, Qwen2, Solver/Verifier: one row of 10 switched from a
-# repeated token one step earlier), so only the bf16 GQA case with adapters is pinned.
+# not bitwise: a near-tie can flip a greedy token, after which the row's continuation differs. There a row may part
+# from the reference only where the reference's own top two logits are within NEAR_TIE of each other (checked by
+# teacher-forcing the shared prefix through PEFT's forward with the row's adapter); a row routed to the wrong
+# adapter parts at a clear winner (test_greedy_check_catches_a_wrong_adapter).
+NEAR_TIE = 2 * LORA_TOLERANCE
+
+
+def _reference_margin(model, mode, prompt_ids, adapter) -> float:
+    """The top-two logit gap of PEFT's forward after ``prompt_ids``, relative to the largest logit (at least 1)."""
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad(), _autocast(mode), cpu_attention(model):
+        if adapter is None:
+            with model.disable_adapter():
+                logits = model(input_ids=ids).logits[0, -1].float()
+        else:
+            model.set_adapter(adapter)
+            logits = model(input_ids=ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float((top[0] - top[1]) / logits.abs().max().clamp(min=1.0))
+
+
+def _assert_same_or_near_tie(model, mode, requests, got, want):
+    for req, a, b in zip(requests, got, want):
+        if a == b:
+            continue
+        first = next(i for i in range(min(len(a), len(b)) + 1) if i == min(len(a), len(b)) or a[i] != b[i])
+        margin = _reference_margin(model, mode, req.prompt_ids + b[:first], req.adapter)
+        assert margin <= NEAR_TIE, (f"a row ({req.adapter}) parted from the reference at token {first} where "
+                                    f"the reference's top two logits are {margin:.3g} apart (not a near-tie)")
+
+
+def test_greedy_check_catches_a_wrong_adapter(tok):
+    """Rows decoded with the other role's adapter part from the reference at a clear winner: the check fails."""
+    import dataclasses
+
+    model = _lora_model(tok, "gqa", "bfloat16")
+    requests = _requests(tok, ("Solver", "Verifier", None))
+    swapped = [dataclasses.replace(r, adapter={"Solver": "Verifier", "Verifier": "Solver"}.get(r.adapter, r.adapter))
+               for r in requests]
+    out = {}
+    for fast, reqs in ((True, swapped), (False, requests)):
+        engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, seed=5,
+                                    fast_decode=fast)
+        out[fast] = [r.response_ids for r in engine.generate(reqs)]
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        _assert_same_or_near_tie(model, "bfloat16", requests, out[True], out[False])
+
+
 @pytest.mark.parametrize("mode,name,adapters", [("autocast", "gqa", (None,)), ("bfloat16", "qwen3", (None,)),
-                                                ("bfloat16", "gqa", ("Solver", "Verifier", None))])
+                                                ("bfloat16", "gqa", ("Solver", "Verifier", None)),
+                                                ("autocast", "qwen2", ("Solver", "Verifier", None))])
 def test_engine_greedy_tokens_identical_with_and_without(tok, mode, name, adapters, monkeypatch):
     model = _lora_model(tok, name, mode) if adapters != (None,) else _in_mode(_model(tok, name), mode)
     calls = []
     step = FastDecode.step
     monkeypatch.setattr(FastDecode, "step", lambda self, *a: calls.append(self.dtypes) or step(self, *a))
     results = {}
+    requests = _requests(tok, adapters)
     for fast in (True, False):
         engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, seed=5,
                                     fast_decode=fast, autocast="bfloat16" if "autocast" in mode else None)
-        first = engine.generate(_requests(tok, adapters))
+        first = engine.generate(requests)
         results[fast] = [r.response_ids for r in first]
         if fast:
             assert calls and calls[0][1] == torch.bfloat16, "the fast step was not used in bf16"
             n_fast = len(calls)
     assert len(calls) == n_fast
-    assert results[True] == results[False]
+    if adapters == (None,):
+        assert results[True] == results[False]
+    else:
+        _assert_same_or_near_tie(model, mode, requests, results[True], results[False])
+        assert sum(a == b for a, b in zip(results[True], results[False])) >= len(requests) // 2
     assert sum(len(ids) for ids in results[True]) > 100
