@@ -25,13 +25,17 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import functools
+import hashlib
 import importlib
+import json
 import logging
 import sys
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from typing import Any, Sequence
 
 from masrl.sandbox import (CodecError, Died, Limits, Proc, Sandbox, SandboxError, decode_value, default_sandbox,
@@ -668,8 +672,6 @@ def _stable(result: dict) -> bool:
         why = str(t.get("reason", ""))
         if why in _STABLE_TEST_REASONS or (why.startswith("exception: ") and not why.startswith("exception: Memory")):
             continue
-        if why.startswith("load_error: ") and "MemoryError" not in why:
-            continue
         return False
     return True
 
@@ -685,8 +687,6 @@ class ScoreCache:
     kept."""
 
     def __init__(self, max_entries: int = DEFAULT_CACHE_ENTRIES):
-        from collections import OrderedDict
-
         self.max_entries = int(max_entries)
         self._entries: "OrderedDict[bytes, dict]" = OrderedDict()
         self._lock = threading.Lock()
@@ -696,17 +696,12 @@ class ScoreCache:
     @staticmethod
     def key(spec: dict, code: str, mode: str, options: dict) -> bytes | None:
         """The entry of ``code`` on ``spec``'s tests (None: not cacheable: a HumanEval check that uses ``random``)."""
-        import hashlib
-        import json
-
         if spec.get("kind") == "humaneval" and "random" in str(spec.get("test", "")):
             return None
         payload = json.dumps([spec, code, mode, sorted(options.items())], sort_keys=True, default=repr)
         return hashlib.blake2b(payload.encode("utf-8", "surrogatepass"), digest_size=20).digest()
 
     def get(self, key: bytes) -> dict | None:
-        import copy
-
         with self._lock:
             hit = self._entries.get(key)
             if hit is None:
@@ -717,8 +712,6 @@ class ScoreCache:
         return copy.deepcopy(hit)
 
     def put(self, key: bytes, result: dict) -> None:
-        import copy
-
         if self.max_entries <= 0 or not _stable(result):
             return
         with self._lock:
