@@ -45,6 +45,11 @@ trained parameters: SmolLM2 yes, tiny no) and TRL's ``adamw_torch_fused`` (trans
 (``masrl.runtime.malloc.tune_malloc()`` before anything is loaded). Besides wall time,
 every step records its process CPU time (``cpu_s``), which other jobs on a shared machine inflate less.
 
+``--profile`` runs cProfile and torch.profiler over every run's timed steps and prints, per framework, the CPU
+seconds per step by op group (matrix products, attention, optimizer, weight packing, sampling, copies/casts,
+elementwise), the time outside aten ops, the top ops and the top Python functions
+(``vs_trl_<model>_profile.json``; the profilers' overhead inflates the timings: read the shares).
+
 Writes ``benchmarks/results/vs_trl_<model>.json`` and prints a markdown table.
 """
 from __future__ import annotations
@@ -100,6 +105,92 @@ def model_folder(model: str, tmp: Path) -> Path:
     return Path(smollm2_path())
 
 
+# ----------------------------------------------------------------------------- profiling (--profile)
+
+OP_GROUPS = [  # (group, exact aten names, substrings); the first group that matches wins
+    ("weight packing", {"_reorder_linear_weight"}, ()),
+    ("matrix products", {"mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "matmul", "linear",
+                         "addmv", "mv", "dot"},
+     ("mkldnn", "onednn", "_pack", "_linear")),
+    ("attention", set(), ("scaled_dot_product", "flash_attention", "efficient_attention")),
+    ("optimizer", set(), ("adam", "_foreach_", "clip_grad")),
+    ("softmax, sampling and log-probs", {"multinomial", "cumsum", "searchsorted", "topk", "sort", "argmax", "max",
+                                "exponential_", "uniform_", "logsumexp", "softmax", "log_softmax"},
+     ("_softmax", "_log_softmax")),
+    ("copies, casts and views", {"copy_", "_to_copy", "to", "contiguous", "clone", "cat", "stack", "index",
+                                 "index_select", "gather", "scatter", "scatter_", "fill_", "zero_", "zeros",
+                                 "ones", "full", "empty", "empty_like", "zeros_like", "resize_", "as_strided",
+                                 "view", "reshape", "_reshape_alias", "_unsafe_view", "transpose", "permute",
+                                 "expand", "slice", "select", "unsqueeze", "squeeze", "t", "narrow", "split",
+                                 "chunk", "detach", "detach_", "alias", "lift_fresh", "item",
+                                 "_local_scalar_dense", "index_put_", "masked_fill", "masked_fill_", "where",
+                                 "nonzero", "arange", "new_zeros", "new_empty", "flatten", "unbind", "pad",
+                                 "constant_pad_nd", "embedding", "embedding_dense_backward"}, ()),
+]
+
+
+def op_group(name: str) -> str:
+    short = name.split("::", 1)[-1]
+    for group, exact, subs in OP_GROUPS:
+        if short in exact or any(k in short for k in subs):
+            return group
+    return "elementwise and other ops"
+
+
+class StepProfiler:
+    """cProfile + torch.profiler over the timed steps (``--profile``): where each framework's CPU time goes.
+
+    The torch ops' self CPU time by group, plus the remainder of the steps' process CPU time that no aten op
+    accounts for (Python, the frameworks' own code, the reward, the tokenizer), the top aten ops and the top
+    Python functions by own time. Profiling adds overhead (per op and per Python call), so a profiled run's
+    timings are not the comparison's figures; the shares are."""
+
+    def __init__(self, top: int = 15):
+        import cProfile
+        from torch.profiler import ProfilerActivity, profile
+
+        self.top, self.cpu = top, 0.0
+        self.cprof = cProfile.Profile()
+        self.tprof = profile(activities=[ProfilerActivity.CPU])
+        self.running = False
+
+    def start(self) -> None:
+        self.tprof.start()
+        self.cprof.enable()
+        self.c0, self.running = time.process_time(), True
+
+    def stop(self) -> None:
+        if self.running:
+            self.cprof.disable()
+            self.cpu, self.running = time.process_time() - self.c0, False  # before the profiler's own wrap-up
+            self.tprof.stop()
+
+    def summary(self) -> dict:
+        import io
+        import pstats
+
+        events = self.tprof.key_averages()
+        ops = {e.key: [e.self_cpu_time_total / 1e6, e.count] for e in events}
+        top_ops = [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count}
+                   for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:self.top]]
+        out = io.StringIO()
+        pstats.Stats(self.cprof, stream=out).sort_stats("tottime").print_stats(self.top)
+        lines = out.getvalue().strip().splitlines()
+        start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+        return {"cpu_s": self.cpu, "ops": ops, "top_ops": top_ops,
+                "cprofile_top": "\n".join(lines[start:start + self.top + 1])}
+
+
+def op_groups(profile: dict) -> dict:
+    """Self seconds of a profile's ops by group, plus ``outside aten ops``: the profiled CPU time that no op
+    accounts for (0 where the ops' self times, measured as wall time, exceed it on a loaded machine)."""
+    groups: dict[str, float] = {}
+    for name, (self_s, _) in profile["ops"].items():
+        groups[op_group(name)] = groups.get(op_group(name), 0.0) + self_s
+    groups["outside aten ops"] = max(profile["cpu_s"] - sum(groups.values()), 0.0)
+    return groups
+
+
 # ----------------------------------------------------------------------------- workers
 
 def warm_reward() -> None:
@@ -141,8 +232,11 @@ def worker_masrl(a) -> dict:
     warm_reward()
     stats = trainer.scheduler.stats
     steps = []
+    prof = StepProfiler() if a.profile else None
     for i in range(a.warmup + a.steps):
         tokens_before, gen_before = stats.generated_tokens, stats.generate_seconds
+        if prof and i == a.warmup:
+            prof.start()
         t, c = time.perf_counter(), time.process_time()
         m = trainer.train_step()
         wall, cpu = time.perf_counter() - t, time.process_time() - c
@@ -153,7 +247,9 @@ def worker_masrl(a) -> dict:
                       "generate_s": stats.generate_seconds - gen_before,
                       "generated_tokens": stats.generated_tokens - tokens_before, "trained_tokens": round(trained),
                       "reward": m["team/reward"], "warmup": i < a.warmup})
-    return {"framework": "masrl", "load_s": load_s, "steps": steps}
+    if prof:
+        prof.stop()
+    return {"framework": "masrl", "load_s": load_s, "steps": steps, **({"profile": prof.summary()} if prof else {})}
 
 
 def trl_fused(a) -> bool:
@@ -245,10 +341,14 @@ def worker_trl(a) -> dict:
     trainer._generate_and_score_completions = timed_generate_and_score
     steps: list[dict] = []
 
+    prof = StepProfiler() if a.profile else None
+
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             phase.update(rollout_s=0.0, generate_s=0.0, prompt_tokens=0, completion_tokens=0)
             counters["generated"] = 0
+            if prof and len(steps) == a.warmup:
+                prof.start()
             self.t, self.c = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
@@ -258,14 +358,18 @@ def worker_trl(a) -> dict:
                           "generate_s": phase["generate_s"], "generated_tokens": counters["generated"],
                           "trained_tokens": phase["prompt_tokens"] + phase["completion_tokens"],
                           "warmup": len(steps) < a.warmup})
+            if prof and len(steps) == a.warmup + a.steps:
+                prof.stop()
 
     trainer.add_callback(StepTimer())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
+    if prof:
+        prof.stop()  # no-op unless training ended early
     if not steps or any(s["generate_s"] <= 0 for s in steps):
         raise RuntimeError("the generation timer saw no model.generate call: TRL's generation path changed")
-    return {"framework": "trl", "load_s": load_s, "steps": steps}
+    return {"framework": "trl", "load_s": load_s, "steps": steps, **({"profile": prof.summary()} if prof else {})}
 
 
 def worker_main(a) -> None:
@@ -318,6 +422,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
         (["--rollout-autocast"] if a.rollout_autocast else []) + ["--fused-adamw", a.fused_adamw] + \
         (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
         (["--trl-bf16"] if a.trl_bf16 else []) + ["--masrl-malloc", a.masrl_malloc, "--trl-malloc", a.trl_malloc]
+    worker_args += ["--profile"] if a.profile else []
     runs = {"masrl": [], "trl": []}
     order = ["masrl", "trl"] if not a.trl_first else ["trl", "masrl"]
     print(f"\n## {model}: B={p['B']} G={p['G']} max_new_tokens={p['max_new_tokens']} lr={p['lr']} "
@@ -362,6 +467,33 @@ def report(res: dict) -> str:
     return head + fmt_table(["metric (median over runs)", "masrl", "TRL", "masrl/TRL median (min-max)", ""], rows)
 
 
+def profile_report(res: dict) -> str:
+    """Per framework, the first run's profile: CPU seconds per timed step by op group, then the top ops and
+    Python functions."""
+    steps = res["params"]["steps"]
+    profs = {fw: res["runs"][fw][0]["profile"] for fw in ("masrl", "trl")}
+    grouped = {fw: op_groups(p) for fw, p in profs.items()}
+    rows = []
+    for g in [g for g, _, _ in OP_GROUPS] + ["elementwise and other ops", "outside aten ops", "total"]:
+        vals = [(profs[fw]["cpu_s"] if g == "total" else grouped[fw].get(g, 0.0)) / steps for fw in ("masrl", "trl")]
+        label = "outside aten ops (Python, framework code, reward, tokenizer)" if g == "outside aten ops" else g
+        rows.append([label, fmt(vals[0]), fmt(vals[1]), fmt(vals[0] / vals[1]) if vals[1] else "-"])
+    calls = {fw: sum(c for _, c in p["ops"].values()) for fw, p in profs.items()}
+    rows.append(["aten op calls per step", fmt(calls["masrl"] / steps), fmt(calls["trl"] / steps),
+                 fmt(calls["masrl"] / max(calls["trl"], 1))])
+    out = [f"### {res['model']}: profiled CPU s per timed step (first run of each framework; profiler overhead "
+           "included)\n", fmt_table(["", "masrl", "TRL", "masrl/TRL"], rows)]
+    for fw in ("masrl", "trl"):
+        p = profs[fw]
+        out.append(f"\n#### {fw}: top aten ops by self CPU (s per step)\n")
+        out.append(fmt_table(["op", "group", "s / step", "calls / step"],
+                             [[o["op"], op_group(o["op"]), fmt(o["self_cpu_s"] / steps), fmt(o["calls"] / steps)]
+                              for o in p["top_ops"]]))
+        out.append(f"\n#### {fw}: top Python functions by own time (cProfile, all timed steps)\n")
+        out.append("```\n" + p["cprofile_top"] + "\n```")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
@@ -388,6 +520,10 @@ def main(argv=None) -> None:
                     help="masrl trainer.tune_malloc (tuned: the shipped default; masrl.runtime.malloc)")
     ap.add_argument("--trl-malloc", choices=["default", "tuned"], default="default",
                     help="TRL's process with glibc's malloc defaults, or with masrl's settings (masrl.runtime.malloc)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the timed steps of every run (cProfile + torch.profiler): CPU time by op group, "
+                         "outside aten, top ops and Python functions; writes vs_trl_<model>_profile.json (profiled "
+                         "timings carry the profilers' overhead: use the shares, not the ratio)")
     # internal: one measured run
     ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -404,10 +540,13 @@ def main(argv=None) -> None:
         for model in models:
             res = run_model(model, a, Path(tmp))
             res.update(command=command_line(), machine=info)
-            path = RESULTS / f"vs_trl_{model}.json"
+            path = RESULTS / f"vs_trl_{model}{'_profile' if a.profile else ''}.json"
             write_json(path, res)
             print()
             print(report(res))
+            if a.profile:
+                print()
+                print(profile_report(res))
             print(f"\nwritten {path}")
 
 
