@@ -33,6 +33,8 @@ built here, outside masrl):
 * ``fast_decode``: float32 engine calls with transformers' forward vs the lean decode step
                  (``masrl.models.fast_decode``): the tiny model at a team's and a single agent's batch shapes,
                  and SmolLM2 (its projections one by one: stacking them would exceed the memory limit);
+* ``shared_packs``: after a full fine-tuning weight change, the fast decode step's o/down/LM-head projections
+                 packed once (shared with the engine's packed Linear layers) vs a second time (SmolLM2);
 * ``compile``  : ``torch.compile`` of the tiny model, one fixed shape (compile time + per-step time);
                  slow (~40 s of compilation), only with ``--levers compile``.
 
@@ -43,6 +45,7 @@ built here, outside masrl):
     python benchmarks/profile_step.py --section levers --levers sampler decode_attention --reps 5   # decode kernels
     python benchmarks/profile_step.py --section levers --levers train_attention packed_linear --reps 5   # bf16 kernels
     python benchmarks/profile_step.py --section levers --levers fast_decode --reps 5   # fast decode steps
+    python benchmarks/profile_step.py --section levers --levers shared_packs --reps 5   # one pack per weight
 """
 from __future__ import annotations
 
@@ -532,6 +535,73 @@ def lever_packed_linear(a):
                     "prefill included)", "results": results}
 
 
+def lever_shared_packs(a):
+    """Full fine-tuning changes every weight each step, so the rollout repacks them: the prefill's Linear layers
+    (``PackedLinears``) and the fast decode step's o/down/LM-head projections once each with the step sharing the
+    engine's copies (masrl), twice with the step packing its own (the variant built here). SmolLM2 under bf16
+    autocast: engine calls after ``weights_changed(base_changed=True)`` (process CPU, ms per decode step,
+    prefill and repacking included), the fast step's build alone after the prefill has packed, and the bf16
+    bytes the step holds beyond the engine's packs."""
+    import torch
+
+    from masrl.models.cpu_attention import cpu_attention
+    from masrl.models.fast_decode import FastDecode
+    from masrl.models.packed_linear import PackedLinears
+    from masrl.rollout.engine import GenRequest, TransformersEngine
+
+    class OwnPacks(TransformersEngine):  # the engine's fast_decoder without shared_packs: the step packs its own
+        def fast_decoder(self, model, cache):
+            if (not self.fast_decode or self.sharded_model or cache is None or not self.preallocate_cache
+                    or not self.preallocatable(model)):
+                return None
+            self._fast = FastDecode.for_model(model, self._fast, packed=self.packed_linears is not None)
+            return self._fast
+
+    def own_mib(fast, packs: PackedLinears) -> float:
+        """bf16 MiB of the step's packed weights that are not the engine's ``packs``."""
+        shared = {id(w) for _, w in packs._packed.values()}
+        tensors = [w for layer in fast.layers for w, _ in [*layer["qkv"], layer["o"], *layer["gate_up"],
+                                                           layer["down"]]] + [fast.head[0]]
+        return sum(2 * w.numel() for w in tensors if w.is_mkldnn and id(w) not in shared) / 2**20
+
+    model = load_smollm2().eval()
+    g = torch.Generator().manual_seed(0)
+    reqs = [GenRequest(torch.randint(10, 40000, (a.prompt_len - 20 * (i % 2),), generator=g).tolist(), 1.0, 1.0,
+                       a.response_len) for i in range(a.rows)]
+    engines = {"shared with the engine's packs (masrl)": TransformersEngine(
+                   model, eos_token_ids=[10**6], pad_token_id=2, autocast="bfloat16"),
+               "the step's own packs": OwnPacks(model, eos_token_ids=[10**6], pad_token_id=2, autocast="bfloat16")}
+    if engines["the step's own packs"].packed_linears is None:
+        return {"what": "shared packs: this CPU does not pack bf16 weights (no AVX-512 BF16 path)", "results": {}}
+
+    def call(engine):
+        def f():
+            engine.weights_changed(model, base_changed=True)
+            engine.generate(reqs)
+        return f
+
+    res = ab({k: call(e) for k, e in engines.items()}, a.reps, clock=time.process_time)
+    for k, v in res.items():
+        v["ms_per_step"] = 1000 * v["median_s"] / a.response_len
+        v["own_bf16_mib"] = own_mib(engines[k]._fast, engines[k].packed_linears)
+    packs = PackedLinears()
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    for m in modules:  # what the prefill leaves packed
+        packs.packed_weight(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16), cpu_attention(model):  # as the engine decodes
+        assert FastDecode.for_model(model, packed=True) is not None
+        build = ab({"build, sharing": lambda: FastDecode.for_model(model, packed=True, shared_packs=packs),
+                    "build, own packs": lambda: FastDecode.for_model(model, packed=True)}, a.reps,
+                   clock=time.process_time)
+        build["build, sharing"]["own_bf16_mib"] = own_mib(FastDecode.for_model(model, packed=True,
+                                                                              shared_packs=packs), packs)
+        build["build, own packs"]["own_bf16_mib"] = own_mib(FastDecode.for_model(model, packed=True), packs)
+    res.update(build)
+    return {"what": "SmolLM2 bf16 engine calls after a full fine-tuning weight change (process CPU; ms per decode "
+                    "step, prefill and packing included); the fast step's build after the prefill, and its own "
+                    "packed bf16 MiB", "results": res}
+
+
 def lever_fast_decode(a):
     """float32 engine calls (autocast off) with transformers' forward per decode step vs
     ``masrl.models.fast_decode`` (the same arithmetic in about half the operator calls): the tiny model with 16
@@ -759,6 +829,8 @@ def run_levers(a) -> dict:
             out[name] = lever_packed_linear(a)
         elif name == "fast_decode":
             out[name] = lever_fast_decode(a)
+        elif name == "shared_packs":
+            out[name] = lever_shared_packs(a)
         elif name == "prefix":
             out[name] = lever_prefix(a, None if a.no_smollm2 else load_smollm2())
         else:
@@ -769,6 +841,7 @@ def run_levers(a) -> dict:
         extra = {"decode": ("ms_per_step", "ms / decode step"), "sampler": ("ms_per_step", "ms / decode step"),
                  "decode_attention": ("ms_per_step", "ms / decode step"),
                  "packed_linear": ("ms_per_step", "ms / decode step"), "fast_decode": ("ms_per_step", "ms / decode step"),
+                 "shared_packs": ("own_bf16_mib", "step's own packed MiB"),
                  "bucketing": ("padding_overhead", "padding / real tokens"),
                  "prefix": ("prefill_tokens_per_call", "prefill tokens / call")}
         rows = [[k, fmt(v["median_s"]), fmt(v["min_s"]), fmt(v["ratio_to_first"])] +
@@ -788,7 +861,7 @@ def main(argv=None) -> None:
                     default=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing"],
                     choices=["prefill", "logits", "adamw", "bf16", "kvcache", "decode", "bucketing", "compile",
                              "prealloc", "rollout_bf16", "entropy", "prefix", "sampler", "decode_attention",
-                             "train_attention", "packed_linear", "fast_decode"])
+                             "train_attention", "packed_linear", "fast_decode", "shared_packs"])
     ap.add_argument("--no-smollm2", action="store_true", help="prefix, decode_attention, train_attention, packed_linear, "
                                                               "fast_decode levers: tiny workloads only")
     ap.add_argument("--override", action="append", default=[], help="quickstart config override (profile)")

@@ -248,6 +248,37 @@ def test_packing_follows_the_engine_flag_and_the_precision(tok, monkeypatch):
     assert engine._fast is not None and engine._fast.packed
 
 
+@needs_packing
+@pytest.mark.parametrize("name", ["gqa", "qwen2"])
+def test_the_fast_step_shares_the_engines_packs(tok, name, monkeypatch):
+    """o, down and the LM head decode on the very tensors the engine's PackedLinears keep for the prefill (one copy
+    and one packing per weight), with the logits and cache of a step that packs its own; the engine wires it."""
+    from masrl.models import packed_linear as packed_linear_module
+    from masrl.models.packed_linear import PackedLinears
+
+    monkeypatch.setattr(packed_linear_module, "MIN_WEIGHT", 0)  # the tiny configs are below both thresholds
+    model = _in_mode(_model(tok, name), "autocast")
+    own = _packed_fast(model, "autocast", monkeypatch)
+    shared = PackedLinears()
+    with _autocast("autocast"), cpu_attention(model):
+        common = FastDecode.for_model(model, packed=True, shared_packs=shared)
+    blocks = model.model.layers
+    assert shared.packs == 2 * len(blocks) + 1  # o and down of every layer, the head; nothing else
+    for layer, block in zip(common.layers, blocks):
+        assert layer["o"][0] is shared.packed_weight(block.self_attn.o_proj)
+        assert layer["down"][0] is shared.packed_weight(block.mlp.down_proj)
+        assert all(w.is_mkldnn for w, _ in [*layer["qkv"], *layer["gate_up"]])  # stacked: the step's own
+    assert common.head[0] is shared.packed_weight(model.lm_head) and shared.packs == 2 * len(blocks) + 1
+    want, want_cache = _steps(model, "autocast", 8, 9, 4, True, own)
+    got, got_cache = _steps(model, "autocast", 8, 9, 4, True, common)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                autocast="bfloat16")
+    engine.generate([GenRequest(tok("Q 1+2\nS ")["input_ids"], 1.0, 1.0, 4)])
+    assert engine._fast.layers[0]["o"][0] is engine.packed_linears.packed_weight(blocks[0].self_attn.o_proj)
+
+
 peft = pytest.importorskip("peft")
 
 ADAPTERS = {

@@ -38,7 +38,9 @@ for another BLAS's summation order of the stacked products). With ``packed=True`
 :func:`masrl.models.packed_linear.available`) the bf16 products run on weights prepacked once for oneDNN
 (:func:`masrl.models.packed_linear.pack`), the same inner product as ``F.linear``'s bf16 path without its
 per-call reorder of the weight: bitwise the same logits (``tests/test_fast_decode_bf16.py``); decode tokens per
-CPU second in benchmarks/RESULTS.md "Decode roofline".
+CPU second in benchmarks/RESULTS.md "Decode roofline". Given the engine's
+:class:`masrl.models.packed_linear.PackedLinears` (``shared_packs``), the unstacked o, down and LM-head projections
+decode on the copies the prefill packed, so each of those weights is packed and held once.
 
 It applies only where that equality is meant to hold; everything else goes through ``model(...)``:
 one of those three classes as transformers builds it (not wrapped by PEFT other than for LoRA, no hooks, no FSDP2
@@ -61,7 +63,8 @@ import torch.nn.functional as F
 
 from masrl.models.cpu_attention import NAME as CPU_ATTENTION, grouped_decode_attention
 from masrl.models.lora_decode import LoraGroup, adapter_dtypes, base_linear, is_lora, row_scales, unsupported_lora
-from masrl.models.packed_linear import MIN_WEIGHT, available as packing_available, linear as packed_linear, pack
+from masrl.models.packed_linear import (MIN_WEIGHT, PackedLinears, available as packing_available,
+                                       linear as packed_linear, pack)
 
 # stacked q/k/v and gate/up weights are a copy of most of the model: above this many bytes the projections run
 # one by one instead (still lean, no copy)
@@ -202,7 +205,8 @@ class FastDecode:
     adapter weight or the active adapters changed."""
 
     def __init__(self, model: torch.nn.Module, previous: "FastDecode | None" = None,
-                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), packed: bool = False):
+                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32), packed: bool = False,
+                 shared_packs: "PackedLinears | None" = None):
         self.model = model
         self.llama = _causal_lm(model)[0]
         self.dtypes = dtypes  # (residual stream, matrix products): see precision()
@@ -217,7 +221,7 @@ class FastDecode:
             self.stacked, self.layers = self._base_layers(inner.layers, dtypes[1])
             self.head = self._pair(self.llama.lm_head, dtypes[1])
             if self.packed:
-                self._pack_base()
+                self._pack_base(shared_packs)
         self.norm = (inner.norm.weight.detach(), inner.norm.variance_epsilon)
         self.embed = inner.embed_tokens.weight.detach()
         self.hidden = inner.embed_tokens.embedding_dim
@@ -276,19 +280,25 @@ class FastDecode:
         """Whether the step's products run on prepacked weights: asked for, bf16 products, a CPU that packs them."""
         return packed and dtypes[1] == torch.bfloat16 and packing_available()
 
-    def _pack_base(self) -> None:
+    def _pack_base(self, shared: "PackedLinears | None" = None) -> None:
         """Every base weight pair of at least :data:`masrl.models.packed_linear.MIN_WEIGHT` entries with its weight
         in oneDNN's layout: for float32 weights under autocast it replaces their bf16 copy; bf16 weights (read in
-        place unpacked) gain one packed copy."""
-        def packed(pair):
+        place unpacked) gain one packed copy. The unstacked projections (o, down, the LM head) take the copy the
+        engine's ``shared`` packs hold for the prefill where it packs that module (the same bytes: one copy, one
+        packing per weight version); stacked q/k/v and gate/up are this step's own."""
+        def packed(pair, module=None):
             weight, bias = pair
-            return (pack(weight), bias) if weight.numel() >= MIN_WEIGHT else pair
+            if weight.numel() < MIN_WEIGHT:
+                return pair
+            common = shared.packed_weight(module) if shared is not None and module is not None else None
+            return (pack(weight) if common is None else common, bias)
 
-        for layer in self.layers:
+        for layer, block in zip(self.layers, self.llama.model.layers):
             for name in ("qkv", "gate_up"):
                 layer[name] = [packed(pair) for pair in layer[name]]
-            layer["o"], layer["down"] = packed(layer["o"]), packed(layer["down"])
-        self.head = packed(self.head)
+            layer["o"] = packed(layer["o"], base_linear(block.self_attn.o_proj))
+            layer["down"] = packed(layer["down"], base_linear(block.mlp.down_proj))
+        self.head = packed(self.head, base_linear(self.llama.lm_head))
 
     def _lora_groups(self, layers) -> None:
         """Per layer the stacked adapters of q/k/v, o, gate/up and down (None where no projection carries one),
@@ -317,12 +327,13 @@ class FastDecode:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None,
-                  packed: bool = False) -> "FastDecode | None":
+                  packed: bool = False, shared_packs: "PackedLinears | None" = None) -> "FastDecode | None":
         """A :class:`FastDecode` for ``model`` in the precision transformers would decode it in now (float32,
         bfloat16 weights, float32 weights under bf16 autocast: :func:`precision`), ``previous`` reused when its
         weights and precision are unchanged, its stacked base weights when only adapters changed; None when it
         does not apply (:func:`unsupported`, another autocast dtype). ``packed``: bf16 products on prepacked
-        weights where this CPU packs them."""
+        weights where this CPU packs them; ``shared_packs``: the engine's packed Linear weights, whose copies of the
+        unstacked projections the step reuses (:meth:`_pack_base`)."""
         if unsupported(model) is not None:
             return None
         dtypes = precision(model)
@@ -333,7 +344,7 @@ class FastDecode:
                 and previous.packed == cls._packs(packed, dtypes)
                 and (previous.base_key, previous.lora_key) == cls._weights_key(model)):
             return previous
-        return cls(model, previous, dtypes, packed)
+        return cls(model, previous, dtypes, packed, shared_packs)
 
     @staticmethod
     def _linear(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

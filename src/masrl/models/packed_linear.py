@@ -91,6 +91,12 @@ class PackedLinears:
             self.packs += 1
         return hit[1]
 
+    def packed_weight(self, module: torch.nn.Module) -> torch.Tensor | None:
+        """The packed bf16 copy of ``module``'s weight, reused or made now, or None for a module this class does not
+        pack: the fast decode step takes its unstacked projections from here, so the prefill's Linear layers and
+        the decode step share one copy (:class:`masrl.models.fast_decode.FastDecode`)."""
+        return self._weight(module) if _packable(module) else None
+
     @contextlib.contextmanager
     def active(self, model: torch.nn.Module) -> Iterator[int]:
         """Inside, the packable Linear modules of ``model`` compute with their packed weight whenever bf16 autocast

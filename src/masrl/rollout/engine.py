@@ -229,7 +229,8 @@ class TransformersEngine(Engine):
         if (not self.fast_decode or self.sharded_model or cache is None or not self.preallocate_cache
                 or not self.preallocatable(model)):
             return None
-        self._fast = FastDecode.for_model(model, self._fast, packed=self.packed_linears is not None)
+        self._fast = FastDecode.for_model(model, self._fast, packed=self.packed_linears is not None,
+                                          shared_packs=self.packed_linears)
         return self._fast
 
     def cache_dtype(self, model) -> torch.dtype | None:
