@@ -300,6 +300,28 @@ def _lora_model(tok, name, mode):
     return model.eval()
 
 
+@needs_packing
+def test_the_fast_step_shares_the_engines_packs_under_adapters(tok, monkeypatch):
+    """With LoRA adapters (o_proj, down_proj and the LM head carry some) the step shares the packs of the base
+    layers, which the prefill's PEFT layers call."""
+    from masrl.models import packed_linear as packed_linear_module
+    from masrl.models.lora_decode import base_linear
+    from masrl.models.packed_linear import PackedLinears
+
+    monkeypatch.setattr(packed_linear_module, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(fast_decode_module, "MIN_WEIGHT", 0)
+    model = _lora_model(tok, "gqa", "autocast")
+    shared = PackedLinears()
+    with _autocast("autocast"), cpu_attention(model):
+        fast = FastDecode.for_model(model, packed=True, shared_packs=shared)
+    causal = model.base_model.model
+    for layer, block in zip(fast.layers, causal.model.layers):
+        assert layer["o"][0] is shared.packed_weight(base_linear(block.self_attn.o_proj))
+        assert layer["down"][0] is shared.packed_weight(base_linear(block.mlp.down_proj))
+    assert fast.head[0] is shared.packed_weight(base_linear(causal.lm_head))
+    assert shared.packs == 2 * len(causal.model.layers) + 1
+
+
 def _peft_reference(model, mode, rows, prompt, routes):
     logits, caches = None, None
     for adapter in set(routes):
