@@ -327,18 +327,25 @@ def test_without_seccomp_the_cgroup_and_ipc_limits_hold(hog):
         assert res.status == "ok" and _held_mib(res) <= 16, res.stdout
 
 
-def test_cgroups_are_removed_after_each_execution():
+def test_cgroups_are_removed_after_each_execution(monkeypatch):
     sb = _sandbox("namespaces")
     if not sb.cgroups:
         pytest.skip("no writable memory cgroup here")
     from masrl.sandbox import _cgroup
 
-    parents = _cgroup.layout()[1].values()
-    before = {p.name for d in parents for p in Path(d).glob("masrl-sbx-*")}
+    made: list[str] = []  # this execution's cgroups (other processes on the machine may be making their own)
+    real_init = _cgroup.ExecCgroup.__init__
+
+    def recording(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.extend(self.dirs)
+
+    monkeypatch.setattr(_cgroup.ExecCgroup, "__init__", recording)
     res = run_python("import os\nif os.fork() == 0:\n    os.setsid()\n    import time; time.sleep(60)\n", sandbox=sb)
     assert res.status == "ok"
-    after = {p.name for d in parents for p in Path(d).glob("masrl-sbx-*")}
-    assert after <= before
+    assert made and all(Path(d).name.startswith("masrl-sbx-") for d in made)
+    assert not any(os.path.isdir(d) for d in made), made
+    monkeypatch.undo()
     # a harness killed with SIGKILL leaves empty cgroups: the next harness sweeps them
     stale = _cgroup.ExecCgroup(64 << 20, 16)
     assert all(os.path.isdir(d) for d in stale.dirs)
