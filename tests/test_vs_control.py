@@ -30,9 +30,19 @@ def test_paired_control_minus_team_by_hand():
     # after RL, control − team per seed: 0, 3, 10 -> mean 13/3, sd sqrt(79/3), t(0.975, 2) = 4.3027:
     # half-width 4.3027 * 5.1316 / sqrt(3) = 12.75; seeds: 2 ahead, 0 behind, 1 tied
     text = vc.table(TEAM, CONTROL)
-    assert "| policy=shared | after RL | 38.7 ± 5.0 | 43.0 ± 9.4 | +4.3 ± 12.7 (n = 3) | 2 / 0 / 1 |" in text
+    assert ("| policy=shared | after RL | 38.7 ± 5.0 (n = 3) | 43.0 ± 9.4 (n = 3) | +4.3 ± 12.7 (n = 3) | 2 / 0 / 1 |"
+            in text)
     # gain: 1, 1, 5 -> mean 7/3, sd sqrt(16/3) = 2.309, half-width 5.74
-    assert "| policy=shared | RL gain | 9.8 ± 4.4 | 12.2 ± 2.6 | +2.3 ± 5.7 (n = 3) | 3 / 0 / 0 |" in text
+    assert ("| policy=shared | RL gain | 9.8 ± 4.4 (n = 3) | 12.2 ± 2.6 (n = 3) | +2.3 ± 5.7 (n = 3) | 3 / 0 / 0 |"
+            in text)
+
+
+def test_one_seed_has_no_interval():
+    """A cell with one finished seed shows its value without an interval, not "± 0.0"."""
+    team = summary("team", {"policy=isolated": {"sft": [29.0], "rl": [36.0], "gain": [7.0]}})
+    text = vc.table(team, CONTROL)
+    assert ("| policy=isolated | after RL | 36.0 (no interval) (n = 1) | 43.0 ± 9.4 (n = 3) | "
+            "+3.0 (no interval) (n = 1) | 1 / 0 / 0 |") in text
 
 
 def test_a_missing_summary_or_arm_is_one_clear_error(tmp_path):

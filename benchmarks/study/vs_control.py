@@ -27,9 +27,10 @@ def _values(summary: dict, name: str, arm: str) -> dict[int, float]:
     return {int(s): v for s, v in summary["metrics"][name]["arms"][arm]["values"].items() if v is not None}
 
 
-def _fmt(stat: dict) -> str:
+def _fmt(stat: dict, sign: str = "+") -> str:
+    """mean ± half-width of the 95% t-interval; with one value, no interval (not ± 0)."""
     hw = stat.get("half_width")
-    return f"{stat['mean']:+.1f} ± {hw:.1f}" if hw is not None else f"{stat['mean']:+.1f} (n = 1)"
+    return f"{stat['mean']:{sign}.1f} ± {hw:.1f}" if hw is not None else f"{stat['mean']:{sign}.1f} (no interval)"
 
 
 def table(team: dict, control: dict, control_arm: str | None = None) -> str:
@@ -48,9 +49,9 @@ def table(team: dict, control: dict, control_arm: str | None = None) -> str:
             t = _values(team, t_name, team_arm)
             p = paired(c, t)
             tc, cc = mean_ci(list(t.values())).as_dict(), mean_ci(list(c.values())).as_dict()
-            lines.append(f"| {team_arm} | {stage} | {tc['mean']:.1f} ± {tc['half_width'] or 0:.1f} | "
-                         f"{cc['mean']:.1f} ± {cc['half_width'] or 0:.1f} | {_fmt(p.as_dict()['diff'])} "
-                         f"(n = {len(p.seeds)}) | {p.arm_higher} / {p.baseline_higher} / {p.ties} |")
+            lines.append(f"| {team_arm} | {stage} | {_fmt(tc, '')} (n = {len(t)}) | {_fmt(cc, '')} (n = {len(c)}) | "
+                         f"{_fmt(p.as_dict()['diff'])} (n = {len(p.seeds)}) | {p.arm_higher} / {p.baseline_higher} / "
+                         f"{p.ties} |")
     return "\n".join(lines) + "\n"
 
 
