@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +9,21 @@ import torch
 # Tests run on 2 shared cores: one intra-op thread avoids OpenMP oversubscription.
 torch.set_num_threads(1)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(relpath: str, name: str | None = None):
+    """A script under ``benchmarks/`` imported as a module (it is not a package); ``benchmarks/`` goes on
+    ``sys.path`` for the scripts' own ``_benchutil`` imports."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    path = BENCHMARKS / relpath
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def tiny_config_dict(tmp_path, **over):

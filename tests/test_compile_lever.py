@@ -9,24 +9,17 @@ with like and so that wiring the lever later starts from measured tolerances:
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def lever():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("compile_lever", BENCH / "compile_lever.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("compile_lever.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,12 @@
 """benchmarks/study/verifier_rates.py: the confusion table of a Verifier's verdicts recovered from the
 three rates older runs log (hand-computed counts)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("verifier_rates", ROOT / "benchmarks" / "study" / "verifier_rates.py")
-vr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(vr)
+from conftest import load_benchmark
+
+vr = load_benchmark("study/verifier_rates.py")
 K = "eval/test/agent/Verifier/"
 
 

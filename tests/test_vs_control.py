@@ -1,15 +1,12 @@
 """benchmarks/study/vs_control.py: a control sweep's arm against every team arm, paired on seeds
 (hand-computed intervals)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("vs_control", ROOT / "benchmarks" / "study" / "vs_control.py")
-vc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(vc)
+from conftest import load_benchmark
+
+vc = load_benchmark("study/vs_control.py")
 
 
 def summary(name: str, arms: dict[str, dict[str, list[float]]]) -> dict:

@@ -1,23 +1,15 @@
 """``benchmarks/vs_trl.py --profile``: the op grouping and the profiler's accounting (no TRL needed)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def vs_trl():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("vs_trl_under_test", BENCH / "vs_trl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("vs_trl.py", "vs_trl_under_test")
 
 
 @pytest.mark.parametrize("op, group", [
