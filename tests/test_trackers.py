@@ -3,6 +3,7 @@ import glob
 import json
 import struct
 import sys
+import time
 
 import pytest
 
@@ -16,28 +17,42 @@ def _quick(tiny_cfg, **over):
                        "eval.before_after": False, "logging.plots": False, **over})
 
 
-def _wandb_history(run_dir):
-    """History rows of an offline W&B run, read from its .wandb file (a LevelDB-style log of protobufs)."""
+def _wandb_records(path):
+    """(record type, record) of an offline W&B run's .wandb file (a LevelDB-style log of protobufs)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    data, pos, buf, rows = open(path, "rb").read(), 7, b"", []
+    data, pos, buf, records = open(path, "rb").read(), 7, b"", []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a record header is padding
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):  # end of what the writer has flushed so far
+            break
         buf, pos = buf + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # FULL or LAST fragment: one record
             record = pb.Record()
             record.ParseFromString(buf)
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+            records.append((record.WhichOneof("record_type"), record))
             buf = b""
-        elif kind == 0:
-            break
-    return rows
+    return records
+
+
+def _wandb_history(run_dir, deadline_s=60.0):
+    """History rows of an offline W&B run, once its file holds the run's exit record.
+
+    `run.finish()` returns when the W&B service has handled the exit; the service closes (flushes) the run's
+    file after that, on its own thread, so the file is read again until its last record, `exit`, is there."""
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    start = time.monotonic()
+    records = _wandb_records(path)
+    while not any(kind == "exit" for kind, _ in records):
+        assert time.monotonic() - start < deadline_s, f"{path}: no exit record {deadline_s:.0f} s after finish()"
+        time.sleep(0.05)
+        records = _wandb_records(path)
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+            for kind, record in records if kind == "history"]
 
 
 def test_wandb_offline_and_mlflow_file_store_get_every_metric(tiny_cfg, tmp_path, monkeypatch):
