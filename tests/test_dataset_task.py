@@ -76,30 +76,33 @@ def test_hf_source_through_datasets_and_offline_error_names_the_cache(tmp_path, 
 
 
 USER_REWARD = '''
-CALLS = []
+import os
 
-def reward(task, episode):
-    CALLS.append(len(episode.turns))
+def reward(task, episode):  # the turns it saw, one line per call (the reward runs in a process of its own)
+    with open(os.environ["MASRL_TEST_CALLS"], "a") as f:
+        f.write(f"{len(episode.turns)}\\n")
     for turn in episode.turns:
         turn.reward = 0.25 if turn.agent == "Verifier" else None
     return {"reward": 1.0 if episode.answer and task.answer in episode.answer else 0.0, "correct": False}
 '''
 
 
-@pytest.mark.parametrize("mode", ["team", "per_turn"])
-def test_user_reward_sees_all_turns_and_sets_per_turn_rewards(tiny_cfg, tmp_path, monkeypatch, mode):
+@pytest.mark.parametrize("mode, isolation", [("team", "process"), ("per_turn", "process"), ("per_turn", "thread")])
+def test_user_reward_sees_all_turns_and_sets_per_turn_rewards(tiny_cfg, tmp_path, monkeypatch, mode, isolation):
     (tmp_path / "my_rewards.py").write_text(USER_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MASRL_TEST_CALLS", str(tmp_path / "calls.txt"))
     data = _jsonl(tmp_path / "d.jsonl", [{"question": f"{i}+1", "answer": str(i + 1)} for i in range(6)])
-    cfg = config_from_dict(tiny_cfg(**{"task": {"name": "dataset", "params": {
+    cfg = config_from_dict(tiny_cfg(**{"task": {"name": "dataset", "reward_isolation": isolation, "params": {
         "train": str(data), "reward": "my_rewards:reward"}}, "sft.steps": 0, "algorithm.reward": mode,
         "workflow.params.max_loops": 2}))
-    import my_rewards
 
     with Trainer(cfg, progress=False) as trainer:
+        assert trainer.source.score.isolation == isolation
         episodes = trainer.rollout(trainer.source.train[:3], [0, 1, 2])
         turns, _, scores = trainer.score_turns(episodes)
-    final_calls = my_rewards.CALLS[-len(episodes):]  # team.finish is the last call of each episode
+    calls = [int(n) for n in (tmp_path / "calls.txt").read_text().split()]
+    final_calls = calls[-len(episodes):]  # team.finish is the last call of each episode
     assert sorted(final_calls) == sorted(len(e.turns) for e in episodes)
     assert all(not e.info["correct"] for e in episodes)
     team = {id(t): e.reward for e in episodes for t in e.turns}

@@ -38,6 +38,11 @@ def _wait_for_abandoned_calls(timeout_s=10.0):
         time.sleep(0.02)
 
 
+def _tracebacks(caplog) -> int:
+    """Log records showing a traceback: attached (a reward run in a thread) or as text (from a reward's process)."""
+    return sum(r.exc_info is not None or "Traceback (most recent call last)" in r.getMessage() for r in caplog.records)
+
+
 def _reward_file(tmp_path, body: str, name="my_reward.py"):
     path = tmp_path / name
     path.write_text(body)
@@ -81,10 +86,13 @@ def reward(task, episode):
 '''
 
 
-def test_a_hung_reward_call_returns_at_its_deadline_and_cannot_touch_the_turns(tmp_path, release):
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_hung_reward_call_returns_at_its_deadline_and_cannot_touch_the_turns(tmp_path, release, isolation):
     from masrl.tasks.reward_guard import GuardedScore
 
-    score = GuardedScore(resolve_reward(_reward_file(tmp_path, HANG.format(flag=str(release))), {}, timeout_s=0.5))
+    score = GuardedScore(resolve_reward(_reward_file(tmp_path, HANG.format(flag=str(release))), {}, timeout_s=0.5,
+                                        isolation=isolation))
+    assert score.score.isolation == isolation
     task = Task("t/1", "q", "1")
     turn = Turn("Solver", "p", [1], [2], [0.0], "x")
     t0 = time.monotonic()
@@ -93,17 +101,20 @@ def test_a_hung_reward_call_returns_at_its_deadline_and_cannot_touch_the_turns(t
     assert result["reward"] == 0.0 and result["reason"] == "reward_timeout" and "deadline of 0.5 s" in result["detail"]
     counts = score.ledger.take()
     assert (counts.calls, counts.errors, counts.timeouts) == (1, 0, 1)
+    if isolation == "process":  # its worker was stopped
+        assert score.score.process.proc is None
     release.touch()
     _wait_for_abandoned_calls()
     assert turn.reward is None  # the late call set 5.0, then 7.0, on copies only
 
 
-def test_a_hung_reward_stops_training_within_a_few_deadlines(tmp_path, tiny_cfg, release, capsys):
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_hung_reward_stops_training_within_a_few_deadlines(tmp_path, tiny_cfg, release, capsys, isolation):
     reward = _reward_file(tmp_path, HANG.format(flag=str(release)))
     t0 = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        code = _run(tmp_path, tiny_cfg, reward, **{"task.reward_timeout_s": 0.5})
+        code = _run(tmp_path, tiny_cfg, reward, **{"task.reward_timeout_s": 0.5, "task.reward_isolation": isolation})
     elapsed = time.monotonic() - t0
     errors = _error_lines(capsys.readouterr().err)
     assert code == 2 and len(errors) == 1, errors
@@ -144,7 +155,7 @@ def test_a_reward_that_always_raises_stops_the_run_with_one_line(tmp_path, tiny_
     assert failed == calls and int(calls) >= 4
     assert "ZeroDivisionError" in line and "my_reward.py line 3" in line and "fix the function" in line
     assert "Traceback" not in err
-    assert sum(r.exc_info is not None for r in caplog.records) == 1  # the first failure's traceback, once
+    assert _tracebacks(caplog) == 1  # the first failure's traceback, once
     assert _metrics(tmp_path)[-1]["reward/errors"] == int(calls)
 
 
@@ -158,7 +169,7 @@ def test_a_reward_that_sometimes_raises_is_counted_and_the_run_finishes(tmp_path
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert 0 < r["reward/errors"] < r["reward/calls"] and r["reward/timeouts"] == 0
-    assert sum(r.exc_info is not None for r in caplog.records) == 1
+    assert _tracebacks(caplog) == 1
     summaries = [str(w.message) for w in caught if w.category.__name__ == "RewardWarning"]
     assert any("in step 2" in s and "KeyError" in s for s in summaries), summaries
 

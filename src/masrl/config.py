@@ -71,8 +71,13 @@ class TaskConfig(_Strict):
         "stop at the first data row that does not parse (else it is skipped with a warning naming file and line)"))
     reward_timeout_s: float = Field(10.0, gt=0.0, le=86400.0, description=(
         "deadline of one call of a user reward (task.params.reward: 'file.py:function' or 'pkg.module:function'); "
-        "a call past it scores 0 (reason reward_timeout), is counted in reward/timeouts and its thread is "
-        "abandoned; docs/reliability.md"))
+        "a call past it scores 0 (reason reward_timeout) and is counted in reward/timeouts; its worker process "
+        "is stopped (its thread abandoned under reward_isolation: thread); docs/reliability.md"))
+    reward_isolation: Literal["auto", "process", "thread"] = Field("auto", description=(
+        "where a user reward's calls run: process (a worker process of its own: a call past its deadline is "
+        "stopped, a crash is one failed call), thread (a worker thread of the trainer: the reward shares its "
+        "state, but a call holding the interpreter lock cannot be stopped), auto (process, or thread for a "
+        "function a separate process cannot import); docs/reliability.md"))
     reward_max_error_share: float = Field(1.0, gt=0.0, le=1.0, description=(
         "the run stops (exit 2) when the reward fails (raises, returns no finite number, times out) on at least "
         "this share of a step's or an evaluation's calls; 1.0: when every call fails. Failures are counted in "

@@ -186,7 +186,7 @@ def dataset_source(cfg: TaskConfig, sft_teacher: dict):
         raise ConfigError(f"task.params.fields must map question/answer (and optionally id, setup) to field "
                          f"names, got {fields!r}")
     reward = params.get("reward", "math")
-    score = resolve_reward(reward, params, cfg.reward_timeout_s)
+    score = resolve_reward(reward, params, cfg.reward_timeout_s, cfg.reward_isolation)
     kind = reward_kind(reward)
     kw = dict(fields=fields, reward=kind, fmt=params.get("format"), strict=cfg.strict)
     train = load_rows_as_tasks(params["train"], limit=cfg.train_limit, **kw)

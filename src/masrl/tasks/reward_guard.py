@@ -42,6 +42,17 @@ class RewardTimeout(Exception):
     """A user reward call ran past its deadline (scored 0, counted in ``reward/timeouts``)."""
 
 
+class RewardProcessError(RuntimeError):
+    """A call of a reward run in its own process (:mod:`masrl.tasks.reward_process`) failed: it raised there
+    (``description``: ``Type: message in FILE line N``; ``remote_traceback``: the worker's traceback), returned
+    what cannot be sent back, or the worker died during the call or could not load the function."""
+
+    def __init__(self, description: str, remote_traceback: str = ""):
+        super().__init__(description)
+        self.description = description
+        self.remote_traceback = remote_traceback
+
+
 class RewardError(UserInputError):
     """A reward function failed on too many calls of a rollout: the run stops (exit 2). ``counts``: the
     rollout's :class:`RewardCounts`."""
@@ -155,12 +166,14 @@ def checked_reward(value: Any, what: str, warn_key: str | None = None) -> float:
 
 def describe_error(error: BaseException) -> str:
     """``Type: message in FILE line N`` (the deepest frame outside masrl), one line."""
+    if isinstance(error, RewardProcessError):  # described where it was raised, in the reward's process
+        return error.description
     text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_MASRL_DIR)]
     return f"{text} in {frames[-1].filename} line {frames[-1].lineno}" if frames else text
 
 
-def _user_frames(tb):
+def user_frames(tb):
     """The traceback from its first frame outside masrl (the whole traceback when every frame is masrl's)."""
     start = tb
     while start is not None and start.tb_frame.f_code.co_filename.startswith(_MASRL_DIR):
@@ -224,11 +237,13 @@ class RewardLedger:
             first_of_reward = name not in self._shown
             self._shown.add(name)
         if first_of_reward:
-            with_trace = not isinstance(error, (RecursionError, RewardTimeout))
+            remote = isinstance(error, RewardProcessError)
+            with_trace = not isinstance(error, (RecursionError, RewardTimeout)) and not remote
             log.warning("reward function failed on task %r (scored 0): %s: %s; later failures are counted "
-                        "(reward/errors, reward/timeouts) and summarised once per rollout",
+                        "(reward/errors, reward/timeouts) and summarised once per rollout%s",
                         getattr(task, "id", task), name, describe_error(error),
-                        exc_info=(type(error), error, _user_frames(error.__traceback__)) if with_trace else None)
+                        f"\n{error.remote_traceback.rstrip()}" if remote and error.remote_traceback else "",
+                        exc_info=(type(error), error, user_frames(error.__traceback__)) if with_trace else None)
 
     def take(self) -> RewardCounts:
         """The counts since the last take (and the calls still running past their deadline)."""

@@ -16,19 +16,21 @@ It is called by ``team.finish`` (the team reward) and by ``team.score`` (a workf
 verdict on the turns so far). ``path/to/file.py:function`` works too.
 
 A user's reward runs under the contract of :mod:`masrl.tasks.reward_guard`: it is imported and its
-signature checked when the config is (one ``ConfigError`` line otherwise); each call runs in a worker
-thread with a deadline (``task.reward_timeout_s``) and sees copies of the turns, whose ``reward`` values
-are taken back only from a call that returned in time; rewards must be finite and are clipped to
-``±MAX_ABS_REWARD``; failures are counted and a rollout where they reach ``task.reward_max_error_share``
+signature checked when the config is (one ``ConfigError`` line otherwise); each call runs with a deadline
+(``task.reward_timeout_s``) in a worker process of its own (``task.reward_isolation: auto`` / ``process``,
+:mod:`masrl.tasks.reward_process`) or in a worker thread (``thread``; ``auto`` for a function a separate
+process cannot import: one defined in ``__main__`` or inside a function) and sees copies of the turns, whose
+``reward`` values are taken back only from a call that returned in time; rewards must be finite and are clipped
+to ``±MAX_ABS_REWARD``; failures are counted and a rollout where they reach ``task.reward_max_error_share``
 stops the run.
 """
 from __future__ import annotations
 
 import copy
-import importlib
 import importlib.util
 import inspect
 import math
+import pickle
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -36,11 +38,13 @@ from typing import Any, Callable, Mapping
 
 from masrl.errors import ConfigError
 from masrl.registry import Registry
-from masrl.tasks.reward_guard import call_with_deadline, checked_reward
+from masrl.tasks.reward_guard import call_with_deadline, checked_reward, reward_name
+from masrl.tasks.user_code import import_object
 from masrl.types import Episode, Task, Turn
 
 BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "qa_subem", "code")  # rewards whose gold answers dataset tasks parse
 DEFAULT_TIMEOUT_S = 10.0  # task.reward_timeout_s's default
+ISOLATIONS = ("auto", "process", "thread")  # task.reward_isolation
 
 
 @dataclass(frozen=True)
@@ -149,56 +153,6 @@ def _code(params: Mapping[str, Any]):
     return make_code_score(params.get("reward_mode", "fraction"), cache_entries=cache_entries_param(params))
 
 
-_FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
-
-
-def import_object(spec: str, what: str) -> Any:
-    """``pkg.module:attr`` or ``path/to/file.py:attr``; one clear ConfigError naming ``what`` otherwise."""
-    mod_name, sep, attr = spec.rpartition(":")
-    if not sep or not mod_name or not attr:
-        raise ConfigError(f"{what} {spec!r} is not of the form 'pkg.module:function' or 'file.py:function'")
-    if mod_name.endswith(".py"):
-        module = _import_file(Path(mod_name).expanduser().resolve(), spec, what)
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
-                              "PYTHONPATH?") from e
-        except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
-            raise ConfigError(f"{what} {spec!r}: importing module {mod_name!r} failed ({import_failure(e)})") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise ConfigError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    return obj
-
-
-def _import_file(path: Path, spec: str, what: str):
-    """A user's ``.py`` file as a module, imported once per process (the config check, then the run)."""
-    if path in _FILE_MODULES:
-        return _FILE_MODULES[path]
-    if not path.is_file():
-        raise ConfigError(f"{what} {spec!r}: file {path} does not exist (relative paths start at the current "
-                          f"folder, {Path.cwd()})")
-    loader_spec = importlib.util.spec_from_file_location(f"masrl_user_{path.stem}", path)
-    module = importlib.util.module_from_spec(loader_spec)
-    try:
-        loader_spec.loader.exec_module(module)
-    except BaseException as e:  # noqa: BLE001 - the user's file fails (or exits) when imported: say which and why
-        raise ConfigError(f"{what} {spec!r}: importing {path} failed ({import_failure(e)})") from None
-    _FILE_MODULES[path] = module
-    return module
-
-
-def import_failure(error: BaseException) -> str:
-    """One line for an exception raised while importing user code (``SystemExit(0)``: ``sys.exit(0)``)."""
-    if isinstance(error, SystemExit):
-        return f"it called sys.exit({error.code!r}) on import; a module a config names must not exit"
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted (KeyboardInterrupt) while importing"
-    return " ".join(f"{type(error).__name__}: {error}".split())[:500]
-
-
 def check_reward_signature(fn: Any, name: str) -> None:
     """``fn`` can be called as masrl calls a user reward, ``fn(task, episode)``: one ConfigError otherwise."""
     expected = "def reward(task, episode) -> float | dict"
@@ -226,10 +180,22 @@ class EpisodeReward:
     the ``reward`` the function sets on a turn is checked (finite, clipped) and copied back when it returns.
     """
 
-    def __init__(self, fn: Callable[[Task, Episode], Any], name: str, timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    def __init__(self, fn: Callable[[Task, Episode], Any], name: str, timeout_s: float | None = DEFAULT_TIMEOUT_S,
+                 load: tuple[str, Any] | None = None):
         self.fn, self.name, self.timeout_s = fn, name, timeout_s
         self.__name__ = name
         self.takes_episode = True  # read by Team.score: a user reward sees the turns so far
+        self.process = None  # its worker process (isolation process), started at the first call
+        if load is not None and timeout_s is not None:
+            from masrl.tasks.reward_process import RewardProcess
+
+            self.process = RewardProcess(name, load)
+
+    @property
+    def isolation(self) -> str:
+        """Where the calls run: ``process`` (a worker process), ``thread`` (a worker thread), ``none`` (the
+        caller's thread, no deadline)."""
+        return "none" if self.timeout_s is None else "process" if self.process is not None else "thread"
 
     def __call__(self, task: Task, answer_or_episode: Episode | str | None) -> dict:
         episode = answer_or_episode
@@ -240,6 +206,10 @@ class EpisodeReward:
         view.turns = [mine for _, mine in pairs]
         if self.timeout_s is None:
             result = self.fn(task, view)
+        elif self.process is not None:
+            result, values = self.process.call(task, view, self.timeout_s)
+            for mine, value in zip(view.turns, values):
+                mine.reward = value
         else:
             result = call_with_deadline(self.name, self.fn, (task, view), self.timeout_s)
         out = self._team_reward(result, task)
@@ -271,25 +241,60 @@ class EpisodeReward:
 
 
 def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | None = None,
-                   timeout_s: float | None = DEFAULT_TIMEOUT_S):
+                   timeout_s: float | None = DEFAULT_TIMEOUT_S, isolation: str = "auto"):
     """The score function for reward ``name`` (see the module docstring): a name in :data:`REWARDS`, a user
     function ``pkg.module:function`` / ``file.py:function``, or a mapping ``{judge: {...}}`` /
     ``{model: {...}}`` built by its registered reward (:func:`register_reward` with ``options=True``).
     ``params``: the task's params (``answer_fallback`` for math, ``reward_mode`` for code); ``timeout_s``: the
-    deadline of each call of a user reward."""
+    deadline of each call of a user reward; ``isolation``: where its calls run (``task.reward_isolation``:
+    auto, process, thread)."""
     params = params or {}
+    if isolation not in ISOLATIONS:
+        raise ConfigError(f"task.reward_isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
     if isinstance(name, Mapping):
         return _resolve_mapping(name, params)
     if isinstance(name, str) and ":" in name and name not in REWARDS:
         fn = import_object(name, "reward")
         check_reward_signature(fn, name)
-        return EpisodeReward(fn, name, timeout_s)
+        return EpisodeReward(fn, name, timeout_s, _process_load(name, fn, isolation))
     spec = REWARDS.get(name)
     if spec.form == "options":
         raise ConfigError(f"reward {name!r} takes options: write reward: {{{name}: {{...}}}} (docs/training.md)")
     if spec.form == "builder":
         return spec.fn(params)
-    return EpisodeReward(spec.fn, name, timeout_s)
+    return EpisodeReward(spec.fn, name, timeout_s, _process_load(None, spec.fn, isolation))
+
+
+def _process_load(spec: str | None, fn: Callable, isolation: str) -> tuple[str, Any] | None:
+    """How a worker process loads the reward (:class:`masrl.tasks.reward_process.RewardProcess`), or None to
+    run it in a thread: ``thread``, or ``auto`` for a function a separate process cannot import (``process``
+    then is one ConfigError line saying why)."""
+    if isolation == "thread":
+        return None
+    if spec is not None:  # file.py:function (made absolute: the worker imports it again) or pkg.module:function
+        module, _, attr = spec.rpartition(":")
+        return ("spec", f"{Path(module).expanduser().resolve()}:{attr}" if module.endswith(".py") else spec)
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    why = None
+    if module in (None, "__main__") or "<locals>" in qualname or "<lambda>" in qualname:
+        why = f"it is defined in {'a function' if module not in (None, '__main__') else 'the script being run'}"
+    else:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            why = f"its module {module!r} cannot be imported by name"
+    if why is None:
+        try:
+            return ("pickle", pickle.dumps(fn))
+        except Exception as e:  # noqa: BLE001 - a callable object that does not pickle
+            why = f"it cannot be pickled ({type(e).__name__}: {e})"
+    if isolation == "process":
+        raise ConfigError(f"reward {reward_name(fn)!r} cannot run in a process of its own (task.reward_isolation: "
+                          f"process): {why}; define it at the top level of an importable module, or set "
+                          "task.reward_isolation: thread")
+    return None
 
 
 def qa_reward_name(params: Mapping[str, Any]) -> str:

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable, Mapping
 from masrl.errors import ConfigError
 from masrl.registry import Registry
 from masrl.tasks.reward_guard import GuardedScore
-from masrl.tasks.rewards import import_failure
+from masrl.tasks.user_code import import_failure
 from masrl.tools.chat_format import ChatPrompt
 from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts
 from masrl.tools.text import valid_text
