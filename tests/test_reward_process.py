@@ -3,6 +3,10 @@ what a thread cannot bound — a call holding the interpreter lock, a call that 
 call, and the run goes on or stops with one line, never hangs or ends silently."""
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 import warnings
 
@@ -64,8 +68,6 @@ def _episode(task):
 
 
 def test_a_reward_runs_in_a_worker_process_and_its_turn_rewards_come_back(rewards):
-    import os
-
     score = rewards("ok")
     assert score.score.isolation == "process"
     task = Task("t/1", "q", "1")
@@ -174,3 +176,42 @@ def test_the_first_failure_shows_the_traceback_from_the_reward_process(rewards, 
     message = record.getMessage()
     assert "rewards.py\", line" in message and "return {}[\"missing\"]" in message and "masrl" not in message.split(
         "Traceback")[1]
+
+
+ORPHAN = '''
+import os, threading, time
+from masrl.tasks.rewards import resolve_reward
+from masrl.types import Task
+score = resolve_reward({reward!r}, {{}}, 1000)
+threading.Thread(target=lambda: score(Task("t", "q", "1"), "1"), daemon=True).start()
+while score.process.proc is None or score.process.starts == 0:
+    time.sleep(0.01)
+time.sleep(0.5)   # the worker is inside the call, holding its interpreter lock
+print(score.process.proc.pid, flush=True)
+os._exit(0)       # the trainer ends without stopping its worker (as a SIGKILL would)
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_stuck_in_a_call_dies_with_the_trainer(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARDS_PY)
+    script = ORPHAN.format(reward=f"{tmp_path / 'rewards.py'}:holds_the_lock")
+    out = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         timeout=60)  # stderr: the worker inherits it
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive  # without PR_SET_PDEATHSIG it spins on at 100% of a core, an orphan
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

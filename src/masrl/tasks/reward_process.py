@@ -77,6 +77,7 @@ class RewardProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
         env.pop("PYTHONSTARTUP", None)
+        env["MASRL_REWARD_PARENT"] = str(os.getpid())
         self.proc = subprocess.Popen([sys.executable, "-m", "masrl.tasks.reward_process"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
         self.starts += 1
@@ -214,8 +215,25 @@ def _load(load: tuple[str, Any]):
     return pickle.loads(value)
 
 
+def _die_with_the_trainer() -> None:
+    """Linux: the kernel kills this worker when the trainer ends (a worker stuck in a call that holds the
+    interpreter lock never reads the closed pipe, and no thread of its own could run to notice)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != os.environ.get("MASRL_REWARD_PARENT", str(os.getppid())):
+        os._exit(0)  # the trainer ended before the line above ran
+
+
 def serve() -> None:
     """The worker's loop (``python -m masrl.tasks.reward_process``)."""
+    _die_with_the_trainer()
     inbox = sys.stdin.buffer
     outbox = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the reward's print() goes to stderr, not into the protocol
