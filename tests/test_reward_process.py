@@ -215,3 +215,20 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_worker_started_from_a_thread_that_ends_serves_the_next_call(rewards):
+    """The parent-death signal follows the thread that started a worker: workers are started from one long-lived
+    thread, so a call from a thread that has ended (a pool's, a server's) does not lose the worker."""
+    import threading
+
+    score = rewards("ok")
+    task = Task("t/1", "q", "1")
+    first = []
+    thread = threading.Thread(target=lambda: first.append(score(task, _episode(task))))
+    thread.start()
+    thread.join()
+    time.sleep(0.2)  # the kernel's signal, if it were tied to that thread, has come by now
+    second = score(task, _episode(task))
+    assert first[0]["reward"] == second["reward"] == 1.0 and first[0]["pid"] == second["pid"]
+    assert score.score.process.starts == 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import queue
 import select
 import signal
 import struct
@@ -78,8 +79,9 @@ class RewardProcess:
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
         env.pop("PYTHONSTARTUP", None)
         env["MASRL_REWARD_PARENT"] = str(os.getpid())
-        self.proc = subprocess.Popen([sys.executable, "-m", "masrl.tasks.reward_process"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self.proc = _spawn(lambda: subprocess.Popen([sys.executable, "-m", "masrl.tasks.reward_process"],
+                                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                                    start_new_session=True))
         self.starts += 1
         self._send(self.load)
         reply = self._receive(deadline, f"to start and load the function (within {self.start_timeout_s:g} s)")
@@ -176,6 +178,39 @@ class RewardProcess:
         if reply[0] == "ok":
             return reply[1], reply[2]
         raise RewardProcessError(reply[1], reply[2])
+
+
+_SPAWNS: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+_SPAWNER: list[threading.Thread] = []
+
+
+def _spawn(start):
+    """``start()`` (a Popen) on one long-lived thread of this process: Linux's parent-death signal, which ends a
+    worker with the trainer, fires when the *thread* that started the worker ends, so no worker is started from
+    a thread that may end before the process does (a pool's, a server's per-request thread)."""
+    with _SPAWN_LOCK:
+        if not _SPAWNER or not _SPAWNER[0].is_alive():
+            thread = threading.Thread(target=_spawner, name="masrl-reward-spawner", daemon=True)
+            thread.start()
+            _SPAWNER[:] = [thread]
+    done = queue.SimpleQueue()
+    _SPAWNS.put((start, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _spawner() -> None:
+    while True:
+        start, done = _SPAWNS.get()
+        try:
+            done.put((True, start()))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            done.put((False, e))
+
+
+_SPAWN_LOCK = threading.Lock()
 
 
 class _Overrun(Exception):
