@@ -182,6 +182,7 @@ class RewardProcess:
 
 _SPAWNS: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
 _SPAWNER: list[threading.Thread] = []
+_SPAWN_LOCK = threading.Lock()
 
 
 def _spawn(start):
@@ -208,9 +209,6 @@ def _spawner() -> None:
             done.put((True, start()))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             done.put((False, e))
-
-
-_SPAWN_LOCK = threading.Lock()
 
 
 class _Overrun(Exception):
