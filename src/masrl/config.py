@@ -260,6 +260,12 @@ class AlgorithmConfig(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
     rollout_is: RolloutISConfig = Field(default_factory=RolloutISConfig, description=(
         "truncated importance sampling between trainer and rollout engine"))
+    role_stages: Optional[list[list[str]]] = Field(None, description=(
+        "staged updates: groups of agents that take turns at training, e.g. [[Generator], [Aggregator]]; at RL "
+        "step t only the agents of group (t-1) // role_stage_steps mod len(groups) are trained (the others' turns "
+        "are rolled out and scored, their advantages computed as usual, but left out of the loss). Every agent "
+        "in at least one group; None: every agent every step. docs/algorithms.md"))
+    role_stage_steps: int = Field(1, ge=1, description="RL steps each group of algorithm.role_stages trains in a row")
 
     @field_validator("estimator")
     @classmethod
@@ -625,6 +631,24 @@ class RunConfig(_Strict):
         unused = sorted(set(self.policies) - {a.policy for a in self.agents.values()})
         if unused:
             raise ValueError(f"policies {unused} are not used by any agent; map an agent to them or remove them")
+        return self
+
+    @model_validator(mode="after")
+    def _role_stages_name_the_agents(self):
+        stages = self.algorithm.role_stages
+        if stages is None:
+            return self
+        if not stages or any(not group for group in stages):
+            raise ValueError("algorithm.role_stages must be a non-empty list of non-empty lists of agent names, "
+                             f"e.g. [[{', '.join(list(self.agents)[:1]) or 'Solver'}], [...]]; got {stages!r}")
+        named = [a for group in stages for a in group]
+        unknown = sorted(set(named) - set(self.agents))
+        if unknown:
+            raise ValueError(f"algorithm.role_stages names unknown agents {unknown}; agents: {sorted(self.agents)}")
+        missing = sorted(set(self.agents) - set(named))
+        if missing:
+            raise ValueError(f"algorithm.role_stages leaves agents {missing} out of every stage (they would never "
+                             "train); put each agent in at least one stage")
         return self
 
     @model_validator(mode="after")
