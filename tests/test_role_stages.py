@@ -5,7 +5,7 @@ import pytest
 from masrl.config import config_from_dict
 from masrl.errors import ConfigError
 from masrl.monitoring.logger import read_metrics
-from masrl.trainer import Trainer
+from masrl.trainer import Trainer, role_stage, training_agents
 
 
 def _cfg(tiny_cfg, **over):
@@ -25,14 +25,12 @@ def test_stages_must_name_every_agent_and_only_agents(tiny_cfg, stages, needle):
 
 
 def test_the_schedule_cycles_through_the_groups(tiny_cfg):
-    cfg = _cfg(tiny_cfg, **{"algorithm.role_stages": [["Solver"], ["Verifier"], ["Solver", "Verifier"]],
-                            "algorithm.role_stage_steps": 2})
-    trainer = Trainer.__new__(Trainer)  # the schedule needs only the config
-    trainer.cfg = cfg
-    assert [trainer.role_stage(step) for step in range(1, 9)] == [0, 0, 1, 1, 2, 2, 0, 0]
-    assert trainer.training_agents(3) == {"Verifier"} and trainer.training_agents(5) == {"Solver", "Verifier"}
-    trainer.cfg = _cfg(tiny_cfg)
-    assert trainer.role_stage(1) is None and trainer.training_agents(1) is None
+    algo = _cfg(tiny_cfg, **{"algorithm.role_stages": [["Solver"], ["Verifier"], ["Solver", "Verifier"]],
+                             "algorithm.role_stage_steps": 2}).algorithm
+    assert [role_stage(algo, step) for step in range(1, 9)] == [0, 0, 1, 1, 2, 2, 0, 0]
+    assert training_agents(algo, 3) == {"Verifier"} and training_agents(algo, 5) == {"Solver", "Verifier"}
+    plain = _cfg(tiny_cfg).algorithm
+    assert role_stage(plain, 1) is None and training_agents(plain, 1) is None
 
 
 def test_each_step_trains_only_its_groups_turns(tiny_cfg, monkeypatch):

@@ -67,6 +67,18 @@ class _OfTeam:
         setattr(trainer.team, self.name, value)
 
 
+
+def role_stage(algo, step: int) -> int | None:
+    """The index in ``algo.role_stages`` of the group RL step ``step`` (1-based) trains (None: no stages)."""
+    return None if algo.role_stages is None else (step - 1) // algo.role_stage_steps % len(algo.role_stages)
+
+
+def training_agents(algo, step: int) -> set[str] | None:
+    """The agents RL step ``step`` (1-based) trains under ``algo.role_stages`` (None: every agent)."""
+    stage = role_stage(algo, step)
+    return None if stage is None else set(algo.role_stages[stage])
+
+
 class Trainer:
     """RL for the team of a config: one :class:`~masrl.team_runner.TeamRunner` (the team, its rollout and
     evaluation) plus the update, the monitors (spikes, role capture, drift, collapse), checkpoints and the
@@ -125,19 +137,9 @@ class Trainer:
                                   turn_index=[t.turn_index for t in turns], eps=a.eps,
                                   unbiased_std=a.unbiased_std, singleton=a.singleton)
 
-    def role_stage(self, step: int) -> int | None:
-        """The index in ``algorithm.role_stages`` of the group RL step ``step`` (1-based) trains (None: no stages)."""
-        a = self.cfg.algorithm
-        return None if a.role_stages is None else (step - 1) // a.role_stage_steps % len(a.role_stages)
-
-    def training_agents(self, step: int) -> set[str] | None:
-        """The agents RL step ``step`` (1-based) trains under ``algorithm.role_stages`` (None: every agent)."""
-        stage = self.role_stage(step)
-        return None if stage is None else set(self.cfg.algorithm.role_stages[stage])
-
     def update(self, turns, advantages) -> dict[str, float]:
         rows: dict[str, list[Row]] = defaultdict(list)
-        training = self.training_agents(self.step + 1)  # the step number metrics.jsonl gives this update
+        training = training_agents(self.cfg.algorithm, self.step + 1)  # the step metrics.jsonl gives this update
         for t, adv in zip(turns, advantages.tolist()):
             if t.response_ids and (training is None or t.agent in training):
                 rows[t.policy].append(Row(t.agent, t.prompt_ids, t.response_ids, t.logprobs, adv,
@@ -228,7 +230,7 @@ class Trainer:
         metrics = self.update(turns, advantages)
         t_update = time.perf_counter() - t1
         if cfg.algorithm.role_stages is not None:  # which group of agents this step trained
-            metrics["train/role_stage"] = float(self.role_stage(self.step + 1))
+            metrics["train/role_stage"] = float(role_stage(cfg.algorithm, self.step + 1))
         metrics.update(step_metrics(episodes, turns, scores, advantages))
         metrics.update(self.signal.update(self.step + 1, episodes, advantages))
         metrics.update(self.team.last_reward_counts.metrics())
