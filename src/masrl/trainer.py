@@ -67,7 +67,6 @@ class _OfTeam:
         setattr(trainer.team, self.name, value)
 
 
-
 def role_stage(algo, step: int) -> int | None:
     """The index in ``algo.role_stages`` of the group RL step ``step`` (1-based) trains (None: no stages)."""
     return None if algo.role_stages is None else (step - 1) // algo.role_stage_steps % len(algo.role_stages)
