@@ -232,3 +232,26 @@ def test_a_worker_started_from_a_thread_that_ends_serves_the_next_call(rewards):
     second = score(task, _episode(task))
     assert first[0]["reward"] == second["reward"] == 1.0 and first[0]["pid"] == second["pid"]
     assert score.score.process.starts == 1
+
+
+def test_a_worker_pipe_numbered_past_1024_works(rewards):
+    """A process with many files open (a Ray worker's sockets) gives the worker's pipes numbers past select()'s
+    1024 limit: the replies are waited for with poll()."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip("the file limit is below 1200 here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096),
+                                                    hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        score = rewards("ok")
+        task = Task("t/1", "q", "1")
+        assert score(task, _episode(task))["reward"] == 1.0
+        assert score.score.process.proc.stdout.fileno() > 1024
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -120,9 +120,11 @@ class RewardProcess:
 
     def _read(self, n: int, deadline: float, what: str) -> bytes:
         fd, chunks, left = self.proc.stdout.fileno(), [], n
+        ready = select.poll()  # poll, not select: no limit on the descriptor's number (a process with many open)
+        ready.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while left:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            if remaining <= 0 or not ready.poll(max(1, int(remaining * 1000))):
                 raise _Overrun(what)
             chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
