@@ -194,7 +194,7 @@ def _classify(code: int | None, sig: int | None, died: Died | None, stdout: str,
         elif sig == signal.SIGKILL and "MemoryError" in stderr[-2000:]:
             status = "memory"
         else:
-            status, detail = "killed", f"signal {sig} ({_signame(sig)})"
+            status, detail = "killed", f"signal {sig} ({signal_name(sig)})"
     elif code == 0:
         status = "ok"
     else:
@@ -205,7 +205,8 @@ def _classify(code: int | None, sig: int | None, died: Died | None, stdout: str,
             status = "error"
     return SandboxResult(status, code, stdout, stderr, duration, sig, truncated, detail)
 
-def _signame(sig: int) -> str:
+def signal_name(sig: int) -> str:
+    """``SIGKILL`` for 9; the number itself for one this platform does not name."""
     try:
         return signal.Signals(sig).name
     except ValueError:

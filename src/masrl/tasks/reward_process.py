@@ -37,22 +37,19 @@ import traceback
 import weakref
 from typing import Any
 
-from masrl.tasks.reward_guard import RewardProcessError, RewardTimeout, describe_error, user_frames
+from masrl.tasks.reward_guard import MAX_ABANDONED, RewardProcessError, RewardTimeout, describe_error, user_frames
 
 START_TIMEOUT_S = 120.0  # for the worker to start and import the reward's module (not part of a call's deadline)
-MAX_TIMEOUTS_IN_A_ROW = 8  # calls past their deadline in a row before further calls are not made
+MAX_TIMEOUTS_IN_A_ROW = MAX_ABANDONED  # calls past their deadline in a row before further calls are not made
 _HEADER = struct.Struct(">Q")
 
 
 def _exit_reason(code: int | None) -> str:
+    from masrl.sandbox.sandbox import signal_name  # here, not at the top: the worker never needs it
+
     if code is None:
         return "it did not exit"
-    if code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"killed by signal {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 class RewardProcess:
@@ -83,7 +80,7 @@ class RewardProcess:
                                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                                     start_new_session=True))
         self.starts += 1
-        self._send(self.load)
+        self._send(pickle.dumps(self.load, protocol=pickle.HIGHEST_PROTOCOL))
         reply = self._receive(deadline, f"to start and load the function (within {self.start_timeout_s:g} s)")
         if reply[0] != "ready":
             self.stop()
@@ -110,8 +107,8 @@ class RewardProcess:
                 pass
 
     # --------------------------------------------------------------- messages
-    def _send(self, message: Any) -> None:
-        data = message.data if isinstance(message, _Raw) else pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    def _send(self, data: bytes) -> None:
+        """One pickled message to the worker."""
         try:
             self.proc.stdin.write(_HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
@@ -169,7 +166,7 @@ class RewardProcess:
                 except _Overrun as e:
                     raise RewardProcessError(f"its process did not start {e.what}") from None
             start = time.monotonic()
-            self._send(_Raw(payload))
+            self._send(payload)
             try:
                 reply = self._receive(start + timeout_s, "")
             except _Overrun:
@@ -217,13 +214,6 @@ class _Overrun(Exception):
     def __init__(self, what: str):
         super().__init__(what)
         self.what = what
-
-
-class _Raw:
-    """An already pickled message (the call's arguments, pickled before the worker is started)."""
-
-    def __init__(self, data: bytes):
-        self.data = data
 
 
 _LIVE: "weakref.WeakSet[RewardProcess]" = weakref.WeakSet()
