@@ -69,3 +69,34 @@ def test_eval_shows_progress_and_accuracy_so_far(tmp_path, tiny_cfg, capsys):
     assert last, lines[-1]
     avg = json.loads((out / "eval.json").read_text())["results"]["test"]["avg@n"]
     assert int(last.group(1)) == round(avg * 15)
+
+
+def test_eval_without_checkpoint_uses_the_runs_newest_and_says_so(tmp_path, tiny_cfg, capsys):
+    """No --checkpoint: the config's run folder's newest checkpoint is evaluated (first line and eval.md say
+    which); a second evaluation into the same folder is refused without --overwrite."""
+    data = tiny_cfg(**{"trainer.total_steps": 1})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+    Trainer(config_from_dict(data)).fit()
+    capsys.readouterr()
+    argv = ["eval", str(cfg_path), "--n", "1", "--k", "1", "--limit", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("masrl eval: weights: ") and "step_1" in out[0] and "newest checkpoint" in out[0]
+    eval_dir = config_from_dict(data).run_dir / "eval"
+    assert json.loads((eval_dir / "eval.json").read_text())["meta"]["checkpoint"].endswith("step_1")
+    assert re.search(r"^weights: .*step_1$", (eval_dir / "eval.md").read_text(), re.M)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds an evaluation" in err and "--overwrite" in err
+    assert main([*argv, "--overwrite"]) == 0
+
+
+def test_eval_of_a_run_folder_without_checkpoint_says_the_model_is_untrained(tmp_path, tiny_cfg, capsys):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_cfg()))
+    assert main(["eval", str(cfg_path), "--n", "1", "--k", "1", "--limit", "1", "--out", str(tmp_path / "o")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("masrl eval: weights: a randomly initialised tiny model, never trained"), first
+    assert "holds no checkpoint" in first
+    assert "randomly initialised" in (tmp_path / "o" / "eval.md").read_text()

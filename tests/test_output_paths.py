@@ -155,7 +155,7 @@ def test_eval_falls_back_past_a_damaged_header_and_an_explicit_step_is_one_line(
         assert main([str(a) for a in [*argv, run]]) == 0
     assert json.loads((out / "eval.json").read_text())["meta"]["checkpoint"].endswith("step_3")
     capsys.readouterr()
-    _one_line_error(*_cli([*argv, run / "checkpoints" / "step_4"], capsys), damaged)
+    _one_line_error(*_cli([*argv, run / "checkpoints" / "step_4", "--overwrite"], capsys), damaged)
 
 
 # ---------------------------------------------------------------------------- messages and text

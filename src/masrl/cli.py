@@ -183,13 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate a team on benchmarks (avg@n, pass@k, maj@k)")
     ev.add_argument("config")
     ev.add_argument("overrides", nargs="*")
-    ev.add_argument("--checkpoint", help="RUN_DIR or RUN_DIR/checkpoints/step_N")
+    ev.add_argument("--checkpoint", help="RUN_DIR (its newest checkpoint), RUN_DIR/checkpoints/step_N, or 'none' "
+                    "(the config's models as they load); default: the newest checkpoint of the config's run folder "
+                    "when it holds one")
     ev.add_argument("--bench", default="test", help="comma-separated benchmarks; 'test' = the task's held-out split")
     ev.add_argument("--n", type=bounded(int, 1, MAX_COUNT), default=None, help="samples per task")
     ev.add_argument("--k", default=None, help="comma-separated k values for pass@k")
     ev.add_argument("--limit", type=bounded(int, 1, MAX_STEP), default=None, help="tasks per benchmark")
     ev.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval or runs/eval)")
     ev.add_argument("--strict", action="store_true", help="fail on malformed data rows instead of skipping them")
+    ev.add_argument("--overwrite", action="store_true", help="replace an evaluation already in the output folder")
     ev.set_defaults(func=_cmd_eval)
 
     plot = sub.add_parser("plot", help="draw training curves and the per-role dashboard of a run")
