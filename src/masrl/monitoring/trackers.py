@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
-from masrl.errors import UserInputError
+from masrl.errors import UserInputError, missing_extra
 
 EXTRAS = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
@@ -32,8 +32,8 @@ def _require(module: str, tracker: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"logging.report_to lists {tracker}, which is not installed: pip install "
-                          f"masrl[{EXTRAS[tracker]}] (or remove {tracker} from logging.report_to)") from None
+        raise missing_extra(f"logging.report_to lists {tracker}, which is not installed (or remove it from "
+                            "logging.report_to)", EXTRAS[tracker]) from None
 
 
 def _scalars(metrics: Mapping[str, Any], phase: str) -> dict[str, float]:

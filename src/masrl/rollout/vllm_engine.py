@@ -57,10 +57,11 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from masrl.errors import install_command
 from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.rollout.vllm_lora import VLLMAdapters
 
-VLLM_INSTALL_HINT = ("VLLMEngine needs vLLM: pip install 'masrl[vllm]' on a Linux machine with a CUDA GPU "
+VLLM_INSTALL_HINT = (f"VLLMEngine needs vLLM: {install_command('vllm')} on a Linux machine with a CUDA GPU "
                      "(the transformers engine is the CPU path)")
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
+from masrl.errors import missing_extra
 from masrl.rollout.base import Engine, GenRequest, GenResult
 from masrl.runtime.local import WorkerGroupError, base_trained, policy_build_args
 from masrl.training.policy import PolicyText
@@ -29,7 +30,7 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("runtime.kind = ray needs Ray: pip install 'masrl[ray]' (or pip install ray)") from None
+        raise missing_extra("runtime.kind = ray needs Ray", "ray") from None
     return ray
 
 

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from masrl.io.atomic import write_text_atomic
 from masrl.config import RunConfig, load_config
-from masrl.errors import ConfigError
+from masrl.errors import ConfigError, missing_extra
 from masrl.sweep.spec import Run, SweepSpec, check_bases, expand_cells, expand_runs
 
 
@@ -225,7 +225,7 @@ def run_ray(runs: Sequence[Run], address: str, gpus: float, nice: int, progress:
     try:
         import ray
     except ImportError:
-        raise ImportError("masrl sweep --ray needs Ray: pip install 'masrl[ray]'") from None
+        raise missing_extra("masrl sweep --ray needs Ray", "ray") from None
     ray.init(address=None if address == "local" else address, ignore_reinit_error=True, log_to_driver=False)
     slots = ray.cluster_resources().get("GPU", 0) / gpus if gpus else ray.cluster_resources().get("CPU", 1)
     progress.parallel = max(1, int(slots))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from masrl.config import TaskConfig
-from masrl.errors import ConfigError
+from masrl.errors import ConfigError, missing_extra
 from masrl.tasks.math_data import DatasetLoadError
 from masrl.io.rows import BadRow, RowPos, detect_row_format, iter_records, parse_rows
 from masrl.types import Task
@@ -66,8 +66,7 @@ def _hf_records(source: str):
     try:
         import datasets
     except ImportError:
-        raise ImportError(f"task.params {source!r}: Hugging Face datasets need the datasets library: "
-                          "pip install masrl[hf]") from None
+        raise missing_extra(f"task.params {source!r}: Hugging Face datasets need the datasets library", "hf") from None
     try:
         ds = datasets.load_dataset(hub_id, split=split)
     except Exception as e:  # noqa: BLE001 - offline, unknown id or split: one clear line

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from masrl.errors import ConfigError
+from masrl.errors import ConfigError, extra_hint
 
 _FILE_MODULES: dict[Path, Any] = {}  # user files imported once per process (the config check, then the run)
 
@@ -24,8 +24,8 @@ def import_object(spec: str, what: str) -> Any:
         try:
             module = importlib.import_module(mod_name)
         except ImportError as e:
-            raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); is it installed or on "
-                              "PYTHONPATH?") from e
+            hint = extra_hint(e) or "is it installed or on PYTHONPATH?"
+            raise ConfigError(f"{what} {spec!r}: cannot import module {mod_name!r} ({e}); {hint}") from e
         except BaseException as e:  # noqa: BLE001 - the module fails (or exits) when imported: say which and why
             raise ConfigError(f"{what} {spec!r}: importing module {mod_name!r} failed ({import_failure(e)})") from None
     obj = getattr(module, attr, None)
@@ -57,4 +57,5 @@ def import_failure(error: BaseException) -> str:
         return f"it called sys.exit({error.code!r}) on import; a module a config names must not exit"
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (KeyboardInterrupt) while importing"
-    return " ".join(f"{type(error).__name__}: {error}".split())[:500]
+    hint = extra_hint(error)
+    return " ".join(f"{type(error).__name__}: {error}".split())[:500] + (f"; {hint}" if hint else "")
