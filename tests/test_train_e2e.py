@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from masrl.config import config_from_dict
 from masrl.trainer import Trainer
+from masrl.training.checkpoint import list_checkpoints
 
 
 def _records(run_dir, phase="train"):
@@ -153,3 +154,28 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tiny_cfg, tmp_path):
     sft = EventAccumulator(str(cfg.run_dir / "tensorboard" / "sft"))
     sft.Reload()
     assert [e.step for e in sft.Scalars("sft/shared/loss")] == [0, 10, 11]
+
+
+@pytest.mark.parametrize("save_every", [1, 0])
+def test_resuming_a_finished_run_logs_no_second_final_evaluation(tiny_cfg, save_every):
+    """save_every 1: the last checkpoint is saved before the final evaluation (it is redone, its record
+    replaced); 0: after it (kept). Either way metrics.jsonl holds one final evaluation record."""
+    cfg = config_from_dict(tiny_cfg(**{"trainer.total_steps": 2, "sft.steps": 0, "trainer.save_every": save_every}))
+    Trainer(cfg).fit()
+    Trainer(cfg).fit(resume=True)
+    evals = [r["step"] for r in _records(cfg.run_dir, "eval")]
+    assert evals == [0, 2], evals
+
+
+def test_checkpoints_are_saved_periodically_by_default(tiny_cfg):
+    """trainer.save_every defaults to 10: a run killed midway keeps its RL; the newest 2 are kept."""
+    cfg = config_from_dict(tiny_cfg(**{"trainer.total_steps": 11, "trainer.batch_size": 1, "trainer.group_size": 2,
+                                       "sft.steps": 0, "eval.before_after": False, "logging.plots": False}))
+    assert cfg.trainer.save_every == 10 and cfg.trainer.keep_checkpoints == 2
+    saved = []
+    with Trainer(cfg) as trainer:
+        real_save = trainer.save
+        trainer.save = lambda step: saved.append(step) or real_save(step)
+        trainer.fit()
+    assert saved == [0, 10, 11]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["step_10", "step_11"]

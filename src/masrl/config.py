@@ -349,8 +349,10 @@ class TrainerConfig(_Strict):
         "backward recomputes each chunk), never materialising [tokens, vocabulary] logits; equal to the plain "
         "path within float32 rounding, not bit-identical. 0: full logits (the plain path; the default under "
         "runtime.strategy fsdp, which does not support chunks). docs/performance.md"))
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
+    save_every: int = Field(10, ge=0, description=(
+        "checkpoint every N RL steps, besides the ones after the cold start and at the end (a run killed midway "
+        "resumes from the last; 0: only those two)"))
+    keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept, the newest (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")
     threads: Optional[int] = Field(None, gt=0, le=4096, description="torch CPU threads (None: torch's default)")
     tune_malloc: Literal[True, False, "lean"] = Field(True, description=(

@@ -259,29 +259,22 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         start_step = 0
         if resume:
-            found = ckpt.load_latest_checkpoint(self.run_dir, self.policies)  # falls back past broken ones
-            if found is None:
-                raise ckpt.CheckpointError(f"--resume: no valid checkpoint under {self.run_dir / 'checkpoints'}")
-            path, state = found
-            ckpt.set_rng_state(state["rng"])
-            self.history = state.get("history", {})
-            if self.drift is not None and "drift" in state:
-                self.drift.load_state_dict(state["drift"])
-            if "spikes" in state:
-                self.spikes.load_state_dict(state["spikes"])
-                self.runtime.load_spike_state(state["spikes"])
-            if "collapse" in state:
-                self.collapse.load_state_dict(state["collapse"])
-            self.signal.load_state_dict(state.get("signal", {}))
-            start_step = int(state["step"])
-            print(f"[masrl] resumed from {path} (step {start_step})")
+            start_step = resume_from_checkpoint(self)
         else:
             write_text_atomic(self.run_dir / "config.yaml", versions_comment(self.versions) + dump_config(cfg))
         record_versions(self.run_dir, self.versions, resumed_at=start_step if resume else None)
         trackers = make_trackers(cfg.logging, name=cfg.name, run_dir=self.run_dir, resume=resume,
                                  config=cfg.model_dump(mode="json"))
+        # a finished run resumed: its final evaluation is done again only when its checkpoint lacks it (saved
+        # before it), and then its record is replaced, not repeated
+        finished = resume and start_step >= cfg.trainer.total_steps
+        final_done = finished and "final" in self.history
+        if finished:
+            print(f"[masrl] the run is complete (step {start_step} of {cfg.trainer.total_steps}); raise "
+                  "trainer.total_steps to train on", file=sys.stderr)
         self.logger = MetricsLogger(self.run_dir, "tensorboard" in cfg.logging.sinks,
-                                    resume_from_step=start_step if resume else None, trackers=trackers)
+                                    resume_from_step=start_step if resume else None, trackers=trackers,
+                                    redo_eval_at_resume_step=finished and not final_done)
         try:
             if not resume:
                 self.sft()
@@ -305,7 +298,7 @@ class Trainer:
                     self._end_on_collapse()
                     break
             progress.close()
-            if cfg.eval.before_after and self.source.test:
+            if cfg.eval.before_after and self.source.test and not final_done:
                 self.logger.log(self.step, self.evaluate("final"), phase="eval")
             if self.rolled_back_to is None and (not cfg.trainer.save_every or self.step % cfg.trainer.save_every):
                 self.save(self.step)
@@ -375,6 +368,27 @@ class Trainer:
         if collapse.action == "rollback":
             keep = max(keep, collapse.patience // max(self.cfg.trainer.save_every, 1) + 2)
         return keep
+
+
+def resume_from_checkpoint(trainer: Trainer) -> int:
+    """Load the newest valid checkpoint of the trainer's run folder (weights, optimizer, RNG, evaluation
+    history, monitors' states) into it; returns its step."""
+    found = ckpt.load_latest_checkpoint(trainer.run_dir, trainer.policies)  # falls back past broken ones
+    if found is None:
+        raise ckpt.CheckpointError(f"--resume: no valid checkpoint under {trainer.run_dir / 'checkpoints'}")
+    path, state = found
+    ckpt.set_rng_state(state["rng"])
+    trainer.history = state.get("history", {})
+    if trainer.drift is not None and "drift" in state:
+        trainer.drift.load_state_dict(state["drift"])
+    if "spikes" in state:
+        trainer.spikes.load_state_dict(state["spikes"])
+        trainer.runtime.load_spike_state(state["spikes"])
+    if "collapse" in state:
+        trainer.collapse.load_state_dict(state["collapse"])
+    trainer.signal.load_state_dict(state.get("signal", {}))
+    print(f"[masrl] resumed from {path} (step {state['step']})")
+    return int(state["step"])
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",

@@ -17,12 +17,12 @@ class MetricsLogger:
     ``trackers`` (objects with ``log(step, metrics, phase)`` and ``close()``; closed with this logger)."""
 
     def __init__(self, run_dir: Path, tensorboard: bool = True, resume_from_step: int | None = None,
-                 trackers: Sequence = ()):
+                 trackers: Sequence = (), redo_eval_at_resume_step: bool = False):
         self.trackers = list(trackers)
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_from_step is not None and self.path.exists():
-            self._truncate_after(resume_from_step)
+            self._truncate_after(resume_from_step, redo_eval_at_resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = self._tb_sft = None
         self._tb_dir = Path(run_dir) / "tensorboard"
@@ -37,14 +37,16 @@ class MetricsLogger:
             except Exception as e:  # TensorBoard is optional; say so once
                 print(f"[masrl] TensorBoard disabled: {e}")
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop RL/eval records after the checkpoint's step (those steps are redone); keep SFT."""
+    def _truncate_after(self, step: int, redo_eval: bool = False) -> None:
+        """On resume, drop RL/eval records after the checkpoint's step (those steps are redone), and with
+        ``redo_eval`` the evaluation records of that step too (written after its checkpoint: redone); keep SFT."""
         kept = []
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             record = parse_record(line)
             if record is None:
                 continue  # a partial last line from a crash
-            if record.get("phase") == "sft" or record["step"] <= step:
+            redone = record["step"] > step or (redo_eval and record["step"] == step and record.get("phase") == "eval")
+            if record.get("phase") == "sft" or not redone:
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
