@@ -90,3 +90,39 @@ def test_the_program_as_a_command(repo_cwd, tmp_path):
     for ep in episodes:
         assert ep.error is None and [t.agent for t in ep.turns][:2] == ["Solver", "Verifier"]
         assert all(t.valid == (extract_boxed(t.text) is not None) for t in ep.turns if t.agent == "Solver")
+
+
+def test_concurrent_demonstrations_do_not_depend_on_arrival_order_and_stop_at_the_need(repo_cwd, tmp_path):
+    """sft.concurrency programs at once: each task draws the teacher's noise from its own stream, so 2 and 6 at
+    once give the same rows; with a need (SFT's steps x batch size) collection stops after the shortest prefix of
+    tasks that gives it, the same rows as the full collection's start; progress is reported per task."""
+    with _trainer("openai_client_team", tmp_path) as external:
+        cfg, tasks = external.cfg, external.source.train[:24]
+
+        def rows(concurrency, need=None, on_task=None):
+            teacher = copy.deepcopy(external.source.teacher)
+            got = collect_demonstrations(external.spec, tasks, teacher, policies=external.policies, agents=cfg.agents,
+                                         score=external.source.score, prompts=cfg.workflow.prompts,
+                                         params=external.params, concurrency=concurrency, need=need, on_task=on_task)
+            return [(r.agent, r.prompt_ids, r.response_ids) for r in got]
+
+        full = rows(2)
+        assert rows(6) == full and len(full) > 2 * len(tasks)
+        reports = []
+        cut = rows(6, need=20, on_task=lambda *a: reports.append(a))
+    assert 20 <= len(cut) < len(full) and cut == full[:len(cut)]
+    assert len(cut) - 20 < 4  # the last task's turns at most past the need: the prefix is the shortest
+    assert reports and reports[-1][0] < len(tasks) and reports[-1][2] < len(tasks)  # (done, turns, expected)
+
+
+def test_the_trainer_collects_an_external_programs_demonstrations_with_progress(repo_cwd, tmp_path, capsys):
+    from masrl.trainer import demonstrations
+
+    cfg = load_config("examples/openai_client_team.yaml", [*SMALL, f"output_dir={tmp_path}", "sft.steps=2",
+                                                           "sft.batch_size=8"])
+    with Trainer(cfg, progress=True) as tr:
+        rows = demonstrations(tr)
+    out = capsys.readouterr().out
+    assert 16 <= len(rows) < 24, len(rows)
+    assert "[demonstrations " in out and "eta" in out
+    assert f"[masrl] {len(rows)} demonstrations in " in out and "of the 64 training tasks run" in out

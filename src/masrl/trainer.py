@@ -188,10 +188,7 @@ class Trainer:
         if unknown:
             raise ConfigError(f"sft.filter_agents: unknown agents {unknown}; agents: {sorted(cfg.agents)}")
         try:
-            rows = collect_demonstrations(self.spec, self.source.train, self.source.teacher, policies=self.policies,
-                                          agents=cfg.agents, score=GuardedScore(self.source.score, self.team.rewards),
-                                          prompts=cfg.workflow.prompts, params=self.params,
-                                          filter_agents=cfg.sft.filter_agents)
+            rows = demonstrations(self)
         finally:
             counts = self.team.rewards.take()
         check_failures(counts, cfg.task.reward_max_error_share, "the SFT demonstrations")
@@ -368,6 +365,33 @@ class Trainer:
         if collapse.action == "rollback":
             keep = max(keep, collapse.patience // max(self.cfg.trainer.save_every, 1) + 2)
         return keep
+
+
+def demonstrations(trainer: Trainer) -> list[Row]:
+    """The cold start's rows: the workflow run with the task's teacher answering. ``workflow: external`` (programs
+    behind the gateway, slow per task): ``sft.concurrency`` programs at once, with progress and ETA, and only the
+    tasks that give every policy the ``sft.steps x sft.batch_size`` rows SFT draws."""
+    cfg = trainer.cfg
+    external = cfg.workflow.name == "external"
+    progress = Progress(trainer.show_progress and external, "demonstrations", len(trainer.source.train))
+
+    def on_task(done: int, turns: int, expected: int) -> None:
+        progress.set_total(expected)
+        progress.advance(f"{turns} agent calls answered by the teacher")
+
+    rows = collect_demonstrations(trainer.spec, trainer.source.train, trainer.source.teacher,
+                                  policies=trainer.policies, agents=cfg.agents,
+                                  score=GuardedScore(trainer.source.score, trainer.team.rewards),
+                                  prompts=cfg.workflow.prompts, params=trainer.params,
+                                  filter_agents=cfg.sft.filter_agents,
+                                  concurrency=cfg.sft.concurrency if external else 1,
+                                  need=cfg.sft.steps * cfg.sft.batch_size if external else None, on_task=on_task)
+    progress.close()
+    if external:
+        print(f"[masrl] {len(rows)} demonstrations in {progress.elapsed():.0f}s, {progress.done} of the "
+              f"{len(trainer.source.train)} training tasks run (SFT draws {cfg.sft.steps} x {cfg.sft.batch_size} "
+              "per policy; sft.concurrency programs at once)", flush=True)
+    return rows
 
 
 def resume_from_checkpoint(trainer: Trainer) -> int:

@@ -48,6 +48,12 @@ class Progress:
             when = f"eta {eta:5.0f}s" if eta is not None else f"{now - self.start:5.0f}s"
             print(f"[{self.label} {self.done}/{self.total} {when}] {text}", flush=True)
 
+    def set_total(self, total: int) -> None:
+        """A new expected total (work whose end is estimated as it goes)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.update(self._task, total=total)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 

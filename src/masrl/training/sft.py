@@ -34,7 +34,8 @@ def from_program(prompt) -> bool:
 def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: Teacher, *,
                            policies: Mapping[str, Policy], agents: Mapping[str, AgentConfig],
                            score: ScoreFn, prompts: Mapping[str, str], params: Mapping,
-                           filter_agents: Sequence[str] = ()) -> list[Row]:
+                           filter_agents: Sequence[str] = (), concurrency: int = 1, need: int | None = None,
+                           on_task: Callable[[int, int, int], None] | None = None) -> list[Row]:
     """Run the workflow with the teacher answering every agent call; one row per call.
 
     Calls of ``filter_agents`` whose own text scores incorrect are left out of the rows
@@ -42,9 +43,17 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     ``workflow: external``: the program runs with the teacher answering its gateway calls; a call without tools
     shows the teacher the prompt as rendered for the model (:func:`from_program`), so a program that sends a
     built-in workflow's prompts gets that workflow's demonstrations.
-    """
 
-    async def one(task: Task) -> list[Turn]:
+    ``concurrency``: tasks run at once (programs behind the gateway wait on their calls); above 1 each task draws
+    the teacher's noise from a stream of its own (`TaskStreams`), so the rows do not depend on the order in
+    which calls arrive. ``need``: stop after the shortest prefix of ``tasks`` that gives every policy of
+    ``agents`` that many rows (SFT draws ``steps x batch_size`` per policy: more are never used; not with
+    ``filter_agents``, whose rows are known only once scored); None: every task. ``on_task(tasks_done, turns,
+    tasks_expected)`` after each task (progress: the tasks the need is expected to take at the rate so far).
+    """
+    streams = TaskStreams(teacher) if concurrency > 1 else None
+
+    async def one(index: int, task: Task) -> list[Turn]:
         async def call(agent: str, prompt) -> Turn:  # a string, a Continuation or a ChatPrompt
             policy = policies[agents[agent].policy]
             system_prompt = valid_text(agents[agent].system_prompt or "") or None  # lone surrogates -> U+FFFD
@@ -54,6 +63,8 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
                 shown = policy.render_prompt(prompt, system_prompt)
             elif from_program(prompt):  # an external program's call: the prompt text the model will see
                 shown = policy.render_prompt(prompt, system_prompt)
+            if streams is not None:
+                streams.use(index)
             text = teacher(agent, shown, task)
             try:
                 prompt_ids = policy.encode_prompt(prompt, system_prompt)
@@ -66,19 +77,100 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
         team = Team(task, spec, call, score, prompts=prompts, params=params, defer_score=scores_in_batches(score))
         return (await spec.fn(task, team)).turns
 
-    async def all_tasks():  # one task after another: a teacher that draws from one random stream
-        # (noise, wrong answers) must see the same call order in every process, also when the
-        # workflow awaits threads (a retriever) that finish in any order
-        return [await one(t) for t in tasks]
+    prefix = _Prefix(len(tasks), None if filter_agents else need, {a.policy for a in agents.values()}, on_task)
 
+    async def all_tasks():
+        if concurrency <= 1:  # one task after another: a teacher that draws from one random stream sees the
+            for i, task in enumerate(tasks):  # same call order in every process, also when the workflow awaits
+                prefix.add(i, await one(i, task))  # threads (a retriever) that finish in any order
+                if prefix.enough:
+                    break
+            return
+        queue = iter(enumerate(tasks))
+
+        async def worker():
+            for i, task in queue:
+                if prefix.enough:
+                    return
+                prefix.add(i, await one(i, task))
+
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(tasks)))))
+
+    try:
+        asyncio.run(all_tasks())
+    finally:
+        if streams is not None:
+            streams.restore()
     rows = []
-    for task, turns in zip(tasks, asyncio.run(all_tasks())):
+    for task, turns in zip(tasks, prefix.results()):
         for t in turns:
             if t.agent in filter_agents and not score(task, t.text)["correct"]:
                 continue
             rows.append(Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 0.0,
                             policy=t.policy))
     return rows
+
+
+class _Prefix:
+    """The turns of the tasks done, kept by task index; ``enough`` once the tasks ``0..k`` (all done) give every
+    policy ``need`` turns, and then ``results()`` are those of exactly that prefix, whatever finished after."""
+
+    def __init__(self, total: int, need: int | None, trained: set[str], on_task):
+        self.by_task: dict[int, list[Turn]] = {}
+        self.total, self.need, self.trained, self.on_task = total, need, trained, on_task
+        self.done = 0  # tasks 0..done-1 are all done
+        self.counts: dict[str, int] = defaultdict(int)  # turns per policy in that prefix
+        self.enough = False
+        self.turns = 0
+
+    def add(self, index: int, turns: list[Turn]) -> None:
+        self.by_task[index] = turns
+        while not self.enough and self.done in self.by_task:
+            for t in self.by_task[self.done]:
+                self.counts[t.policy] += 1
+            self.done += 1
+            self.enough = self.need is not None and all(self.counts[p] >= self.need for p in self.trained)
+        self.turns += len(turns)
+        if self.on_task is not None:
+            self.on_task(len(self.by_task), self.turns, self.expected())
+
+    def expected(self) -> int:
+        """The tasks the need will take, at the rate of turns per task of the prefix so far (all: no need)."""
+        if self.need is None or not self.done:
+            return self.total
+        rates = [self.counts[p] / self.done for p in self.trained]
+        if not all(rates):
+            return self.total
+        return min(self.total, max(self.done, max(math.ceil(self.need / r) for r in rates)))
+
+    def results(self) -> list[list[Turn]]:
+        """The turns of each task of the prefix (every task when the need was never met), in task order."""
+        return [self.by_task.get(i, []) for i in range(self.done if self.enough else self.total)]
+
+
+class TaskStreams:
+    """A teacher's random stream per task, for demonstrations collected concurrently: a teacher whose noise
+    comes from a ``random.Random`` in its ``rng`` attribute (the built-in ones; ``teacher`` may be its bound
+    ``reply``) draws the calls of task ``i`` from a stream seeded by its own first draw and ``i``. A teacher
+    without one is left as it is (its draws then follow the order in which calls arrive)."""
+
+    def __init__(self, teacher: Teacher):
+        owner = getattr(teacher, "__self__", teacher)
+        self.owner = owner if isinstance(getattr(owner, "rng", None), random.Random) else None
+        self.original = self.owner.rng if self.owner is not None else None
+        self.base = self.original.getrandbits(64) if self.original is not None else 0
+        self.streams: dict[int, random.Random] = {}
+
+    def use(self, index: int) -> None:
+        """Task ``index``'s stream for the next teacher call (calls are synchronous: nothing interleaves)."""
+        if self.owner is not None:
+            if index not in self.streams:
+                self.streams[index] = random.Random(f"{self.base}:{index}")
+            self.owner.rng = self.streams[index]
+
+    def restore(self) -> None:
+        if self.owner is not None:
+            self.owner.rng = self.original
 
 
 def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig, *, seed: int,
