@@ -564,11 +564,38 @@ def test_judge_summary_by_hand_and_its_table():
     assert s["last_steps"]["score"] == pytest.approx(0.75) and s["last_steps"]["heldout_check"] == pytest.approx(0.1)
     md = "\n".join(judge_report_lines(s, sft_steps=100))
     assert "| 4 | 40 | 1 | 4 | 4.0 s | 25.0% | 0.450 / – |" in md
-    assert "| after SFT | 25.0% | 0.300 | 50.0% | 75.0% | 0.625 |" in md
-    assert "| after RL | 75.0% | – | 25.0% | 50.0% | – |" in md  # no score or AUC recorded
-    assert "| last 2 | 0.750 | 10.0% | 50.0% | 0.600 | 0.700 |" in md  # corr (0.5 + 0.9) / 2
+    assert "| after SFT | 25.0% | 0.300 | 50.0% | – | 75.0% | – | – | 0.625 |" in md
+    assert "| after RL | 75.0% | – | 25.0% | – | 50.0% | – | – | – |" in md  # no score or AUC recorded
+    assert "| last 2 | 0.750 | 10.0% | – | 50.0% | – | – | 0.600 | 0.700 |" in md  # corr (0.5 + 0.9) / 2
+    assert s["constant"] is None and "Warning" not in md
     assert judge_summary([{"step": 1, "phase": "train", "team/reward": 1.0}], {}) is None
     assert judge_report_lines(None, 0) == []
+
+
+def test_judge_agreement_separates_right_and_wrong_answers():
+    from masrl.evaluation.metrics import judge_agreement
+
+    a = judge_agreement([True, False, False, True, False], [True, True, False, False, False])
+    assert a == {"approve_rate": 0.4, "agreement": 0.6, "agreement_right": 0.5, "agreement_wrong": 2 / 3}
+    none = judge_agreement([False] * 4, [True, False, False, False])  # approves nothing: 75% "agreement"
+    assert none["agreement"] == 0.75 and none["agreement_right"] == 0.0 and none["agreement_wrong"] == 1.0
+    assert judge_agreement([], []) == {} and "agreement_wrong" not in judge_agreement([True], [True])
+
+
+def test_a_judge_that_approves_nothing_is_reported_as_constant():
+    """The report states the approve rate and both sides of the agreement, and warns in plain words."""
+    from masrl.judges.report import judge_report_lines, judge_summary
+
+    records = [{"step": i, "phase": "train", "judge/calls": 8.0, "judge/score": 0.0, "judge/approve_rate": 0.0,
+                "judge/heldout_agreement": 1.0, "judge/heldout_agreement_wrong": 1.0, "judge/heldout_check": 0.0}
+               for i in (1, 2)]
+    history = {"final": {"avg@n": 0.0, "heldout_check": 0.0, "judge_approve_rate": 0.0, "heldout_agreement": 1.0,
+                         "heldout_agreement_wrong": 1.0}}
+    s = judge_summary(records, history)
+    md = "\n".join(judge_report_lines(s, sft_steps=0))
+    assert s["constant"] and "approved no answer" in s["constant"] and "constant" in s["constant"]
+    assert md.index("Warning: the judge approved no answer") < md.index("| RL steps |")  # atop the section
+    assert "| 0.0% | 100.0% | – | 100.0% |" in md  # approves, agrees, on right (no right answers), on wrong
 
 
 def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
@@ -596,6 +623,7 @@ def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
     assert j["steps"] == 2 and j["unparsed"] >= j["calls"] >= 1  # a random tiny judge: no verdicts
     assert set(j["eval"]) == {"sft", "final"} and "heldout_check" in report["eval"]["final"]
     assert "## Judge" in md and "| before RL |" in md and "held-out check" in md
+    assert j["eval"]["final"]["approve_rate"] == 0.0 and "Warning: the judge approved no answer" in md  # no verdicts
 
 
 def test_the_trainer_judges_a_rollout_in_one_batch_and_never_the_sft_demonstrations(tmp_path):

@@ -28,6 +28,7 @@ __all__ = [
     "avg_at_n",
     "default_answer_normalizer",
     "auc",
+    "judge_agreement",
     "maj_at_k",
     "majority_answer",
     "pass_at_k",
@@ -66,6 +67,25 @@ def auc(scores: list[float], labels: list[bool]) -> float | None:
         return None
     rank_sum = sum(r for r, v in zip(ranks(scores), labels) if v)
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def judge_agreement(judged: Sequence[bool], checked: Sequence[bool]) -> dict[str, float]:
+    """A judge's verdicts (``judged``: its correct flags) beside a rule-based check's on the same answers:
+    ``approve_rate`` (its share of correct flags), ``agreement`` (flags equal), ``agreement_right`` (approvals
+    among the answers the check passes) and ``agreement_wrong`` (rejections among those it fails), each of
+    the last two only when there are such answers. A constant judge agrees on one side only, however high
+    ``agreement`` is."""
+    pairs = list(zip(judged, checked))
+    if not pairs:
+        return {}
+    right = [j for j, c in pairs if c]
+    wrong = [j for j, c in pairs if not c]
+    out = {"approve_rate": sum(map(bool, judged)) / len(pairs), "agreement": sum(j == c for j, c in pairs) / len(pairs)}
+    if right:
+        out["agreement_right"] = sum(map(bool, right)) / len(right)
+    if wrong:
+        out["agreement_wrong"] = sum(not j for j in wrong) / len(wrong)
+    return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

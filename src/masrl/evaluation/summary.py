@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from masrl.evaluation.metrics import TaskResult, auc, summarize_groups
+from masrl.evaluation.metrics import TaskResult, auc, judge_agreement, summarize_groups
 from masrl.types import Episode
 
 
@@ -28,16 +28,18 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int], bench: st
 def heldout_check(episodes: Sequence[Episode]) -> dict[str, float]:
     """``heldout_check``: the share of episodes a judge's rule-based check (``reward: {judge: {check: ...}}``)
     found correct, on the same samples as avg@n, and ``heldout_agreement``: how often the judge's correct flag
-    equals the check's; ``judge_score``: their mean reward, and ``heldout_auc`` (when the check both passes and
+    equals the check's (``judge_approve_rate``, ``heldout_agreement_right`` / ``_wrong``: on the answers the check
+    passes / fails, ``masrl.evaluation.metrics.judge_agreement``); ``judge_score``: their mean reward, and ``heldout_auc`` (when the check both passes and
     fails some): how well that reward ranks the answers the check passes above the others (0.5: chance); empty
     when no episode carries a check."""
     checked = [e for e in episodes if "heldout_correct" in e.info]
     if not checked:
         return {}
     labels = [bool(e.info["heldout_correct"]) for e in checked]
-    out = {"heldout_check": sum(labels) / len(checked),
-           "heldout_agreement": sum(c == bool(e.correct) for c, e in zip(labels, checked)) / len(checked),
-           "judge_score": sum(e.reward for e in checked) / len(checked)}
+    agree = judge_agreement([bool(e.correct) for e in checked], labels)
+    out = {"heldout_check": sum(labels) / len(checked), "judge_score": sum(e.reward for e in checked) / len(checked),
+           "judge_approve_rate": agree["approve_rate"], "heldout_agreement": agree["agreement"],
+           **{f"heldout_{k}": v for k, v in agree.items() if k.startswith("agreement_")}}
     ranked = auc([e.reward for e in checked], labels)
     if ranked is not None:
         out["heldout_auc"] = ranked

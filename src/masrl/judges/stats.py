@@ -5,7 +5,10 @@ budget), ``judge/unparsed`` (replies with no verdict), ``perf/judge_seconds``; `
 (Pearson) and ``judge/length_spearman`` of judged reward vs answer length in characters over the step's
 samples with a verdict; ``judge/score`` (the mean judged reward of those samples); ``judge/heldout_check``
 (the rule-based check's accuracy on every answer of the step, those without a verdict included) and
-``judge/heldout_agreement`` (how often the judge's correct flag, False without a verdict, equals the check's);
+``judge/heldout_agreement`` (how often the judge's correct flag, False without a verdict, equals the check's),
+``judge/approve_rate`` (its share of correct flags) and ``judge/heldout_agreement_right`` / ``_wrong`` (its
+approvals among the answers the check passes, its rejections among those it fails: a constant judge scores 1 on
+one and 0 on the other);
 ``judge/heldout_auc`` (how well the judged reward ranks the answers the check passes above those it fails,
 over the samples with a verdict: 1 perfect, 0.5 chance; a step where the check passes all or none has none).
 """
@@ -16,7 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from masrl.errors import UserInputError
-from masrl.evaluation.metrics import auc, ranks
+from masrl.evaluation.metrics import auc, judge_agreement, ranks
 
 
 class JudgeWarning(UserWarning):
@@ -94,7 +97,9 @@ class JudgeStats:
                 out[name] = value
         if self.checks:
             out["judge/heldout_check"] = sum(c for _, c in self.checks) / len(self.checks)
-            out["judge/heldout_agreement"] = sum(j == c for j, c in self.checks) / len(self.checks)
+            agree = judge_agreement([j for j, _ in self.checks], [c for _, c in self.checks])
+            out["judge/approve_rate"], out["judge/heldout_agreement"] = agree["approve_rate"], agree["agreement"]
+            out.update({f"judge/heldout_{k}": v for k, v in agree.items() if k.startswith("agreement_")})
         value = auc([r for r, _ in self.ranked], [c for _, c in self.ranked])
         if value is not None:
             out["judge/heldout_auc"] = value
