@@ -194,3 +194,31 @@ def test_role_capture_skips_degenerate_steps():
     assert [e.role for e in mon.update(3, {"A": 0.0, "B": 1.0})] == ["B"]
     with pytest.raises(ValueError):
         RoleCaptureMonitor(threshold=1.5)
+
+
+def test_every_monitor_warning_says_what_it_means_and_links_its_doc():
+    """A warning a run can print (role capture, spike window reset, collapse, no signal) carries a one-line
+    meaning and a link to its section of docs/monitoring.md, and the link's anchor exists there."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    headings = [line.lstrip("#").strip() for line in (root / "docs" / "monitoring.md").read_text().splitlines()
+                if line.startswith("#")]
+    anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+    for name in ("spike.py", "collapse.py", "signal.py"):
+        text = (root / "src" / "masrl" / "monitoring" / name).read_text()
+        calls = re.findall(r"(?:logger\.warning|_WHERE = )\((.*?)\)\n", text, re.S)
+        assert calls, name
+        for call in calls:
+            links = re.findall(r"docs/monitoring\.md#([\w-]+)", call)
+            assert links and set(links) <= anchors, (name, call[:80], links)
+
+
+def test_role_capture_warning_explains_itself(caplog):
+    mon = RoleCaptureMonitor(threshold=0.8, patience=1)
+    with caplog.at_level(logging.WARNING, logger="masrl.monitoring"):
+        mon.update(0, {"Solver": 9.6, "Verifier": 0.4})
+    message = caplog.records[0].getMessage()
+    assert "Solver holds 96%" in message and "role-balanced" in message
+    assert "docs/monitoring.md#role-capture-rolecapturemonitor" in message

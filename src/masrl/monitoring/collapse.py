@@ -102,7 +102,9 @@ class CollapseMonitor:
                 self.fired.add(signal)
                 event = CollapseEvent(signal, step, run[0], value, baseline)
                 new.append(event)
-                logger.warning("step %d: %s (monitoring.collapse.action: %s)", step, event.describe(), self.action)
+                logger.warning("step %d: %s (monitoring.collapse.action: %s): the run may be collapsing; compare "
+                               "the held-out accuracy (docs/monitoring.md#collapse-detector-collapsepy)",
+                               step, event.describe(), self.action)
         self.events.extend(new)
         if new and self.action != "log" and self.stop_event is None:
             self.stop_event = new[0]

@@ -31,7 +31,8 @@ __all__ = ["NoSignalError", "NoSignalWarning", "SignalMonitor", "ACTIONS"]
 
 ACTIONS = ("log", "stop")
 _WHERE = ("check the reward (task.params.reward or the task's own), the answer format it parses, and each agent's "
-          "max_new_tokens; monitoring.no_signal sets the patience and the action")
+          "max_new_tokens; monitoring.no_signal sets the patience and the action "
+          "(docs/monitoring.md#no-learning-signal-signalpy)")
 
 
 class NoSignalError(UserInputError):

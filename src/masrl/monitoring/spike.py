@@ -138,7 +138,9 @@ class SpikeDetector:
                 state.pending.clear()
                 self.events.append(SpikeEvent(step, key, x, z, "reset"))
                 logger.warning("grad-spike detector: %s flagged %d steps in a row; accepting the new level "
-                               "(window reset at step %d)", key, self.reset_after, step)
+                               "(window reset at step %d): its gradient norm moved for good, a concern only if "
+                               "accuracy falls with it (docs/monitoring.md#gradient-spike-detector-spikepy)",
+                               key, self.reset_after, step)
             if self.action == "scale":
                 return SpikeDecision(True, z, bound, "scale", min(1.0, bound / x))
             return SpikeDecision(True, z, bound, self.action, 0.0 if self.action == "skip" else 1.0)
@@ -224,7 +226,11 @@ class RoleCaptureMonitor:
                     event = CaptureEvent(step, role, share, self.streak[role])
                     fired.append(event)
                     logger.warning("role capture: %s holds %.0f%% of the shared policy's gradient mass "
-                                   "for %d consecutive steps (step %d)", role, 100 * share, event.consecutive, step)
+                                   "for %d consecutive steps (step %d): its updates steer the policy the roles share, "
+                                   "the others' barely move it; common with a role that writes most tokens, a "
+                                   "concern only if accuracy falls; algorithm.loss.agg: role-balanced evens it "
+                                   "(docs/monitoring.md#role-capture-rolecapturemonitor)",
+                                   role, 100 * share, event.consecutive, step)
             else:
                 self.streak[role] = 0
         self.events.extend(fired)
