@@ -3,6 +3,7 @@ entry that no longer exists fails the test run."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def test_site_builds_strict(tmp_path):
     assert (site / "getting-started" / "index.html").is_file() and (site / "config" / "index.html").is_file()
     api = (site / "api" / "index.html").read_text()
     assert "compute_advantages" in api and "register_workflow" in api
+    # docstrings use one style the API page renders: no raw Sphinx roles (:func:`x`) on any page
+    raw = {str(p.relative_to(site)): re.findall(r":(?:mod|func|class|meth|data|attr|exc|obj):(?:`|<code>)", p.read_text())
+           for p in site.rglob("*.html")}
+    assert {page: found[:3] for page, found in raw.items() if found} == {}
     # a repository file a page links to outside docs/ is published with the site
     assert (site / "_repo" / "benchmarks" / "study" / "e5" / "grad_share.png").is_file()
 
@@ -67,3 +72,12 @@ def test_a_broken_link_fails_the_build(tmp_path):
         f.write("\n[a page that is not there](no-such-page.md)\n")
     out = _build(tmp_path, docs)
     assert out.returncode != 0 and "no-such-page.md" in out.stdout + out.stderr
+
+
+def test_docstrings_use_no_sphinx_roles():
+    """The docstring style of src/ is Google style with ``code`` literals, which mkdocstrings renders; a Sphinx
+    role (:func:`x`, :class:`y`) would show raw on the API page."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "src").rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r":(?:mod|func|class|meth|data|attr|exc|obj):`", line)]
+    assert found == []

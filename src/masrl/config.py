@@ -181,7 +181,7 @@ class PolicyConfig(_Strict):
 
 def _registered(kind: str, value: str, known) -> str:
     """``value`` if it is one of ``known`` (a tuple of masrl.algorithms choices), else one error listing them
-    (a registry name is checked by its registry, :mod:`masrl.registry`)."""
+    (a registry name is checked by its registry, ``masrl.registry``)."""
     if value not in known:
         raise ValueError(f"unknown {kind} {quote(value)}; known: {', '.join(known)}")
     return value
@@ -680,7 +680,7 @@ _MOVED_TO_IO = ("CONFIG_MAX_BYTES", "YAML_MAX_DEPTH", "YAML_MAX_NODES", "load_ya
 
 
 def __getattr__(name: str):
-    """The YAML reader's names this module held before they moved to :mod:`masrl.io.bounded_yaml`: they
+    """The YAML reader's names this module held before they moved to ``masrl.io.bounded_yaml``: they
     still resolve, with a ``DeprecationWarning``, for one release."""
     if name in _MOVED_TO_IO:
         import warnings

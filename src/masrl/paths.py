@@ -126,7 +126,7 @@ def _check_no_dangling(path: Path, what: str) -> Path:
 
 
 def __getattr__(name: str):
-    """``write_text_atomic`` moved to :mod:`masrl.io.atomic`: it still resolves here, with a
+    """``write_text_atomic`` moved to ``masrl.io.atomic``: it still resolves here, with a
     ``DeprecationWarning``, for one release."""
     if name == "write_text_atomic":
         import warnings

@@ -1,6 +1,6 @@
 """Registries by name: the one mechanism behind workflows, tasks, rewards, estimators and losses.
 
-A :class:`Registry` maps names to objects of one kind::
+A ``Registry`` maps names to objects of one kind::
 
     LOSSES = Registry("loss", group="masrl.losses")
 
@@ -27,10 +27,10 @@ loss          ``masrl.algorithms.LOSSES``            ``@register_loss``         
 of a group are loaded once, on the first lookup of a name the registry does not hold (or the first
 ``names()``): an entry point that names a module is imported (its ``@register_*`` decorators run); one
 that names a callable (``my_pkg:register``) is called with no arguments, unless importing its module
-already registered the entry point's name. A plugin that fails to load is one :class:`PluginError`
+already registered the entry point's name. A plugin that fails to load is one ``PluginError``
 naming its distribution.
 
-Bottom layer: imports nothing from masrl but :mod:`masrl.errors`.
+Bottom layer: imports nothing from masrl but ``masrl.errors``.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class Registry(Generic[T]):
 
     def register(self, name: str, obj: T | None = None, *, overwrite: bool = False) -> Any:
         """Register ``obj`` under ``name``; without ``obj``, a decorator that registers what it decorates
-        and returns it unchanged. A name that is taken is a :class:`DuplicateNameError` (even for the same
+        and returns it unchanged. A name that is taken is a ``DuplicateNameError`` (even for the same
         object: a module imported twice under two names) unless ``overwrite``, which replaces it."""
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"a {self.kind} name must be a non-empty string, got {quote(name)}")
@@ -122,7 +122,7 @@ class Registry(Generic[T]):
     # ------------------------------------------------------------------ looking up
 
     def get(self, name: str) -> T:
-        """The object registered under ``name``; an :class:`UnknownNameError` listing the known names (and
+        """The object registered under ``name``; an ``UnknownNameError`` listing the known names (and
         the closest one) otherwise. Plugins are loaded on the first miss."""
         self._ensure_preloaded()
         try:
@@ -192,7 +192,7 @@ class Registry(Generic[T]):
                 preload()
 
     def load_plugins(self) -> None:
-        """Load the entry points of :attr:`group` (once per process: later calls do nothing, except after a
+        """Load the entry points of ``group`` (once per process: later calls do nothing, except after a
         plugin failed to load, when the ones not loaded yet are tried again)."""
         if self._scanned:
             return

@@ -1,8 +1,8 @@
 """Registry names in a config (workflow, task, reward), checked when a team is built
-(:func:`masrl.team_runner.check_team`, before any data is loaded).
+(``masrl.team_runner.check_team``, before any data is loaded).
 
 Pydantic checks the shape of the config; this resolves its names against the registries
-(:mod:`masrl.registry`: built-ins and installed plugins; ``pkg.module:function`` paths are imported) so
+(``masrl.registry``: built-ins and installed plugins; ``pkg.module:function`` paths are imported) so
 that a typo fails before any model is built, with the known names listed, instead of after SFT. It sits
 above ``config`` (it imports workflows and tasks); the estimator and loss names are checked by the config
 models (``masrl.config``) against the same kind of registry.
@@ -14,7 +14,7 @@ from masrl.errors import ConfigError
 
 
 def check_names(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` naming the key and the known names when a registry name is unknown."""
+    """Raise ``ConfigError`` naming the key and the known names when a registry name is unknown."""
     import masrl.judges  # noqa: F401  (registers the judge and reward-model rewards)
     from masrl.tasks.registry import source_loader
     from masrl.tasks.rewards import resolve_reward

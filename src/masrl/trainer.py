@@ -55,7 +55,7 @@ def _step_seed(seed: int, step: int, salt: int = 0) -> int:
 
 
 class _OfTeam:
-    """``trainer.<name>``: the attribute of that name of the trainer's :class:`TeamRunner`, read and set."""
+    """``trainer.<name>``: the attribute of that name of the trainer's ``TeamRunner``, read and set."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -79,7 +79,7 @@ def training_agents(algo, step: int) -> set[str] | None:
 
 
 class Trainer:
-    """RL for the team of a config: one :class:`~masrl.team_runner.TeamRunner` (the team, its rollout and
+    """RL for the team of a config: one ``TeamRunner`` (the team, its rollout and
     evaluation) plus the update, the monitors (spikes, role capture, drift, collapse), checkpoints and the
     allocator's tuning."""
 
@@ -109,7 +109,7 @@ class Trainer:
     # ------------------------------------------------------------------ stages
     def score_turns(self, episodes: Sequence[Episode]) -> tuple[list[Turn], list[tuple[int, int]], torch.Tensor]:
         """Every turn gets the team reward (``algorithm.reward: per_turn``: its own reward when the reward
-        function set one, weighted by :func:`class_weights` where the workflow labelled its class), minus the
+        function set one, weighted by ``class_weights`` where the workflow labelled its class), minus the
         format penalty if it is invalid."""
         turns, keys, team_rewards, scores = [], [], [], []
         penalty = self.cfg.algorithm.format_penalty
@@ -169,7 +169,7 @@ class Trainer:
             metrics[f"collapse/{collapse.signal}"] = 1.0
 
     def evaluate(self, label: str) -> dict[str, float]:
-        """The held-out split and every ``eval.benches`` benchmark (:meth:`TeamRunner.evaluate`, as ``masrl
+        """The held-out split and every ``eval.benches`` benchmark (``TeamRunner.evaluate``, as ``masrl
         eval``). Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's."""
         ecfg = self.cfg.eval
         results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,

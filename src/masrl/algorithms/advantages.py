@@ -2,7 +2,7 @@
 
 Every estimator is a small pure function on tensors, registered by name in
 ``ADVANTAGE_ESTIMATORS``. ``compute_advantages`` validates the inputs once, turns the ids
-into integer codes (:class:`AdvantageGroups`) and calls the estimator. Formulas, grouping
+into integer codes (``AdvantageGroups``) and calls the estimator. Formulas, grouping
 keys and sources are in ``docs/algorithms.md``.
 
 Notation: a turn i has score r_i (team reward minus penalty), group g, agent k, episode e.
@@ -194,9 +194,9 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("estimator", group
 
 
 def register_advantage(name: str, *, overwrite: bool = False) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register an estimator under ``name`` (see :class:`AdvantageEstimator`); the config's
+    """Decorator: register an estimator under ``name`` (see ``AdvantageEstimator``); the config's
     ``algorithm.estimator`` picks it. A name that is taken is an error unless ``overwrite``. A package
-    registers its own through the ``masrl.estimators`` entry-point group (:mod:`masrl.registry`)."""
+    registers its own through the ``masrl.estimators`` entry-point group (``masrl.registry``)."""
     return ADVANTAGE_ESTIMATORS.register(name, overwrite=overwrite)
 
 

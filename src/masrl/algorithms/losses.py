@@ -1,7 +1,7 @@
 """Policy losses on response tokens: PPO / GSPO clipped surrogates, KL penalties, entropy.
 
 Losses are registered by name in ``LOSSES`` (add your own with ``@register_loss("name")``): a
-loss supplies the per-token log-ratio that :func:`policy_loss` clips.
+loss supplies the per-token log-ratio that ``policy_loss`` clips.
 
 Pure functions on [B, T] tensors (B rows = turns, T = response positions). A position is
 valid where ``response_mask`` is nonzero; invalid positions (padding) never reach a loss
@@ -33,7 +33,7 @@ def agg_loss(values: Tensor, mask: Tensor, agg: str = "token-mean", *, norm_leng
     * ``seq-mean-token-sum-norm``: each row's token sum / ``norm_length`` (default T, the
       mask width; Dr. GRPO), then the mean over rows with >= 1 valid token.
     * ``role-balanced``: Σ_rows ``row_weights[r]`` · (row r's token sum), with the weights of
-      :func:`role_balanced_weights` computed over the whole policy batch (so that micro-batches add up).
+      ``role_balanced_weights`` computed over the whole policy batch (so that micro-batches add up).
 
     With no valid token at all the result is 0 (still attached to the graph).
     """
@@ -115,10 +115,10 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 
 def entropy_from_logsumexp(logits: Tensor, lse: Tensor) -> Tensor:
-    """:func:`entropy_from_logits` given ``lse = logsumexp(logits, -1)`` (already computed for the
+    """``entropy_from_logits`` given ``lse = logsumexp(logits, -1)`` (already computed for the
     log-probs): H = lse - sum_v p_v z_v with p = exp(z - lse). Three passes over the vocabulary
     instead of about ten (0.10 vs 0.19 s for 8 x 33 x 49k logits, 1 thread). Meant for the no-grad
-    entropy metric; equals :func:`entropy_from_logits` up to float rounding, -inf logits included
+    entropy metric; equals ``entropy_from_logits`` up to float rounding, -inf logits included
     (``tests/test_perf_levers.py``).
     """
     probs = torch.exp(logits - lse.unsqueeze(-1))
@@ -134,15 +134,15 @@ LogRatioFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``(logprobs, old_logprobs, valid) -> log_ratio`` [B, T]: a loss's per-token log-ratio log ρ_t.
 
 ``logprobs``/``old_logprobs`` are already zero at invalid positions and ``old_logprobs`` is
-detached; gradients must flow through ``logprobs`` only. :func:`policy_loss` clips ``exp`` of it."""
+detached; gradients must flow through ``logprobs`` only. ``policy_loss`` clips ``exp`` of it."""
 
 LOSSES: Registry[LogRatioFn] = Registry("loss", group="masrl.losses")
 
 
 def register_loss(name: str, *, overwrite: bool = False) -> Callable[[LogRatioFn], LogRatioFn]:
-    """Decorator: register a policy loss under ``name`` (its log-ratio, see :data:`LogRatioFn`); the config's
+    """Decorator: register a policy loss under ``name`` (its log-ratio, see ``LogRatioFn``); the config's
     ``algorithm.loss.loss`` picks it. A name that is taken is an error unless ``overwrite``. A package
-    registers its own through the ``masrl.losses`` entry-point group (:mod:`masrl.registry`)."""
+    registers its own through the ``masrl.losses`` entry-point group (``masrl.registry``)."""
     return LOSSES.register(name, overwrite=overwrite)
 
 
@@ -187,14 +187,14 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss on response tokens; gradients flow only through ``logprobs``.
 
-    Per valid token, with ratio ρ (``loss``, a name in :data:`LOSSES`: "ppo" token ratio, "gspo"
-    sequence ratio, or one added with :func:`register_loss`):
+    Per valid token, with ratio ρ (``loss``, a name in ``LOSSES``: "ppo" token ratio, "gspo"
+    sequence ratio, or one added with ``register_loss``):
         L = max(-A ρ, -A clip(ρ, 1 - clip_low, 1 + clip_high))
     and with ``dual_clip`` c > 1, for A < 0: L = min(L, -c A). Reduced by ``agg``
-    (see :func:`agg_loss`; ``row_weights`` [B] for ``role-balanced``). ``advantages`` is [B] (one per
+    (see ``agg_loss``; ``row_weights`` [B] for ``role-balanced``). ``advantages`` is [B] (one per
     row) or [B, T].
     ``is_weights`` [B, T] (optional, detached): rollout-correction weights that multiply each
-    token's L before aggregation (:func:`masrl.algorithms.rollout_correction.truncated_is_weights`).
+    token's L before aggregation (``masrl.algorithms.rollout_correction.truncated_is_weights``).
 
     Stats (python floats, over valid tokens): ``clipfrac`` (clipped branch active),
     ``clipfrac_high`` (A > 0, ρ > 1 + clip_high), ``clipfrac_low`` (A < 0, ρ < 1 - clip_low),

@@ -1,6 +1,6 @@
 """``masrl ensemble`` commands: ``select``, ``compare``, ``rl-focal``, ``collect``.
 
-The lead's ``masrl.cli`` calls :func:`register` on its subparsers and then ``args.func(args)``.
+The lead's ``masrl.cli`` calls ``register`` on its subparsers and then ``args.func(args)``.
 Bad input prints one ``masrl ensemble: error: ...`` line on stderr and returns exit code 2.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``masrl ensemble collect``: run your proposers -> summarizer team on benchmark tasks and write
-each proposer's answer as an ensemble predictions file (the JSONL read by :mod:`masrl.ensemble.data`).
+each proposer's answer as an ensemble predictions file (the JSONL read by ``masrl.ensemble.data``).
 
 The team is built exactly as ``masrl eval`` builds it (config + dotted overrides, optional trained
-checkpoint, :meth:`masrl.team_runner.TeamRunner.benches` for the tasks, their score function and
+checkpoint, ``masrl.team_runner.TeamRunner.benches`` for the tasks, their score function and
 the rollout). The workflow must record the proposers' answers in
 ``episode.info["proposals"]`` (one entry per proposer slot, as ``proposers_summarizer`` does).
 
@@ -98,7 +98,7 @@ def episode_rows(episodes: Sequence[Episode], score: Callable[[Task, str | None]
     """Prediction rows (see module doc), one per episode, and facts about the collection.
 
     ``episodes`` are in task order with ``n_samples`` consecutive episodes per task (as
-    :func:`masrl.rollout.runner.repeat_tasks` makes them). Raises ``ValueError`` if an episode has
+    ``masrl.rollout.runner.repeat_tasks`` makes them). Raises ``ValueError`` if an episode has
     no proposals or the proposer set changes between episodes.
     """
     from masrl.ensemble.data import answer_key as _vocab_key
@@ -159,7 +159,7 @@ def _bench_name(bench: str) -> str:
 def collect(cfg, benches: Sequence[str], *, limit: int | None = None, n_samples: int = 1, seed: int | None = None,
             temperature: float | None = None, checkpoint: str | None = None, strict: bool = False,
             where: str = "config") -> tuple[list[dict], dict]:
-    """Run the configured team on ``benches`` and return ``(rows, facts)`` (see :func:`episode_rows`)."""
+    """Run the configured team on ``benches`` and return ``(rows, facts)`` (see ``episode_rows``)."""
     from masrl.team_runner import TeamRunner
     from masrl.workflows.base import get_workflow
 

@@ -235,7 +235,7 @@ COMBINER_NAMES = ("auto", "plurality", "soft", "oracle", "majority")
 def get_combiner(spec: str | Combiner, data: EnsembleData | None = None, *, seed: int = 0) -> Combiner:
     """Combiner from a name: ``plurality`` (alias ``vote``), ``soft`` (``soft_vote``), ``oracle``,
     ``majority``, ``auto`` (plurality if the data has answers, else majority), or
-    ``package.module:function`` for a :class:`Summarizer` callable ``fn(item_id, proposals)``.
+    ``package.module:function`` for a ``Summarizer`` callable ``fn(item_id, proposals)``.
     With ``data``, checks that the combiner can run on it.
     """
     if isinstance(spec, Combiner):

@@ -11,10 +11,10 @@ One JSON object per line::
   RouterDC have no answers or labels); without it, correct = ``answer == label`` and a ``null``
   label counts as wrong;
 * extra top-level scalar fields (``split_rlfocal``, ``label_rlfocal``, ``doc_id`` ...) are kept in
-  :attr:`EnsembleData.extras`; ``task`` groups rows (default: one task named after the file).
+  ``EnsembleData.extras``; ``task`` groups rows (default: one task named after the file).
 
 Answers are stored as integer codes: the raw values when every answer and label is a
-non-negative int (choice indices), otherwise indices into :attr:`EnsembleData.vocab`. ``-1``
+non-negative int (choice indices), otherwise indices into ``EnsembleData.vocab``. ``-1``
 means abstain / unknown.
 """
 from __future__ import annotations
@@ -246,11 +246,11 @@ def _parse_row(obj: Any, label_field: str, models_ref: list[str] | None) -> dict
 def from_records(records: Iterable[Any], *, label_field: str = "label", strict: bool = True,
                  source: str = "<records>", default_task: str | None = None,
                  models: Sequence[str] | None = None, line_offset: int = 1) -> EnsembleData:
-    """Build :class:`EnsembleData` from decoded rows (see module doc for the schema).
+    """Build ``EnsembleData`` from decoded rows (see module doc for the schema).
 
     ``strict=True`` raises ``ValueError("<source>:<line>: <what is wrong>")`` at the first
-    malformed row; ``strict=False`` skips such rows with a :class:`MalformedRowWarning` each (the
-    first 10, then a count: :mod:`masrl.io.rows`) and records them all in ``.skipped``.
+    malformed row; ``strict=False`` skips such rows with a ``MalformedRowWarning`` each (the
+    first 10, then a count: ``masrl.io.rows``) and records them all in ``.skipped``.
     ``models`` keeps only those models (in that order).
     """
     positioned = ((RowPos(str(i + line_offset), i, i + line_offset), obj) for i, obj in enumerate(records))

@@ -71,7 +71,7 @@ def cohen_kappa(a, b) -> float:
 
     ``(p_o - p_e) / (1 - p_e)``, p_o = observed agreement, p_e = sum_c p_a(c) p_b(c).
     On 0/1 correctness it equals 2 (N11 N00 - N01 N10) / ((N11+N10)(N10+N00) + (N11+N01)(N01+N00))
-    (compare :func:`kw_kappa`, whose denominator pairs the marginals differently).
+    (compare ``kw_kappa``, whose denominator pairs the marginals differently).
     """
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.ndim != 1:
@@ -214,7 +214,7 @@ def focal_lambdas(C, members: Sequence[int] | None = None) -> np.ndarray:
 
 
 def focal_diversity(C, members: Sequence[int] | None = None) -> float:
-    """Focal diversity d(S) = mean over members i of lambda_i (see :func:`focal_lambdas`)."""
+    """Focal diversity d(S) = mean over members i of lambda_i (see ``focal_lambdas``)."""
     return float(focal_lambdas(C, members).mean())
 
 

@@ -103,7 +103,7 @@ def window_fitness_table(data: EnsembleData, rows: np.ndarray, vote: np.ndarray,
                          weights: Sequence[float], floor: float = -1.0) -> np.ndarray:
     """``(len(rows)+1, 2^N)``: fitness of every mask on rows ``[max(0, t-window), t)`` of the stream ``rows``.
 
-    ``vote`` is :func:`mask_tables` on the same rows (vote accuracy). Fitness is
+    ``vote`` is ``mask_tables`` on the same rows (vote accuracy). Fitness is
     ``w_f * focal + w_v * vote + w_k * fleiss``; masks with fewer than 2 members get ``floor``
     (RL-Focal uses -99, which would swamp a network input); an empty window gives 0.
     Computed with cumulative sums, so the cost does not depend on the window length.

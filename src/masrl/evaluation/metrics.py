@@ -258,9 +258,9 @@ def summarize_groups(
 ) -> dict[str, dict[str, float]]:
     """Per-benchmark team-level metrics from the sampled episodes of each task.
 
-    ``per_task_results`` holds one entry per task: a :class:`TaskResult`, a mapping with keys
+    ``per_task_results`` holds one entry per task: a ``TaskResult``, a mapping with keys
     ``correct`` (list of bools, one per episode) and optionally ``benchmark``, ``task_id``,
-    ``answers``, ``rewards``, or a list of :class:`masrl.types.Episode` (benchmark read from
+    ``answers``, ``rewards``, or a list of ``masrl.types.Episode`` (benchmark read from
     ``task.meta['benchmark']``/``['data_source']``). A mapping ``task_id -> entry`` also works.
 
     Returns ``{benchmark: {"n_tasks", "n" (min samples per task), "n_max", "avg@n",

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.evaluation.summary`. This path is the same module for one release and
+"""Deprecated: moved to ``masrl.evaluation.summary``. This path is the same module for one release and
 warns on import; import from ``masrl.evaluation.summary`` instead."""
 import sys
 import warnings

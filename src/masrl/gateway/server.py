@@ -1,15 +1,15 @@
 """The gateway: a threaded HTTP server speaking OpenAI's chat/completions API, backed by live episodes.
 
-Each episode of an ``external`` workflow opens an :class:`EpisodeSession` with a key of its own; the program it
+Each episode of an ``external`` workflow opens an ``EpisodeSession`` with a key of its own; the program it
 runs gets ``base_url = <gateway>/e/<key>/v1`` and ``api_key = <key>`` (either identifies the episode). A request
 is handed to the episode's event loop (``asyncio.run_coroutine_threadsafe``) and becomes ``team.call(agent,
 ChatPrompt(messages, tools))``, so calls from many episodes are batched by the rollout scheduler exactly like a
-built-in workflow's, and every call is a recorded :class:`~masrl.types.Turn` with the prompt ids the policy's
+built-in workflow's, and every call is a recorded ``Turn`` with the prompt ids the policy's
 chat template gave, the sampled ids and their log-probs. The ``model`` field names the agent.
 
 A request that continues the agent's previous call of the same episode (its messages start with that call's
 messages and its reply, unchanged) extends that call's token ids instead of re-rendering them
-(:class:`~masrl.tools.chat_format.ChatPrefix`), as ``team.chat`` does: no re-tokenization drift, and the
+(``ChatPrefix``), as ``team.chat`` does: no re-tokenization drift, and the
 rollout engine reuses the earlier keys and values.
 
 Sampling follows the agent's config (``temperature``, ``top_p``, ``max_new_tokens``): the recorded log-probs must

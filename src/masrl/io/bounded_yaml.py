@@ -1,8 +1,8 @@
 """The bounded YAML reader: one YAML document parsed with limits on size, nesting and alias expansion,
 every refusal one ``ConfigError`` naming the source and, where known, the line and column.
 
-Used for run configs (:func:`masrl.config.load_config`), sweep specs and config overrides; anything
-that reads a YAML file a user names goes through :func:`read_yaml_file`.
+Used for run configs (``masrl.config.load_config``), sweep specs and config overrides; anything
+that reads a YAML file a user names goes through ``read_yaml_file``.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def _expanded_size(root) -> int:
 
 
 def load_bounded(text: str) -> Any:
-    """Parse ``text`` with the limits; raises ``yaml.YAMLError`` or :class:`YamlLimit`."""
+    """Parse ``text`` with the limits; raises ``yaml.YAMLError`` or ``YamlLimit``."""
     loader = BoundedLoader(text)
     try:
         node = loader.get_single_node()

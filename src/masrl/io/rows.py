@@ -3,16 +3,16 @@
 Every loader in masrl (math, code, QA, corpora, ensemble predictions) reads its rows here, so a
 malformed row is reported the same way everywhere:
 
-- the row is skipped with a :class:`MalformedRowWarning` ``"<file>:<where>: <reason>; row skipped"``
+- the row is skipped with a ``MalformedRowWarning`` ``"<file>:<where>: <reason>; row skipped"``
   (``<where>`` is the line number in a JSONL file, ``index N`` in a JSON array, ``row N`` in a
-  parquet table); after :data:`MAX_SHOWN` such warnings the rest are only counted, and one
+  parquet table); after ``MAX_SHOWN`` such warnings the rest are only counted, and one
   ``"<file>: skipped N malformed rows in all"`` warning closes the read;
 - with ``strict=True`` (the CLI's ``--strict``) the first malformed row raises
-  ``error("<file>:<where>: <reason>")`` (:class:`MalformedRowError`, a ``ValueError``, unless the
+  ``error("<file>:<where>: <reason>")`` (``MalformedRowError``, a ``ValueError``, unless the
   loader passes its own error class).
 
 A loader supplies a row parser ``parse(obj, pos) -> value | None``: ``obj`` is the decoded row,
-``pos`` its :class:`RowPos`; it raises :class:`BadRow` with the reason when the row is malformed
+``pos`` its ``RowPos``; it raises ``BadRow`` with the reason when the row is malformed
 and returns ``None`` to leave a row out silently (e.g. another split)::
 
     def parse(obj, pos):
@@ -73,8 +73,8 @@ class RowPos:
 class RowReport:
     """What a read did: rows seen, rows kept, and ``(where, reason)`` of every skipped row.
 
-    :meth:`skip` is the one place a malformed row is reported (warning, or ``error`` when
-    ``strict``); :meth:`close` warns once with the total when more than :data:`MAX_SHOWN` were
+    ``skip`` is the one place a malformed row is reported (warning, or ``error`` when
+    ``strict``); ``close`` warns once with the total when more than ``MAX_SHOWN`` were
     skipped.
     """
 
@@ -151,7 +151,7 @@ def iter_records(path: str | Path, format: str = "auto", *, blank_lines_are_rows
     """``(position, decoded row)`` for each row of ``path``.
 
     A JSONL line that is not valid JSON (or, with ``blank_lines_are_rows``, a blank line) comes
-    back as a marker that :func:`parse_rows` reports as malformed; a whole-file problem (a JSON
+    back as a marker that ``parse_rows`` reports as malformed; a whole-file problem (a JSON
     file that is not an array, an unreadable parquet file) raises ``error``.
     """
     path = Path(path)
@@ -208,7 +208,7 @@ def _parquet_rows(path: Path, error: type[Exception]) -> list[dict]:
 def iter_parsed(records: Iterable[tuple[RowPos, Any]], parse: Parser, report: RowReport, *,
                 objects_only: bool = True) -> Iterator[Any]:
     """Lazily parse ``records`` with ``parse``, yielding the non-``None`` values; malformed rows
-    (undecodable, not an object when ``objects_only``, or :class:`BadRow` from ``parse``) go to
+    (undecodable, not an object when ``objects_only``, or ``BadRow`` from ``parse``) go to
     ``report.skip``. A parser may also call ``report.skip`` itself for part of a row."""
     for pos, obj in records:
         report.rows += 1
@@ -229,8 +229,8 @@ def iter_parsed(records: Iterable[tuple[RowPos, Any]], parse: Parser, report: Ro
 def parse_rows(records: Iterable[tuple[RowPos, Any]], parse: Parser, *, source: str, strict: bool = False,
                limit: int | None = None, objects_only: bool = True,
                error: type[Exception] = MalformedRowError) -> tuple[list, RowReport]:
-    """Parse ``records`` (from :func:`iter_records`, or any ``(RowPos, row)`` pairs) with ``parse``:
-    the first ``limit`` parsed values (``None`` results left out) and the :class:`RowReport`."""
+    """Parse ``records`` (from ``iter_records``, or any ``(RowPos, row)`` pairs) with ``parse``:
+    the first ``limit`` parsed values (``None`` results left out) and the ``RowReport``."""
     report = RowReport(source, strict=strict, error=error)
     if limit is not None and limit <= 0:
         return [], report
@@ -244,7 +244,7 @@ def read_rows(path: str | Path, parse: Parser, *, strict: bool = False, limit: i
               error: type[Exception] = MalformedRowError) -> tuple[list, RowReport]:
     """Read and parse every row of a JSONL / JSON-array / parquet file: ``(values, report)``.
 
-    A missing file raises ``FileNotFoundError``; see :func:`parse_rows` for the rest.
+    A missing file raises ``FileNotFoundError``; see ``parse_rows`` for the rest.
     """
     path = Path(path).expanduser()
     if not path.is_file():

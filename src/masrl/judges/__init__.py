@@ -4,9 +4,9 @@
     task: {name: dataset, params: {train: ..., reward: {model: {path: ./my_rm, normalize: sigmoid}}}}
 
 Importing this package registers the ``judge`` and ``model`` rewards (given with options, as a mapping) with
-:func:`masrl.tasks.rewards.register_reward` (``masrl.registry_names`` does, before a config's
+``masrl.tasks.rewards.register_reward`` (``masrl.registry_names`` does, before a config's
 reward is resolved). A judge is built once per process for the same options (the config check and
-the run share it). :func:`judge_metrics` gives the trainer a step's ``judge/*`` metrics.
+the run share it). ``judge_metrics`` gives the trainer a step's ``judge/*`` metrics.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def build_reward_model(options: Mapping[str, Any], params: Mapping[str, Any]) ->
 
 def judge_metrics(score) -> dict[str, float]:
     """The step's judge metrics of a task's score function (empty for rule-based rewards); raises
-    :class:`JudgeFailedError` when every judge call of the step failed."""
+    ``JudgeFailedError`` when every judge call of the step failed."""
     if isinstance(score, (JudgeReward, RewardModelReward)):
         return score.step_metrics()
     return {}

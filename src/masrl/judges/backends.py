@@ -1,7 +1,7 @@
 """Where a judge's replies come from: a frozen local model on the in-process rollout engine (one batched
 greedy generate per call), or an OpenAI-compatible endpoint (``masrl.judges.remote``).
 
-``complete(prompts)`` returns one :class:`Reply` per prompt, in order; a reply that could not be had
+``complete(prompts)`` returns one ``Reply`` per prompt, in order; a reply that could not be had
 carries ``error`` instead of ``text``. ``yes_probabilities(prompts)`` (verdict ``yes_prob``) reads the
 probability of yes and of no at the reply's first token instead of generating: ``p_yes`` and ``p_no``.
 """
@@ -35,7 +35,7 @@ def frozen_policy_config(model: str, *, tiny: dict, dtype: str, trust_remote_cod
 
 
 class LocalJudge:
-    """A frozen model (no gradients, never trained) generating greedily on a :class:`TransformersEngine`."""
+    """A frozen model (no gradients, never trained) generating greedily on a ``TransformersEngine``."""
 
     def __init__(self, opts: JudgeOptions):
         pcfg = frozen_policy_config(opts.model, tiny=opts.tiny, dtype=opts.dtype,
@@ -83,7 +83,7 @@ class LocalJudge:
     def yes_probabilities(self, prompts: Sequence[str]) -> list[Reply]:
         """One forward pass per batch (left-padded, positions counted from each row's first token, only the last
         position's logits): each prompt's next-token distribution summed over the yes and the no tokens
-        (:func:`masrl.judges.verdicts.verdict_token_ids`), in float32; ``text`` is the most likely token."""
+        (``masrl.judges.verdicts.verdict_token_ids``), in float32; ``text`` is the most likely token."""
         if not prompts:
             return []
         yes_ids, no_ids = (torch.tensor(ids) for ids in self.verdict_ids)

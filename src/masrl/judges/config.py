@@ -1,6 +1,6 @@
 """Judge and reward-model options (``task.params.reward: {judge: {...}}`` / ``{model: {...}}``), checked at load.
 
-Every mistake is one :class:`~masrl.errors.ConfigError` naming the key under ``task.params.reward``.
+Every mistake is one ``ConfigError`` naming the key under ``task.params.reward``.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``score_batch(pairs)`` judges many answers with one batched greedy generate (``yes_prob``: one batched
 forward pass); the rollout scores every episode's final answer this way once the episodes are done
-(:mod:`masrl.workflows.batch_score`);
+(``masrl.workflows.batch_score``);
 calling the judge with one answer (``team.score`` mid-episode) is a batch of one. Replies are cached
 by prompt within a step, so the same (question, answer) is judged once.
 """
@@ -35,7 +35,7 @@ def _shown(reply: Reply) -> str:
 
 
 class JudgeReward:
-    """The judge ``reward: {judge: {...}}`` (options: :class:`masrl.judges.config.JudgeOptions`)."""
+    """The judge ``reward: {judge: {...}}`` (options: ``masrl.judges.config.JudgeOptions``)."""
 
     def __init__(self, opts: JudgeOptions, backend, check: Callable | None = None):
         self.opts, self.backend, self.check = opts, backend, check

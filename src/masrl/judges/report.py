@@ -91,7 +91,7 @@ def _num(v: float | None, digits: int = 3) -> str:
 
 
 def judge_report_lines(summary: Mapping[str, Any] | None, sft_steps: int) -> list[str]:
-    """The markdown of :func:`judge_summary` (no lines for None)."""
+    """The markdown of ``judge_summary`` (no lines for None)."""
     if not summary:
         return []
     share = summary["share_of_step_time"]

@@ -49,7 +49,7 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 @dataclass
 class JudgeStats:
-    """What the judge did since the last :meth:`pop` (one training step)."""
+    """What the judge did since the last ``pop`` (one training step)."""
 
     endpoint: str
     calls: int = 0
@@ -79,7 +79,7 @@ class JudgeStats:
             self.ranked.append((reward, check))
 
     def pop(self) -> dict[str, float]:
-        """The step's metrics, then reset; :class:`JudgeFailedError` when every call of the step failed."""
+        """The step's metrics, then reset; ``JudgeFailedError`` when every call of the step failed."""
         if self.calls and self.errors >= self.calls:
             raise JudgeFailedError(f"every judge call of the step failed ({self.errors} of {self.calls}) at "
                                    f"{self.endpoint}; first error: {self.first_error}")

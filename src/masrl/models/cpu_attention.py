@@ -4,7 +4,7 @@ place, and short sequences under bf16/fp16 autocast in float32.
 **Decode steps.** transformers' ``sdpa`` attention runs a decode step (one query token per row) through the CPU
 flash kernel of ``scaled_dot_product_attention``: under ``torch.autocast`` in bfloat16 (and with
 ``enable_gqa=True`` when there is no padding mask), and on the preallocated cache's strided views of the filled
-positions, which it reads at about half the speed of contiguous keys. :func:`attention_forward` computes a 1-token
+positions, which it reads at about half the speed of contiguous keys. ``attention_forward`` computes a 1-token
 query on a CPU itself, in float32 (autocast off): the query on the grouped view ``[batch * kv_heads, groups,
 head_dim]`` (no ``repeat_kv`` copy), scores by one batched matmul over the cache's views (the batch and head dims
 fold into one: no copy), the mask, a softmax, and a second batched matmul with the values; the output in the
@@ -13,12 +13,12 @@ Under autocast the engine keeps the cache itself in float32 (``TransformersEngin
 exactly), so nothing is converted per step.
 
 **Prompts and training sequences** (several query tokens) go to transformers' ``sdpa_attention_forward``; on a
-CPU, when the inputs are bf16/fp16 or autocast is on and there are at most :data:`FLOAT32_MAX_KEYS` keys, with
+CPU, when the inputs are bf16/fp16 or autocast is on and there are at most ``FLOAT32_MAX_KEYS`` keys, with
 float32 inputs and autocast off, the output cast back to what ``sdpa`` returns there. The CPU flash kernel is
 2-4x slower in bf16 than in float32 at these lengths (forward + backward, `benchmarks/profile_step.py --section
 levers --levers train_attention`; from ~512 keys on bf16 is as fast or faster), and float32 is the more precise.
 Gradients flow through the casts (autograd), so the update, the trainer's log-prob passes and SFT use it
-(:func:`cpu_attention` around their forward and backward, for gradient checkpointing's recomputation).
+(``cpu_attention`` around their forward and backward, for gradient checkpointing's recomputation).
 
 Everything else goes to ``sdpa_attention_forward`` unchanged: other devices, float32 without autocast,
 soft-capping, position biases, attention sinks, per-head masks, masks that do not match the keys (decode).
@@ -30,7 +30,7 @@ autocast: bitwise float32 ``sdpa`` of the bf16 inputs (``tests/test_cpu_attentio
 autocast are bitwise what they were, except decode steps (a different summation order than ``sdpa``).
 
 The in-process engine switches a model to it while it decodes, the trainer while it computes log-probs and
-gradients (:func:`cpu_attention`, a context manager that switches a model whose attention is ``sdpa`` to this
+gradients (``cpu_attention``, a context manager that switches a model whose attention is ``sdpa`` to this
 function and back).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                  **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' ``sdpa_attention_forward``; on a CPU in float32 (autocast off) when the inputs are bf16/fp16
-    or autocast is on and there are at most :data:`FLOAT32_MAX_KEYS` keys. The output has the dtype ``sdpa``
+    or autocast is on and there are at most ``FLOAT32_MAX_KEYS`` keys. The output has the dtype ``sdpa``
     gives there (autocast's, else the query's)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -125,7 +125,7 @@ def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 def register() -> None:
-    """Make :data:`NAME` a transformers attention implementation (with ``sdpa``'s mask format). Idempotent."""
+    """Make ``NAME`` a transformers attention implementation (with ``sdpa``'s mask format). Idempotent."""
     global _registered
     if _registered:
         return
@@ -140,7 +140,7 @@ def register() -> None:
 @contextlib.contextmanager
 def cpu_attention(model: torch.nn.Module) -> Iterator[bool]:
     """Inside, ``model`` (a transformers model whose attention is ``sdpa``, on a CPU) uses
-    :func:`attention_forward`; yields whether it switched. Other models, and a model already switched by an
+    ``attention_forward``; yields whether it switched. Other models, and a model already switched by an
     enclosing call, are left as they are."""
     config = getattr(model, "config", None)
     try:

@@ -7,7 +7,7 @@ model (986 counting the calls inside them; module calls, the attention-mask buil
 ``q``/``k``/``v`` projection each, an RMSNorm of eight element-wise ops); this step makes 196 (683). A team pays this more often than a single agent at equal generated tokens: its three dependent
 agent turns run ~2.3x the decode steps of one wider batch (``benchmarks/multiagent_overhead.py``).
 
-:class:`FastDecode` computes a decode step of ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``)
+``FastDecode`` computes a decode step of ``LlamaForCausalLM`` (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``)
 directly from the weights:
 
 * ``q``/``k``/``v`` in one matrix product with the three weights stacked (``gate``/``up`` likewise), the stacked
@@ -16,7 +16,7 @@ directly from the weights:
 * RMSNorm as ``torch.nn.functional.rms_norm`` (Qwen3's on the query and key heads too, before RoPE);
 * rotary embeddings applied to the query and key heads together (the model's own rotary module computes
   ``cos``/``sin``, so every RoPE type works);
-* the 1-token attention of :func:`masrl.models.cpu_attention.grouped_decode_attention` (two batched matmuls over
+* the 1-token attention of ``masrl.models.cpu_attention.grouped_decode_attention`` (two batched matmuls over
   the preallocated cache's views), the keys/values written by the cache layer's own ``update``.
 
 **Exactness.** Bitwise the logits of transformers' forward with masrl's CPU decode attention, in float32
@@ -26,7 +26,7 @@ on which other weight rows share the call (stacked ``q``/``k``/``v``), and ``rms
 squares as transformers' formula does; both are checked by the tests on the machine that runs them.
 ``TransformersEngine(fast_decode=False)`` keeps transformers' forward.
 
-**bfloat16.** The step computes in the precision transformers' forward would use (:func:`precision`): bf16 weights
+**bfloat16.** The step computes in the precision transformers' forward would use (``precision``): bf16 weights
 (with or without autocast) run every op in bf16 as transformers does (RMSNorm in float32, cast back, times the
 weight; the attention in float32 over the cache); float32 weights under CPU bf16 autocast (``trainer.autocast``,
 SmolLM2 under ``auto`` on a CPU with native bf16) make autocast's casts explicitly: every matrix product's input
@@ -35,22 +35,22 @@ casting a stacked copy at every step), norms, residual sums and rotary embedding
 promotion, the keys/values in the engine's float32 cache. Measured bitwise transformers' forward in bf16 and
 under autocast on the tiny configs (``tests/test_fast_decode_bf16.py``, which allows 1e-3 of the largest entry
 for another BLAS's summation order of the stacked products). With ``packed=True`` (the engine's default where
-:func:`masrl.models.packed_linear.available`) the bf16 products run on weights prepacked once for oneDNN
-(:func:`masrl.models.packed_linear.pack`), the same inner product as ``F.linear``'s bf16 path without its
+``masrl.models.packed_linear.available``) the bf16 products run on weights prepacked once for oneDNN
+(``masrl.models.packed_linear.pack``), the same inner product as ``F.linear``'s bf16 path without its
 per-call reorder of the weight: bitwise the same logits (``tests/test_fast_decode_bf16.py``); decode tokens per
 CPU second in benchmarks/RESULTS.md "Decode roofline". Given the engine's
-:class:`masrl.models.packed_linear.PackedLinears` (``shared_packs``), the unstacked o, down and LM-head projections
+``masrl.models.packed_linear.PackedLinears`` (``shared_packs``), the unstacked o, down and LM-head projections
 decode on the copies the prefill packed, so each of those weights is packed and held once.
 
 It applies only where that equality is meant to hold; everything else goes through ``model(...)``:
 one of those three classes as transformers builds it (not wrapped by PEFT other than for LoRA, no hooks, no FSDP2
 shards), CPU weights all float32 or all bf16, SiLU MLP, full attention in every layer (no sliding window), decoding
-with masrl's CPU attention (:mod:`masrl.models.cpu_attention`) into the preallocated KV cache
-(:mod:`masrl.rollout.kv_cache`), autocast off or bf16. fp16 autocast, merged adapters, LoRA variants (DoRA) and
+with masrl's CPU attention (``masrl.models.cpu_attention``) into the preallocated KV cache
+(``masrl.rollout.kv_cache``), autocast off or bf16. fp16 autocast, merged adapters, LoRA variants (DoRA) and
 other architectures keep transformers' forward.
 
 **LoRA adapters.** A PEFT LoRA model over such a Llama runs here too, each row of the batch with its own adapter
-(``step(..., routes)``) in one pass: :mod:`masrl.models.lora_decode`. That part is not bitwise PEFT's forward
+(``step(..., routes)``) in one pass: ``masrl.models.lora_decode``. That part is not bitwise PEFT's forward
 (within 1e-6 in float32, ``tests/test_multi_adapter_decode.py``; within 2e-2 of the largest logit in bf16, a
 flipped last bf16 bit carried through the layers); the base model's part stays bitwise.
 """
@@ -150,7 +150,7 @@ def _causal_lm(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str | No
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
-    """Why :class:`FastDecode` does not apply to ``model`` (None: it does). Autocast is checked per call."""
+    """Why ``FastDecode`` does not apply to ``model`` (None: it does). Autocast is checked per call."""
     llama, reason = _causal_lm(model)
     if reason is not None:
         return reason
@@ -200,7 +200,7 @@ class FastDecode:
     """Decode steps of one ``LlamaForCausalLM`` (or a PEFT LoRA model over one) from its current weights (see the
     module docstring).
 
-    Build it with :meth:`for_model` at the start of an engine call: the stacked base weights are remade only when
+    Build it with ``for_model`` at the start of an engine call: the stacked base weights are remade only when
     a base weight changed (its version counter or storage) or the precision changed, the stacked adapters when an
     adapter weight or the active adapters changed."""
 
@@ -281,7 +281,7 @@ class FastDecode:
         return packed and dtypes[1] == torch.bfloat16 and packing_available()
 
     def _pack_base(self, shared: "PackedLinears | None" = None) -> None:
-        """Every base weight pair of at least :data:`masrl.models.packed_linear.MIN_WEIGHT` entries with its weight
+        """Every base weight pair of at least ``masrl.models.packed_linear.MIN_WEIGHT`` entries with its weight
         in oneDNN's layout: for float32 weights under autocast it replaces their bf16 copy; bf16 weights (read in
         place unpacked) gain one packed copy. The unstacked projections (o, down, the LM head) take the copy the
         engine's ``shared`` packs hold for the prefill where it packs that module (the same bytes: one copy, one
@@ -328,12 +328,12 @@ class FastDecode:
     @classmethod
     def for_model(cls, model: torch.nn.Module, previous: "FastDecode | None" = None,
                   packed: bool = False, shared_packs: "PackedLinears | None" = None) -> "FastDecode | None":
-        """A :class:`FastDecode` for ``model`` in the precision transformers would decode it in now (float32,
-        bfloat16 weights, float32 weights under bf16 autocast: :func:`precision`), ``previous`` reused when its
+        """A ``FastDecode`` for ``model`` in the precision transformers would decode it in now (float32,
+        bfloat16 weights, float32 weights under bf16 autocast: ``precision``), ``previous`` reused when its
         weights and precision are unchanged, its stacked base weights when only adapters changed; None when it
-        does not apply (:func:`unsupported`, another autocast dtype). ``packed``: bf16 products on prepacked
+        does not apply (``unsupported``, another autocast dtype). ``packed``: bf16 products on prepacked
         weights where this CPU packs them; ``shared_packs``: the engine's packed Linear weights, whose copies of the
-        unstacked projections the step reuses (:meth:`_pack_base`)."""
+        unstacked projections the step reuses (``_pack_base``)."""
         if unsupported(model) is not None:
             return None
         dtypes = precision(model)

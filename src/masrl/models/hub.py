@@ -5,7 +5,7 @@
     resolve_model_source("Qwen/Qwen2.5-0.5B-Instruct")  # hub id, returned as is
 
 ``load_pretrained`` turns any of these into ``(model, tokenizer)`` and reports every failure
-as one :class:`ModelLoadError` line (missing folder, offline hub, missing optional package).
+as one ``ModelLoadError`` line (missing folder, offline hub, missing optional package).
 """
 from __future__ import annotations
 
@@ -94,11 +94,11 @@ def _offline() -> bool:
 
 def load_pretrained(name_or_path: str | os.PathLike, dtype: Any = None, trust_remote_code: bool = False,
                     **model_kwargs: Any):
-    """``(model, tokenizer)`` for an alias, a local folder or a hub id (see :func:`resolve_model_source`).
+    """``(model, tokenizer)`` for an alias, a local folder or a hub id (see ``resolve_model_source``).
 
     ``dtype``: a ``torch.dtype``, a name (``"float32"``, ``"bfloat16"``, ...), ``"auto"`` or None
     (transformers' default). The tokenizer gets ``pad_token = eos_token`` when it has none.
-    Every failure raises :class:`ModelLoadError` with a single line. The model is in eval mode.
+    Every failure raises ``ModelLoadError`` with a single line. The model is in eval mode.
     """
     source = resolve_model_source(name_or_path)
     base = peft_adapter_base(source)

@@ -109,7 +109,7 @@ class LoraGroup:
         return group if group.layout else None
 
     def delta(self, x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Every row's adapter delta for input ``x`` ``[rows, in]`` (``scales`` from :func:`row_scales`)."""
+        """Every row's adapter delta for input ``x`` ``[rows, in]`` (``scales`` from ``row_scales``)."""
         return F.linear(F.linear(x, self.A) * scales, self.B)
 
 

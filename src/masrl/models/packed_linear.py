@@ -7,16 +7,16 @@ bound by reading the weights, and that per-call reorder costs: on SmolLM2-135M, 
 takes 322 us plain and 262 us prepacked, 576 x 576 126 -> 73 us, the 49k-token LM head 9.7 -> 5.7 ms
 (``benchmarks/profile_step.py --section levers --levers packed_linear``).
 
-:class:`PackedLinears` keeps, per model, a bf16 copy of each large ``nn.Linear`` weight in oneDNN's layout
+``PackedLinears`` keeps, per model, a bf16 copy of each large ``nn.Linear`` weight in oneDNN's layout
 (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU backend does), made once and reused
-while the weight is unchanged (its version counter and storage), and :meth:`PackedLinears.active` runs those
+while the weight is unchanged (its version counter and storage), and ``PackedLinears.active`` runs those
 modules through ``torch.ops.mkldnn._linear_pointwise`` while autocast is on in bf16. Results are bitwise those
 of autocast's ``F.linear`` (the same oneDNN inner product; ``tests/test_packed_linear.py``).
 
-Only plain ``nn.Linear`` modules on a CPU with float32 or bf16 weights of at least :data:`MIN_WEIGHT` entries and
+Only plain ``nn.Linear`` modules on a CPU with float32 or bf16 weights of at least ``MIN_WEIGHT`` entries and
 no bias (LoRA's small A/B matrices, quantized or sharded layers keep their own forward; PEFT's LoRA layers call
 their base ``nn.Linear``, which is packed); a bf16 copy of those weights stays in memory between engine calls
-(SmolLM2-135M: 256 MiB) until the weights change or :meth:`PackedLinears.clear`.
+(SmolLM2-135M: 256 MiB) until the weights change or ``PackedLinears.clear``.
 """
 from __future__ import annotations
 
@@ -51,13 +51,13 @@ BATCH_HINT = 8  # oneDNN picks the blocked layout for this many rows (any row co
 
 
 def pack(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
-    """A bf16 copy of ``weight`` (``[out, in]``, float32 or bf16) in oneDNN's blocked layout, for :func:`linear`."""
+    """A bf16 copy of ``weight`` (``[out, in]``, float32 or bf16) in oneDNN's blocked layout, for ``linear``."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), batch_hint)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` in bf16 for a weight packed by :func:`pack` (``x`` bf16): bitwise ``F.linear``'s bf16
+    """``x @ W.T + bias`` in bf16 for a weight packed by ``pack`` (``x`` bf16): bitwise ``F.linear``'s bf16
     product (the same oneDNN inner product, without reordering the weight at every call)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -94,7 +94,7 @@ class PackedLinears:
     def packed_weight(self, module: torch.nn.Module) -> torch.Tensor | None:
         """The packed bf16 copy of ``module``'s weight, reused or made now, or None for a module this class does not
         pack: the fast decode step takes its unstacked projections from here, so the prefill's Linear layers and
-        the decode step share one copy (:class:`masrl.models.fast_decode.FastDecode`)."""
+        the decode step share one copy (``masrl.models.fast_decode.FastDecode``)."""
         return self._weight(module) if _packable(module) else None
 
     @contextlib.contextmanager

@@ -7,7 +7,7 @@ model's values stored in float32 (quality of the Q4_1 quantization, not of the b
 
 ``smollm2_path()`` converts on first use and writes the folder atomically to
 ``cache_dir()/models/smollm2-135m-instruct`` (temporary folder + rename); later calls reuse it
-without reading the GGUF. Use the alias through :func:`masrl.models.hub.load_pretrained`.
+without reading the GGUF. Use the alias through ``masrl.models.hub.load_pretrained``.
 """
 from __future__ import annotations
 

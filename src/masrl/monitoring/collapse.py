@@ -12,7 +12,7 @@ has ``min_history`` accepted values, a value *breaches* when
   entropy in nats; the absolute floor keeps a near-deterministic agent's noise from counting);
 * ``agent/<a>/invalid_rate`` exceeds ``baseline + invalid_rise``.
 
-``patience`` consecutive breaches raise one :class:`CollapseEvent` (logged as ``collapse/<signal>`` = 1 at that
+``patience`` consecutive breaches raise one ``CollapseEvent`` (logged as ``collapse/<signal>`` = 1 at that
 step, and a warning); the signal fires again only after a value back inside its band. The action tells the
 trainer what to do on an event: ``log``, ``stop`` (end RL after this step; the final evaluation and checkpoint
 follow) or ``rollback`` (end RL and restore the newest checkpoint saved before the first breach, so the final

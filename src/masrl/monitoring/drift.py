@@ -2,7 +2,7 @@
 
 The study of policy sharing (arXiv 2605.24202) shows that aggregate accuracy hides role drift:
 one role's emitted distribution moves (χ² and perplexity climb) while the others stay put. These
-functions measure that per role; :class:`RoleDriftTracker` keeps each role's step-0 reference
+functions measure that per role; ``RoleDriftTracker`` keeps each role's step-0 reference
 distribution and returns ``agent/<role>/<metric>`` numbers for one training step.
 
 Inputs may be python lists, numpy arrays or torch tensors; token sequences may be flat (one
@@ -273,7 +273,7 @@ def verdict_accuracy(verdicts: Sequence[Any], correct: Sequence[Any]) -> dict[st
 
 @dataclass
 class DriftRecord:
-    """One emitted response of one role (a :class:`~masrl.types.Turn` carries the same fields)."""
+    """One emitted response of one role (a ``Turn`` carries the same fields)."""
 
     role: str
     response_ids: Any
@@ -304,9 +304,9 @@ class RoleDriftTracker:
     """Per-role drift metrics for one step at a time, against each role's first-step distribution.
 
     ``update(records)`` takes (role, response_ids, logprobs, truncated, text) records — tuples,
-    dicts, :class:`DriftRecord` or :class:`~masrl.types.Turn` objects (role = ``turn.agent``) — and
+    dicts, ``DriftRecord`` or ``Turn`` objects (role = ``turn.agent``) — and
     returns ``{"agent/<role>/<metric>": float}``. The first step in which a role appears becomes its
-    reference (drift 0 there); keep the tracker's :meth:`state_dict` in checkpoints so that a
+    reference (drift 0 there); keep the tracker's ``state_dict`` in checkpoints so that a
     resumed run keeps measuring against step 0.
 
     Metrics per role: perplexity, token_concentration (top ``top_k``), unigram_entropy,
@@ -369,11 +369,11 @@ class RoleDriftTracker:
         return out
 
     def verdict_metrics(self, role: str, verdicts: Sequence[Any], correct: Sequence[Any]) -> dict[str, float]:
-        """:func:`verdict_accuracy` under ``agent/<role>/verdict_<name>``."""
+        """``verdict_accuracy`` under ``agent/<role>/verdict_<name>``."""
         return {f"{self.prefix}/{role}/verdict_{k}": v for k, v in verdict_accuracy(verdicts, correct).items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state (the reference counts); restore with :meth:`load_state_dict`."""
+        """JSON-serialisable state (the reference counts); restore with ``load_state_dict``."""
         return {"reference": {role: {str(k): v for k, v in c.items()} for role, c in self.reference.items()},
                 "reference_step": dict(self.reference_step)}
 

@@ -1,5 +1,5 @@
 """Metric sinks: metrics.jsonl (every number a user sees), TensorBoard, the trackers of
-``logging.report_to`` (W&B, MLflow, trackio: :mod:`masrl.monitoring.trackers`), and the console."""
+``logging.report_to`` (W&B, MLflow, trackio: ``masrl.monitoring.trackers``), and the console."""
 from __future__ import annotations
 
 import json

@@ -7,11 +7,11 @@ A run that only ever sees such steps looks like a run that merely did not improv
 upstream: a reward that never matches (an answer format the reward does not parse, a wrong ground-truth field), a
 ``max_new_tokens`` that cuts every answer, a reward function that returns 0 on every input.
 
-Per RL step :class:`SignalMonitor` logs ``team/flat_group_share`` (share of the step's groups whose episodes all
+Per RL step ``SignalMonitor`` logs ``team/flat_group_share`` (share of the step's groups whose episodes all
 scored the same team reward) and ``team/zero_advantage_share`` (share of the step's turns whose advantage is
 exactly 0). ``patience`` consecutive steps with every advantage 0 raise one warning that says what the rewards
 were (all 0, or all equal within each group) and where to look; the warning comes again only after a step with
-signal. With ``action: stop`` the run ends instead after that step (logged first), with :class:`NoSignalError`
+signal. With ``action: stop`` the run ends instead after that step (logged first), with ``NoSignalError``
 (exit 2). At the end of a run the
 trainer writes the counts to report.json and report.md, and a run none of whose RL steps had a reward other than 0
 ends with a warning line: it is never finished silently.

@@ -1,6 +1,6 @@
 """Gradient-spike detection per policy or role, and a role-capture indicator for shared policies.
 
-:class:`SpikeDetector` scores each new grad norm against a running window of the key's recent
+``SpikeDetector`` scores each new grad norm against a running window of the key's recent
 *accepted* values with a robust z-score::
 
     z     = (x − median) / scale,   scale = max(1.4826·MAD, rel_floor·|median|) + tiny
@@ -16,7 +16,7 @@ hide the spikes that follow. A genuine level shift would then be flagged forever
 ``reset_after`` consecutive flagged finite values the detector accepts the new level (the window
 is replaced by those values, an event of kind ``"reset"`` is recorded).
 
-:class:`RoleCaptureMonitor` watches each role's share of the per-step gradient mass under a shared
+``RoleCaptureMonitor`` watches each role's share of the per-step gradient mass under a shared
 policy (arXiv 2605.24202: the role with dominant gradient mass "captures" the shared policy) and
 warns when one role's share stays above ``threshold`` for ``patience`` consecutive steps.
 Math and semantics: docs/monitoring.md.
@@ -76,7 +76,7 @@ class SpikeDetector:
 
     ``SpikeDetector(window=50, threshold=6.0, min_history=10, action="log")``;
     ``check(key, grad_norm, step) -> SpikeDecision``. ``counts[key]`` = spikes so far,
-    ``events`` = list of :class:`SpikeEvent`. Zero grad norms (no turns for that key at this
+    ``events`` = list of ``SpikeEvent``. Zero grad norms (no turns for that key at this
     step) are ignored when ``ignore_zero`` (default): not flagged, not added to the window.
     """
 
@@ -149,7 +149,7 @@ class SpikeDetector:
         return SpikeDecision(False, z, bound, "none", 1.0)
 
     def guard(self, key: str, grad_norm: float, step: int) -> tuple[str, float] | None:
-        """:meth:`check` as a trainer guard: None (go on) or ``(action, scale)`` at a spike.
+        """``check`` as a trainer guard: None (go on) or ``(action, scale)`` at a spike.
 
         Pass ``detector.guard`` as ``update_policy(..., guard=...)``; ``("log", 1.0)`` means
         "record the spike, update as usual".

@@ -4,7 +4,7 @@ Each tracker receives every number ``metrics.jsonl`` gets. RL steps are the x ax
 are logged under ``sft/<metric>`` against their own ``sft/step`` axis (W&B) or their step (MLflow,
 trackio), so that SFT and RL never fight over one monotonic step. A resumed run continues the
 tracker run it started (its id is kept in ``RUN_DIR/trackers.json``). TensorBoard stays in
-:mod:`masrl.monitoring.logger`.
+``masrl.monitoring.logger``.
 
 MLflow's store is ``logging.mlflow_tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else a file store in
 ``RUN_DIR/mlruns`` (MLflow's own default, ``sqlite:///mlflow.db``, needs SQLAlchemy, which mlflow-skinny

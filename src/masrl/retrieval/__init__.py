@@ -5,7 +5,7 @@ A service below the tasks and tools (the search task, ``tools.search_tool`` and 
 serve-retriever`` use it); it imports nothing above ``masrl.catalog`` and ``masrl.io``.
 
 A workflow gets its retriever from ``team.params["retriever"]``: either an object with
-``search(queries, topk)`` or a spec that :func:`build_retriever` understands, e.g.
+``search(queries, topk)`` or a spec that ``build_retriever`` understands, e.g.
 ``{"type": "bm25", "corpus": "path/corpus.jsonl"}`` or ``"http://127.0.0.1:8000"``.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ _SHORTHANDS: set[str] = set()
 
 
 def register_retriever_type(name: str, build: Callable[..., Retriever], *, shorthand: bool = False) -> None:
-    """Add a retriever ``type`` to :func:`build_retriever`: the spec ``{"type": name, **opts}`` builds
+    """Add a retriever ``type`` to ``build_retriever``: the spec ``{"type": name, **opts}`` builds
     ``build(**opts)``; with ``shorthand`` the bare string ``name`` is that spec with no options.
 
     The search task registers ``synthetic_kb`` this way (``masrl.tasks.synthetic_kb``); a user package
@@ -62,10 +62,10 @@ def build_retriever(spec: Any) -> Retriever:
     """Make a retriever from a config value.
 
     - an object with ``.search`` is returned as it is;
-    - ``"http://host:port[/retrieve]"`` -> :class:`HttpRetriever`;
+    - ``"http://host:port[/retrieve]"`` -> ``HttpRetriever``;
     - the name of a type registered with ``shorthand=True`` (``"synthetic_kb"``: BM25 over the
       synthetic knowledge base, seed 0) -> that type with no options;
-    - any other string is a corpus file -> :class:`BM25Retriever` (index cached on disk);
+    - any other string is a corpus file -> ``BM25Retriever`` (index cached on disk);
     - a mapping ``{"type": "bm25" | "dense" | "hybrid" | "http" | a registered type, ...}``, where
       ``corpus`` (and ``format``, ``cache``) name the corpus for bm25/dense/hybrid, ``url``,
       ``timeout``, ``retries`` configure http, and the other keys go to the constructor
@@ -123,7 +123,7 @@ _RESOLVE_LOCK = threading.Lock()
 
 
 def resolve_retriever(spec: Any) -> Retriever:
-    """:func:`build_retriever`, memoized per spec so that episodes share one index (thread-safe)."""
+    """``build_retriever``, memoized per spec so that episodes share one index (thread-safe)."""
     if hasattr(spec, "search") and callable(spec.search):
         return spec
     try:

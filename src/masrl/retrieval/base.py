@@ -32,7 +32,7 @@ class Passage:
 
     @classmethod
     def from_contents(cls, id: str, contents: str, score: float | None = None) -> "Passage":
-        """Parse ``"Title"\\ntext`` (see :func:`split_contents`)."""
+        """Parse ``"Title"\\ntext`` (see ``split_contents``)."""
         title, text = split_contents(contents)
         return cls(str(id), title, text, score)
 
@@ -54,8 +54,8 @@ class Retriever(Protocol):
     """Anything that returns the top-k passages of each query, best first.
 
     ``search(["q1", "q2"], topk=3)`` -> ``[[Passage, ...], [Passage, ...]]`` (one list per query,
-    at most ``topk`` passages each, ``Passage.score`` set). Implementations: :class:`BM25Retriever`,
-    :class:`DenseRetriever`, :class:`HybridRetriever`, :class:`HttpRetriever`.
+    at most ``topk`` passages each, ``Passage.score`` set). Implementations: ``BM25Retriever``,
+    ``DenseRetriever``, ``HybridRetriever``, ``HttpRetriever``.
     """
 
     def search(self, queries: list[str], topk: int) -> list[list[Passage]]: ...
@@ -64,7 +64,7 @@ class Retriever(Protocol):
 class PassageIndex:
     """The shared front of a retriever over an in-memory list of ``passages`` (BM25, dense): no
     queries give no results, ``topk`` is capped to the corpus (a ``topk`` of 0 gives empty lists),
-    and queries reach :meth:`top` as text. Subclasses implement ``top(queries, k)`` with ``1 <= k <=
+    and queries reach ``top`` as text. Subclasses implement ``top(queries, k)`` with ``1 <= k <=
     len(passages)``: the best ``k`` (or fewer) passages of each query, scores set."""
 
     passages: list[Passage]

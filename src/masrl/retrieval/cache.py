@@ -1,4 +1,4 @@
-"""On-disk cache keys for retrieval indexes (written atomically, :mod:`masrl.io.atomic`)."""
+"""On-disk cache keys for retrieval indexes (written atomically, ``masrl.io.atomic``)."""
 from __future__ import annotations
 
 import hashlib

@@ -10,7 +10,7 @@ Formats (picked from the file, ``format="auto"``):
   the corpus is every distinct context paragraph.
 
 Malformed entries are skipped with a warning naming the file and line (or index), or raise
-:class:`CorpusError` with ``strict=True``.
+``CorpusError`` with ``strict=True``.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def detect_corpus_format(path: Path) -> str:
 
 
 def _passage_from_row(row: dict, default_id: str) -> Passage:
-    """A passage, or :class:`BadRow` with the reason the row is malformed."""
+    """A passage, or ``BadRow`` with the reason the row is malformed."""
     pid = row.get("id", row.get("_id", default_id))
     if "contents" in row:
         if not isinstance(row["contents"], str) or not row["contents"].strip():

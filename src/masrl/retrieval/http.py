@@ -16,7 +16,7 @@ class HttpRetriever:
 
     ``url`` may be the server root (``http://127.0.0.1:8000``) or the endpoint
     (``.../retrieve``). Connection errors, timeouts and 5xx answers are retried ``retries``
-    times with a growing delay; then :class:`RetrieverError` says which URL failed and why.
+    times with a growing delay; then ``RetrieverError`` says which URL failed and why.
     A 4xx answer is not retried (the request itself is wrong). Long query lists are sent in
     chunks of ``max_batch``.
     """

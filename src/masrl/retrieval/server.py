@@ -10,7 +10,7 @@ Limits: ``topk`` above ``max_topk`` is capped; queries longer than ``max_query_c
 truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes`` (refused from its
 ``Content-Length`` before it is read, or as soon as a chunked body passes the limit), is refused
 with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408. Below the app
-(:mod:`masrl.retrieval.guard`): a connection that has not sent a whole request head within
+(``masrl.retrieval.guard``): a connection that has not sent a whole request head within
 ``header_timeout_s`` is closed (408); at most ``max_connections`` connections are open, at most
 ``max_connections_per_client`` from one address -- a new one closes the oldest connection still
 waiting for its head, or is refused with a 503 when all are serving requests; malformed HTTP is a
@@ -113,7 +113,7 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
 async def read_body(request: Request, limits: ServerLimits) -> bytes:
     """The request body, read without ever holding more than ``max_body_bytes`` of it: a ``Content-Length``
     over the limit is refused before reading (413), a chunked body as soon as it passes the limit (413), a
-    body slower than ``body_timeout_s`` is a 408. Raises :class:`_BadRequest` (or ``ClientDisconnect``)."""
+    body slower than ``body_timeout_s`` is a 408. Raises ``_BadRequest`` (or ``ClientDisconnect``)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _BadRequest(413, f"request body of {int(declared)} bytes exceeds {limits.max_body_bytes}")
@@ -177,7 +177,7 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None):
 
 
 def uvicorn_options(retriever: Retriever, limits: ServerLimits) -> dict:
-    """uvicorn settings serving ``retriever``: the app behind :class:`GuardedH11Protocol`, which limits connections
+    """uvicorn settings serving ``retriever``: the app behind ``GuardedH11Protocol``, which limits connections
     itself (uvicorn's ``limit_concurrency`` would count connections still waiting for a request head)."""
     guard = ConnectionGuard(max_connections=limits.max_connections, max_per_client=limits.max_connections_per_client,
                             head_timeout_s=limits.header_timeout_s)

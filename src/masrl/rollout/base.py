@@ -1,9 +1,9 @@
-"""The rollout engine contract: requests, results and the :class:`Engine` protocol.
+"""The rollout engine contract: requests, results and the ``Engine`` protocol.
 
 Everything outside ``rollout/`` (the scheduler's callers, the per-policy update, the runtimes)
 talks to an engine only through the methods below; none of them asks which backend it holds.
-A new backend subclasses :class:`Engine` (the defaults fit an engine that needs nothing at that
-point), implements ``generate`` and ``reseed``, and is built by :func:`masrl.rollout.factory.make_engine`.
+A new backend subclasses ``Engine`` (the defaults fit an engine that needs nothing at that
+point), implements ``generate`` and ``reseed``, and is built by ``masrl.rollout.factory.make_engine``.
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ class Engine(Protocol):
 
     ``shares_training_model``: the engine decodes with the trainer's own model object (no weight
     copy): it must be on the device to generate, and its log-probs are computed as the trainer
-    computes them. ``can_sleep``: :meth:`sleep` frees accelerator memory for the update.
+    computes them. ``can_sleep``: ``sleep`` frees accelerator memory for the update.
     """
 
     shares_training_model: bool = False
     can_sleep: bool = False
     # continuous batching (``rollout.continuous_batching``): the engine keeps a running decode batch that
-    # admits requests between decode steps (:meth:`enqueue`, :meth:`step`); engines without it are flushed
+    # admits requests between decode steps (``enqueue``, ``step``); engines without it are flushed
     can_batch_continuously: bool = False
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
@@ -52,23 +52,23 @@ class Engine(Protocol):
         ...
 
     def submit(self, requests: Sequence[GenRequest]) -> Any:
-        """Start generating; :meth:`collect` returns the results. Engines that generate elsewhere
+        """Start generating; ``collect`` returns the results. Engines that generate elsewhere
         (a worker group) start here, so several policies generate at once; by default nothing starts
-        before :meth:`collect`."""
+        before ``collect``."""
         return requests
 
     def collect(self, handle: Any) -> list[GenResult]:
-        """The results of a :meth:`submit`."""
+        """The results of a ``submit``."""
         return self.generate(handle)
 
     def continuous(self) -> Any:
         """A context manager around one rollout of continuous batching (only when ``can_batch_continuously``):
-        inside it :meth:`enqueue` and :meth:`step` serve requests; on exit, rows still queued or decoding are
+        inside it ``enqueue`` and ``step`` serve requests; on exit, rows still queued or decoding are
         dropped (a failed rollout leaves nothing behind)."""
         raise NotImplementedError(f"{type(self).__name__} does not batch continuously")
 
     def enqueue(self, request: GenRequest, ticket: Any) -> None:
-        """Queue ``request`` for the running batch; :meth:`step` returns its result with ``ticket``."""
+        """Queue ``request`` for the running batch; ``step`` returns its result with ``ticket``."""
         raise NotImplementedError(f"{type(self).__name__} does not batch continuously")
 
     def step(self) -> list[tuple[Any, GenResult]]:

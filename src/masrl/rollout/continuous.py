@@ -1,5 +1,5 @@
 """Continuous batching for the in-process engine (``rollout.continuous_batching``): one running batch that
-admits requests between decode steps (:class:`ContinuousBatcher`).
+admits requests between decode steps (``ContinuousBatcher``).
 
 An admission ends the running segment: its rows' keys/values go to the prefix store, and the rows still
 decoding are carried into the new segment as requests whose prompt is prompt + emitted tokens, so the store
@@ -62,7 +62,7 @@ class Segment:
 
 
 class ContinuousBatcher:
-    """The engine's running batch: queued requests (:meth:`enqueue`) join it between decode steps (:meth:`step`).
+    """The engine's running batch: queued requests (``enqueue``) join it between decode steps (``step``).
     Prefill and compaction are the static decoder's; admission limits are the engine's ``max_batch_size`` and
     ``max_running_tokens``."""
 

@@ -5,18 +5,18 @@ Each row has its own temperature, top-p and token budget, so agents that share a
 (and have different sampling settings) are generated in one batch. Logprobs are
 ``log_softmax(logits / temperature)`` at the sampled token (top-p does not change them),
 which is what the trainer recomputes, so they can serve as the PPO "old" logprobs
-(:mod:`masrl.rollout.sampling`).
+(``masrl.rollout.sampling``).
 
 Prefix caching (``prefix_cache=True``, the default): rows with the same prompt in one call (a GRPO
 group) are prefilled once, and a prompt that starts with the tokens of a row generated earlier in
 the same rollout (a multi-agent workflow's next turn re-reads the conversation so far) reuses that
-row's keys and values and prefills only the new tokens. See :class:`PrefixCache` and
-:mod:`masrl.rollout.prefix_reuse`.
+row's keys and values and prefills only the new tokens. See ``PrefixCache`` and
+``masrl.rollout.prefix_reuse``.
 
 The engine itself holds the settings, the precision and attention setup of a decode (autocast, the CPU
 decode attention, packed bf16 weights, the fast decode step) and the prefix store; its collaborators decode:
-:class:`~masrl.rollout.static_decode.StaticDecoder` (one call's batch) and
-:class:`~masrl.rollout.continuous.ContinuousBatcher` (the running batch of continuous batching).
+``StaticDecoder`` (one call's batch) and
+``ContinuousBatcher`` (the running batch of continuous batching).
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ class TransformersEngine(Engine):
     """Batched sampling with a KV cache; the model is shared with the trainer (no weight copies).
 
     The engine holds the settings, the precision and attention setup of a decode and the prefix store; one
-    call's batch is decoded by :class:`~masrl.rollout.static_decode.StaticDecoder` (prefix reuse:
-    :mod:`masrl.rollout.prefix_reuse`), the running batch of continuous batching is
-    :class:`~masrl.rollout.continuous.ContinuousBatcher`.
+    call's batch is decoded by ``StaticDecoder`` (prefix reuse:
+    ``masrl.rollout.prefix_reuse``), the running batch of continuous batching is
+    ``ContinuousBatcher``.
     """
 
     shares_training_model = True
@@ -155,7 +155,7 @@ class TransformersEngine(Engine):
             return self._decode(model, requests)
 
     def _decode(self, model, requests: Sequence[GenRequest]) -> list[GenResult]:
-        """One batch, under :meth:`decoding` (:meth:`StaticDecoder.decode`)."""
+        """One batch, under ``decoding`` (``StaticDecoder.decode``)."""
         return self.decoder.decode(model, requests)
 
     @contextlib.contextmanager
@@ -192,12 +192,12 @@ class TransformersEngine(Engine):
 
     def _attention(self, model) -> contextlib.AbstractContextManager:
         """The model's attention while this engine decodes: ``sdpa`` models on CPU switch to
-        :func:`masrl.models.cpu_attention.attention_forward`."""
+        ``masrl.models.cpu_attention.attention_forward``."""
         return cpu_attention(model) if self.decode_attention else contextlib.nullcontext()
 
     def _packed(self, model) -> contextlib.AbstractContextManager:
         """bf16 autocast on a CPU: the model's large Linear layers use prepacked weights while this engine decodes
-        (:class:`masrl.models.packed_linear.PackedLinears`)."""
+        (``masrl.models.packed_linear.PackedLinears``)."""
         if (self.packed_linears is None or not torch.is_autocast_enabled("cpu")
                 or torch.get_autocast_dtype("cpu") != torch.bfloat16):
             return contextlib.nullcontext()
@@ -222,7 +222,7 @@ class TransformersEngine(Engine):
         return self._preallocatable_ok
 
     def fast_decoder(self, model, cache) -> FastDecode | None:
-        """The lean decode step for ``model`` writing into ``cache`` (:mod:`masrl.models.fast_decode`), or None
+        """The lean decode step for ``model`` writing into ``cache`` (``masrl.models.fast_decode``), or None
         where it does not apply (transformers' forward then)."""
         # the fast step writes through the preallocated cache's layers (FSDP2 shards also carry hooks, which
         # FastDecode.for_model refuses on its own)
@@ -234,7 +234,7 @@ class TransformersEngine(Engine):
         return self._fast
 
     def cache_dtype(self, model) -> torch.dtype | None:
-        """The dtype of the keys/values a decode of ``model`` allocates (:meth:`_cache_dtype`)."""
+        """The dtype of the keys/values a decode of ``model`` allocates (``_cache_dtype``)."""
         return self._cache_dtype(model)
 
     def prefix_store(self, model) -> PrefixCache | None:

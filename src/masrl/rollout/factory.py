@@ -1,6 +1,6 @@
-"""The front door of ``rollout/``: :func:`make_engine` builds a policy's rollout engine from the config.
+"""The front door of ``rollout/``: ``make_engine`` builds a policy's rollout engine from the config.
 
-Adding a backend touches only ``rollout/`` (a subclass of :class:`masrl.rollout.base.Engine` and a branch
+Adding a backend touches only ``rollout/`` (a subclass of ``masrl.rollout.base.Engine`` and a branch
 here) and the ``rollout.engine`` choice in config.py.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ def stop_token_ids(model: torch.nn.Module, tokenizer, name: str = "model") -> li
 
     Each id must be a token of the model (0 <= id < the output vocabulary): an id past it could never be
     sampled, and the engine's stop table is sized by the largest id, so a stray 10**9 in a model folder's
-    ``generation_config.json`` would cost gigabytes per call. Such an id is one :class:`ConfigError`."""
+    ``generation_config.json`` would cost gigabytes per call. Such an id is one ``ConfigError``."""
     sources = [("the tokenizer's eos_token_id", tokenizer.eos_token_id)]
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(gen_eos, (list, tuple)):

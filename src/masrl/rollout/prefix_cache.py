@@ -20,14 +20,14 @@ class StoredBatch:
 
 
 class PrefixCache:
-    """Keys and values of the rows generated since the last :meth:`clear`, found again by token prefix.
+    """Keys and values of the rows generated since the last ``clear``, found again by token prefix.
 
     A stored row covers its prompt and every response token that was fed back (all but the last).
     Lookup walks a chain of hashes over blocks of ``block`` tokens (like vLLM's automatic prefix
     caching), checks the match token by token, and extends it past the last full block; only rows
     decoded with the same adapter match. Keys and values only depend on the tokens, their positions
     (kept: reused rows keep their true position ids) and the weights, so the cache is dropped when
-    the weights change (:meth:`check_weights`, and :meth:`masrl.rollout.base.Engine.weights_changed`) and at the end
+    the weights change (``check_weights``, and ``masrl.rollout.base.Engine.weights_changed``) and at the end
     of every rollout. ``max_bytes`` bounds the stored buffers (oldest calls are dropped first).
     """
 

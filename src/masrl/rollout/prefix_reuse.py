@@ -1,10 +1,10 @@
 """Prefix reuse for the in-process engine: how one call's prompts enter the model, and the keys/values it
-takes from and gives back to the prefix store (:class:`masrl.rollout.prefix_cache.PrefixCache`).
+takes from and gives back to the prefix store (``masrl.rollout.prefix_cache.PrefixCache``).
 
 Rows with the same prompt in one call (a GRPO group) are prefilled once ("unique rows"), and a prompt that
 starts with the tokens of a row generated earlier in the same rollout reuses that row's keys and values
-(:func:`fill_prefixes`) and prefills only the new tokens. Rows leave their keys/values in the store when they
-finish (:func:`store_rows`).
+(``fill_prefixes``) and prefills only the new tokens. Rows leave their keys/values in the store when they
+finish (``store_rows``).
 """
 from __future__ import annotations
 

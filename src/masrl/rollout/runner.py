@@ -4,8 +4,8 @@ Episodes are isolated: an exception inside one episode's workflow (a tool, a par
 user code) makes that episode invalid (``Episode.error``, reward 0, no turns: nothing of it is
 trained) and the others go on. The first failure seen by a scheduler is logged with its traceback,
 later ones as one line per rollout; ``rollout/episode_errors`` counts them per step. When every
-episode of a rollout fails there is nothing to learn from: :class:`EpisodeError` stops the run
-with the first error. A :class:`~masrl.errors.UserInputError` (a config problem such as an
+episode of a rollout fails there is nothing to learn from: ``EpisodeError`` stops the run
+with the first error. A ``UserInputError`` (a config problem such as an
 unknown workflow param) is not an episode's failure and stops the run as it is.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
     """One episode per task (tasks repeat G times for a group); results in input order.
 
     An episode whose workflow raises is invalid on its own (see the module docstring); when all of them
-    fail, :class:`EpisodeError`. ``on_episode`` / ``on_turn``: called with each episode / agent turn as it
+    fail, ``EpisodeError``. ``on_episode`` / ``on_turn``: called with each episode / agent turn as it
     finishes (progress of a long evaluation: a workflow's episodes finish together in its last round, its
     turns once per round)."""
     if on_turn is not None:
@@ -172,7 +172,7 @@ def failed_episode(task: Task, team: Team, error: BaseException) -> Episode:
 def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: list[tuple[Episode, BaseException]],
                     scheduler: RolloutScheduler) -> None:
     """Log the rollout's failed episodes (the scheduler's first one with its traceback); raise
-    :class:`EpisodeError` when every episode failed."""
+    ``EpisodeError`` when every episode failed."""
     if not failures:
         return
     failures = sorted(failures, key=lambda f: f[0].episode_id)
@@ -192,7 +192,7 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-rollout counts: ``rollout/episode_errors`` (invalid episodes), ``tool/<count>`` summed over the
-    episodes' tool calls (:class:`~masrl.tools.execute.ToolCounts`) and ``tool/abandoned_threads`` (tool
+    episodes' tool calls (``ToolCounts``) and ``tool/abandoned_threads`` (tool
     threads still running past their deadline)."""
     tools: Counter = Counter()
     for e in episodes:

@@ -20,7 +20,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
            plan: "SamplePlan | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (tokens, logprob of each token under logits/T).
 
-    ``plan``: the batch's sampling settings digested once per batch (see :class:`SamplePlan`); the
+    ``plan``: the batch's sampling settings digested once per batch (see ``SamplePlan``); the
     result is identical with and without it.
     """
     if plan is None:
@@ -72,7 +72,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None,
 
 
 class SamplePlan:
-    """Per-batch constants of :func:`sample` (computed once, not once per decode step)."""
+    """Per-batch constants of ``sample`` (computed once, not once per decode step)."""
 
     def __init__(self, temperature: torch.Tensor, top_p: torch.Tensor):
         self.greedy = temperature <= 0
@@ -84,7 +84,7 @@ class SamplePlan:
 
     @staticmethod
     def inverse_cdf(probs: torch.Tensor) -> bool:
-        """Whether :func:`inverse_cdf_sample` draws from ``probs`` (large vocabularies, float64-capable devices)."""
+        """Whether ``inverse_cdf_sample`` draws from ``probs`` (large vocabularies, float64-capable devices)."""
         return probs.shape[-1] >= INVERSE_CDF_MIN_VOCAB and probs.device.type != "mps"
 
     def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -151,7 +151,7 @@ class DecodeState:
 def run_decode(state: DecodeState, logits: torch.Tensor,
                forward: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
     """The decode loop: sample every row from ``logits``; until every row is done, ``forward(step, logits)``
-    runs the model on :meth:`DecodeState.feed` and returns the next logits of every row."""
+    runs the model on ``DecodeState.feed`` and returns the next logits of every row."""
     for step in range(state.max_new):
         if state.sample(step, logits):
             break

@@ -1,7 +1,7 @@
 """Static decode for the in-process engine: one call's batch is laid out, prefilled and decoded until every
-row is done (:class:`StaticDecoder`); rows that finish early leave the model's batch (:class:`LiveRows`).
+row is done (``StaticDecoder``); rows that finish early leave the model's batch (``LiveRows``).
 
-The decoder is a collaborator of :class:`masrl.rollout.engine.TransformersEngine`: it reads the engine's
+The decoder is a collaborator of ``masrl.rollout.engine.TransformersEngine``: it reads the engine's
 settings (padding, stop tokens, cache preallocation, compaction) and its precision setup (the cache dtype,
 the fast decode step, the sampling generator), and counts prefill and generated tokens on the engine.
 """
@@ -27,7 +27,7 @@ __all__ = ["LiveRows", "StaticDecoder", "route_live_rows", "route_rows"]
 
 class LiveRows:
     """The rows still in the model's batch (``live``: None = all) with their cache, mask and next positions.
-    Finished rows may leave it (:meth:`keep`); sampling always covers every row."""
+    Finished rows may leave it (``keep``); sampling always covers every row."""
 
     def __init__(self, cache, mask: torch.Tensor, pos: torch.Tensor, batch: int, device,
                  fast: FastDecode | None = None, adapters: Sequence[str | None] = ()):
@@ -123,7 +123,7 @@ class StaticDecoder:
         return results
 
     def layout(self, model, requests: Sequence[GenRequest], store: PrefixCache | None) -> PromptLayout:
-        """The call's :class:`PromptLayout`; the prompt tokens it leaves to prefill are counted on the engine."""
+        """The call's ``PromptLayout``; the prompt tokens it leaves to prefill are counted on the engine."""
         layout = PromptLayout.plan(model, requests, store, self.engine.pad_token_id)
         self.engine.prefill_tokens += sum(layout.suffix)
         return layout

@@ -8,7 +8,7 @@
     engine.sleep(level=1)                 # colocated: free the GPU for the trainer ...
     engine.wake_up()                      # ... and take it back (generate() also wakes it)
 
-Same contract as :class:`masrl.rollout.engine.TransformersEngine`: per-row temperature, top-p,
+Same contract as ``masrl.rollout.engine.TransformersEngine``: per-row temperature, top-p,
 token budget and LoRA adapter; a result holds the response ids (a stop token included, as
 emitted), the log-prob of every sampled token and whether the budget ran out first.
 
@@ -21,10 +21,10 @@ when a row has a temperature other than 0 or 1. Even then the numbers are not th
 vLLM runs other kernels (bf16, fused attention, another reduction order), so rollout
 log-probs differ from the trainer's by ~1e-3..1e-2 nats per token and the mismatch grows
 with length. Do not use them as PPO old log-probs as they are: recompute old log-probs with
-the trainer and correct with :func:`masrl.algorithms.rollout_correction.truncated_is_weights`
+the trainer and correct with ``masrl.algorithms.rollout_correction.truncated_is_weights``
 (``algorithm.rollout_is``; docs/scaling.md).
 
-**Weight sync.** :meth:`sync_weights` hands ``(name, tensor)`` pairs with Hugging Face
+**Weight sync.** ``sync_weights`` hands ``(name, tensor)`` pairs with Hugging Face
 checkpoint names to the vLLM model's ``load_weights`` (the way TRL's colocate mode and verl's
 sharding manager do). By default the engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the model object is reached directly:
@@ -34,9 +34,9 @@ tensors go through ``llm.collective_rpc`` (pickled; vLLM then needs
 prefix cache is reset after every sync.
 
 **LoRA.** One vLLM engine serves a policy's base model and all its adapters. Adapters are
-registered with :meth:`load_adapter` (a PEFT folder, or a state dict + LoRA config that the
+registered with ``load_adapter`` (a PEFT folder, or a state dict + LoRA config that the
 engine writes to a private temp folder) and re-registered after every update under a new
-integer id, so vLLM never serves a stale cached copy (:class:`masrl.rollout.vllm_lora.VLLMAdapters`).
+integer id, so vLLM never serves a stale cached copy (``masrl.rollout.vllm_lora.VLLMAdapters``).
 Rows with ``GenRequest.adapter`` decode with that adapter, rows without it with the base, all in one batch.
 
 **Sleep mode** (``enable_sleep_mode=True``): ``sleep(1)`` offloads weights to CPU and drops
@@ -101,7 +101,7 @@ def hf_named_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
     """The base weights of a transformers model, possibly PEFT-wrapped, under checkpoint names.
 
     PEFT's ``...q_proj.base_layer.weight`` becomes ``...q_proj.weight``; LoRA parameters are
-    skipped (adapters go to vLLM through :meth:`VLLMEngine.load_adapter`). Tensors are detached
+    skipped (adapters go to vLLM through ``VLLMEngine.load_adapter``). Tensors are detached
     and stay on their device (a GPU trainer hands GPU tensors over without a host copy).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -140,9 +140,9 @@ def save_for_vllm(model: torch.nn.Module, tokenizer, folder: str | os.PathLike) 
 class VLLMEngine(Engine):
     """Rollouts with vLLM's offline ``LLM``; see the module docstring for log-probs, sync and LoRA.
 
-    ``model`` is a hub id or a local HF folder (see :func:`save_for_vllm`). ``eos_token_ids``
+    ``model`` is a hub id or a local HF folder (see ``save_for_vllm``). ``eos_token_ids``
     are passed as ``stop_token_ids`` (default: vLLM's own EOS handling). ``in_process`` runs the
-    engine core in this process so that :meth:`sync_weights` reaches the model object directly.
+    engine core in this process so that ``sync_weights`` reaches the model object directly.
     ``per_request_seed`` gives every row its own seed from ``(seed, row counter)``, so a row's
     sample does not depend on what else is in the batch (vLLM samples seeded rows a bit slower).
     ``llm_kwargs`` go to ``vllm.LLM`` unchanged (``max_num_seqs``, ``tensor_parallel_size``, ...).
@@ -359,7 +359,7 @@ class VLLMEngine(Engine):
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory for the trainer: level 1 offloads weights to CPU and drops the KV cache,
-        level 2 drops both (then :meth:`sync_weights` must run before the next generate)."""
+        level 2 drops both (then ``sync_weights`` must run before the next generate)."""
         if not self.enable_sleep_mode:
             raise RuntimeError("sleep() needs a VLLMEngine built with enable_sleep_mode=True")
         if level not in (1, 2):

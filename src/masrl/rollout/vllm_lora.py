@@ -1,4 +1,4 @@
-"""The LoRA adapters a :class:`masrl.rollout.vllm_engine.VLLMEngine` serves (:class:`VLLMAdapters`).
+"""The LoRA adapters a ``masrl.rollout.vllm_engine.VLLMEngine`` serves (``VLLMAdapters``).
 
 Adapters are registered from a PEFT folder, or from a state dict + LoRA config that is written to a private
 temp folder, and re-registered after every update under a new integer id, so vLLM never serves a stale cached

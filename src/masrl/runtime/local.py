@@ -13,7 +13,7 @@ class WorkerGroupError(RuntimeError):
 
 
 def policy_build_args(cfg, run_dir) -> dict[str, dict]:
-    """Per policy: the keyword arguments of :func:`build_policy` (shared by both runtimes). Plain data except
+    """Per policy: the keyword arguments of ``build_policy`` (shared by both runtimes). Plain data except
     ``rollout``, the config's ``RolloutConfig`` itself (the Ray runtime sends its JSON dump to the workers)."""
     kl = cfg.algorithm.loss.kl_coef > 0 or cfg.monitoring.kl_to_base
     return {name: dict(seed=cfg.seed, max_rollout_batch=cfg.trainer.max_rollout_batch, kl=kl,

@@ -11,13 +11,13 @@ development machine (``python benchmarks/malloc_faults.py --update``, benchmarks
   glibc's defaults, ~3.5k faults and 5.6 CPU s with these settings;
 * a float32 ``[49152, 576]`` clone (SmolLM2's LM head, 113 MB): 57 ms and 27,649 faults, 12 ms and none.
 
-:func:`tune_malloc` sets, through ``mallopt``:
+``tune_malloc`` sets, through ``mallopt``:
 
 * ``M_MMAP_MAX = 0``: no block is served by ``mmap``; every block comes from the heap and is reused after
   ``free``;
-* ``M_TRIM_THRESHOLD`` = :data:`TRIM_THRESHOLD` (2 GiB, the largest ``mallopt`` takes): free memory at the top of the
+* ``M_TRIM_THRESHOLD`` = ``TRIM_THRESHOLD`` (2 GiB, the largest ``mallopt`` takes): free memory at the top of the
   heap is handed back to the kernel only above that (each hand-back is faulted in again by the next peak);
-* ``M_TOP_PAD`` = :data:`TOP_PAD` (64 MiB): the heap grows in steps of at least that much.
+* ``M_TOP_PAD`` = ``TOP_PAD`` (64 MiB): the heap grows in steps of at least that much.
 
 Results are bitwise unchanged (only where memory comes from changes). The cost: the process keeps up to 2 GiB of
 freed memory instead of handing it back (its resident set stays near its peak after one), as PyTorch's CUDA
@@ -25,12 +25,12 @@ caching allocator does on a GPU; peaks measured +2-3 % (vs_trl SmolLM2: 4.43 vs 
 SmolLM2 team example: 9.14 vs 8.56 GB). ``trainer.tune_malloc: false`` leaves glibc's defaults.
 
 ``tune_malloc("lean")`` (``trainer.tune_malloc: lean``) does the opposite, for memory: ``M_MMAP_THRESHOLD`` =
-:data:`LEAN_MMAP_THRESHOLD` (128 KiB, fixed: glibc no longer raises it) and ``M_TRIM_THRESHOLD`` = 128 KiB, the same
+``LEAN_MMAP_THRESHOLD`` (128 KiB, fixed: glibc no longer raises it) and ``M_TRIM_THRESHOLD`` = 128 KiB, the same
 as ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment: every block above 128 KiB is its own mapping, handed back
 to the kernel on ``free``, so the resident set follows the live tensors instead of the heap's high-water mark and its
 fragments. A SmolLM2 Voting team run: 2.0-2.3 GB at every step's end against 8.3-10.6 GB with the defaults, the same
 values bitwise, ~1.5x the step time (every large tensor is faulted in afresh; docs/performance.md).
-The settings are process-wide, applied once by the :class:`masrl.trainer.Trainer` (and each Ray policy worker)
+The settings are process-wide, applied once by the ``masrl.trainer.Trainer`` (and each Ray policy worker)
 before the models are built. Linux with glibc only; elsewhere (macOS, musl, Windows) nothing changes.
 """
 from __future__ import annotations
@@ -92,5 +92,5 @@ def tune_malloc(mode: str = "fast") -> dict | None:
 
 
 def applied() -> dict | None:
-    """What :func:`tune_malloc` set in this process (None: not called, or no glibc)."""
+    """What ``tune_malloc`` set in this process (None: not called, or no glibc)."""
     return None if _applied is None else dict(_applied)

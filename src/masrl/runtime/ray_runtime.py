@@ -4,7 +4,7 @@ The driver stays the single controller (as in verl): it runs the workflows, send
 of generation requests to the policy's worker group (sharded over its ranks), gathers the
 turns, computes advantages, and sends each policy its training rows. Ranks of one group form
 a torch.distributed process group (gloo on CPU, nccl on GPU) and all-reduce gradients
-(:mod:`masrl.training.distributed`).
+(``masrl.training.distributed``).
 
 Placement (``runtime`` config): ``colocated`` policies share one placement group of
 ``workers`` bundles — rank ``r`` of every colocated policy sits in bundle ``r`` with an equal
@@ -107,7 +107,7 @@ class RemoteEngine(Engine):
 @dataclasses.dataclass
 class RayPolicy(PolicyText):
     """The driver's view of a policy whose model lives in a Ray worker group (a
-    :class:`masrl.training.policy.PolicyProtocol`: checkpoints call its methods, which run on the ranks)."""
+    ``masrl.training.policy.PolicyProtocol``: checkpoints call its methods, which run on the ranks)."""
 
     name: str
     cfg: Any
@@ -322,7 +322,7 @@ class RayRuntime:
 
 @dataclasses.dataclass
 class _LrView:
-    """What :func:`summarize_update` reads from a policy: its name and optimizer's learning rate."""
+    """What ``summarize_update`` reads from a policy: its name and optimizer's learning rate."""
 
     name: str
     lr: float

@@ -1,6 +1,6 @@
 """One rank of a policy's worker group: a full replica that generates and trains.
 
-A plain class (no Ray import): :mod:`masrl.runtime.ray_runtime` wraps it with ``ray.remote``.
+A plain class (no Ray import): ``masrl.runtime.ray_runtime`` wraps it with ``ray.remote``.
 Everything that crosses the process boundary is plain data — lists, dicts, numbers and
 tensors — never pickled instances of masrl classes: requests and rows are dicts, configs are
 their JSON dumps, checkpoints are name→tensor maps.
@@ -133,7 +133,7 @@ class PolicyWorker:
 
     # -------------------------------------------------------------- state
     def checkpoint_state(self):
-        """Full weights and optimizer state (replica strategy; fsdp saves shards: :meth:`save_sharded`)."""
+        """Full weights and optimizer state (replica strategy; fsdp saves shards: ``save_sharded``)."""
         weights, tensors, meta = self.policy.checkpoint_state()
         return {k: v.cpu() for k, v in weights.items()}, {k: v.cpu() for k, v in tensors.items()}, meta
 

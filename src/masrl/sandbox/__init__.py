@@ -6,11 +6,11 @@
 A service below the tasks and tools (the code task's scorer and ``tools.python_tool`` use it); it
 imports nothing above ``masrl.paths``. See docs/sandbox.md for the threat model.
 
-- :class:`Sandbox`, :func:`run_python`, :func:`default_sandbox`, :func:`sandbox_capabilities`: run programs;
-- :class:`Limits`, :class:`Isolation`, :class:`SandboxResult`, :class:`SandboxError`: the records;
-- :class:`Proc`, :class:`Died`: one sandboxed process, for callers that talk to it while it runs
+- ``Sandbox``, ``run_python``, ``default_sandbox``, ``sandbox_capabilities``: run programs;
+- ``Limits``, ``Isolation``, ``SandboxResult``, ``SandboxError``: the records;
+- ``Proc``, ``Died``: one sandboxed process, for callers that talk to it while it runs
   (``mode="serve"``: framed requests and responses);
-- :func:`encode_value`, :func:`decode_value`, :class:`CodecError`: the value codec both sides share.
+- ``encode_value``, ``decode_value``, ``CodecError``: the value codec both sides share.
 """
 from masrl.sandbox._child import CodecError, decode_value, encode_value
 from masrl.sandbox.base import STATUSES, Died, Isolation, Limits, SandboxError, SandboxResult

@@ -14,7 +14,7 @@ layouts are handled:
 
 The child process joins the cgroup first thing (before it unshares namespaces or drops
 privileges), so every process of the execution is counted. Creating cgroups needs write
-access to the hierarchy (root, or a delegated subtree); :func:`available` says whether it works
+access to the hierarchy (root, or a delegated subtree); ``available`` says whether it works
 here, and ``Sandbox.describe()`` reports it.
 """
 from __future__ import annotations

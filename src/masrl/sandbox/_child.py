@@ -2,7 +2,7 @@
 
 The harness starts ``python -I -S -B -c <this file's source> <json config>``. Importing this
 module has no side effects: the harness imports it only for the value codec
-(:func:`encode_value` / :func:`decode_value`), which both sides share.
+(``encode_value`` / ``decode_value``), which both sides share.
 
 Process tree inside one sandbox (see docs/sandbox.md)::
 
@@ -37,7 +37,7 @@ def encode_value(value, ref=None, *, max_items=MAX_ITEMS):
     """Encode ``value`` into JSON-able nodes.
 
     ``ref(obj)`` is called for objects that are not plain data; it returns a node (a
-    reference to the object) or ``None`` to refuse, which raises :class:`CodecError`.
+    reference to the object) or ``None`` to refuse, which raises ``CodecError``.
     """
     budget = [max_items]
 
@@ -141,9 +141,9 @@ def encode_iterator(it, ref=None, *, max_items=100_000):
 
 
 def decode_value(node, ref=None, *, max_depth=MAX_DEPTH):
-    """Inverse of :func:`encode_value`; ``ref(node)`` resolves ``R``/``N`` nodes.
+    """Inverse of ``encode_value``; ``ref(node)`` resolves ``R``/``N`` nodes.
 
-    Never executes code from the data; raises :class:`CodecError` on malformed input.
+    Never executes code from the data; raises ``CodecError`` on malformed input.
     """
 
     def items(n, depth):

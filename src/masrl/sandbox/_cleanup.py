@@ -3,7 +3,7 @@
 A sandboxed program controls the shape of its work directory: a 2,000-deep chain of
 directories (``shutil.rmtree`` recurses once per level and raises ``RecursionError`` on
 Python 3.11), a million empty files, directories it made unreadable (``chmod 000``).
-:func:`remove_tree` walks the tree with a constant number of file descriptors and no
+``remove_tree`` walks the tree with a constant number of file descriptors and no
 recursion: every subdirectory is moved up to the top directory (a rename within one file
 system) and emptied there, so depth costs nothing. It works for ``budget_s`` seconds on the
 caller's thread; what is left then is finished by one background thread (and, at interpreter

@@ -56,7 +56,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class Isolation:
-    """Which protections an execution gets (resolved once per :class:`Sandbox`)."""
+    """Which protections an execution gets (resolved once per ``Sandbox``)."""
 
     name: str  # "namespaces" | "userns" | "basic"
     setuid: bool = False  # run the candidate under a fresh unprivileged uid (needs root)

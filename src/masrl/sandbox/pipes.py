@@ -18,7 +18,7 @@ __all__ = ["Pipes", "json_items"]
 
 class Pipes:
     """Pump one process's pipes with caps. ``kill(reason)`` stops the process when a cap is hit or a
-    deadline passes; the method that noticed then raises :class:`Died`."""
+    deadline passes; the method that noticed then raises ``Died``."""
 
     def __init__(self, *, max_output_bytes: int, max_message_bytes: int, max_message_items: int,
                  kill: Callable[[str], None]):
@@ -60,7 +60,7 @@ class Pipes:
         return self.sel is not None and bool(self.sel.get_map())
 
     def pump(self, timeout: float) -> None:
-        """Move what is ready within ``timeout`` seconds; raises :class:`Died` over a cap."""
+        """Move what is ready within ``timeout`` seconds; raises ``Died`` over a cap."""
         if self.sel is None:
             return
         cap = self.max_output_bytes

@@ -1,8 +1,8 @@
 """The harness side of one sandboxed process: start it with its configuration, wait for it, kill
-what is left, reap it and clean up (its pipes are pumped by :class:`masrl.sandbox.pipes.Pipes`).
+what is left, reap it and clean up (its pipes are pumped by ``masrl.sandbox.pipes.Pipes``).
 
-``mode="script"`` runs a program once (:meth:`Sandbox.run`); ``mode="serve"`` runs it and then
-answers requests framed on two extra pipes (:meth:`Proc.send`, :meth:`Proc.next_frame`), which
+``mode="script"`` runs a program once (``Sandbox.run``); ``mode="serve"`` runs it and then
+answers requests framed on two extra pipes (``Proc.send``, ``Proc.next_frame``), which
 the code task's scorer uses to call the candidate's functions.
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Proc:
         self.pipes.attach(self.proc, stdin=self.stdin_data, req_fd=self.fds.get("req"), resp_fd=self.fds.get("resp"))
 
     def _child_config(self, ready_w: int) -> dict[str, Any]:
-        """What the child needs to set itself up (the pipes are added by :meth:`start`)."""
+        """What the child needs to set itself up (the pipes are added by ``start``)."""
         sb, iso, lim = self.sb, self.iso, self.limits
         return {
             "mode": self.mode, "workdir": self.workdir, "network": bool(self.network),
@@ -142,11 +142,11 @@ class Proc:
             return True
 
     def next_frame(self, deadline: float) -> dict:
-        """Wait for one response frame (serve mode); raises :class:`Died`."""
+        """Wait for one response frame (serve mode); raises ``Died``."""
         return self.pipes.next_frame(deadline)
 
     def send(self, obj: dict, deadline: float) -> None:
-        """Write one request (serve mode); raises :class:`Died`."""
+        """Write one request (serve mode); raises ``Died``."""
         self.pipes.send(obj, deadline)
 
     def wait_exit(self, deadline: float) -> None:

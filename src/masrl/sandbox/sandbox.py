@@ -15,7 +15,7 @@ namespaces: no network, a read-only file system with home directories, /tmp, the
 and the data folder hidden, and (as root) an unprivileged uid of its own. Without namespaces an
 audit hook inside the child is a best-effort fallback. See docs/sandbox.md for the threat model.
 
-The RPC mode (:class:`~masrl.sandbox.process.Proc` with ``mode="serve"``, used by the code task's
+The RPC mode (``Proc`` with ``mode="serve"``, used by the code task's
 scorer) runs the candidate program once and then answers function calls whose results come back
 as plain data, so that tests are checked outside the untrusted process.
 """
@@ -89,7 +89,7 @@ class Sandbox:
 
     # -- isolation -------------------------------------------------------------------
     def resolve(self) -> Isolation:
-        """Probe (once) which isolation works here; raises :class:`SandboxError` if none."""
+        """Probe (once) which isolation works here; raises ``SandboxError`` if none."""
         with self._resolve_lock:
             if not self._resolved:
                 self.isolation = probe(self, self._request)
@@ -218,7 +218,7 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_sandbox() -> Sandbox:
-    """The process-wide :class:`Sandbox` used by :func:`run_python` and ``score_code``."""
+    """The process-wide ``Sandbox`` used by ``run_python`` and ``score_code``."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:

@@ -196,7 +196,7 @@ class Run:
                 "--output-dir", str(self.run_dir), "--overwrite"]
 
     def config(self) -> RunConfig:
-        """The run's config, exactly as ``masrl train`` will build it from :meth:`argv`."""
+        """The run's config, exactly as ``masrl train`` will build it from ``argv``."""
         return load_config(self.cell.base, self.overrides)
 
 

@@ -15,7 +15,7 @@ The gold answer is converted for the reward: ``math`` keeps the text after the l
 takes a list of test statements (``assert f(1) == 2``; optional ``fields.setup``). A user's
 function receives the raw field value. Rows that do not parse are skipped with a warning naming
 the file and line (row for parquet/hf, index for JSON), or stop the run with ``task.strict: true``
-(``masrl train --strict``); files are read by the shared row reader (:mod:`masrl.io.rows`).
+(``masrl train --strict``); files are read by the shared row reader (``masrl.io.rows``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.io.lines`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.io.lines``. This path is the same module for one release and warns on
 import; import from ``masrl.io.lines`` instead."""
 import sys
 import warnings

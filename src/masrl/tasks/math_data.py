@@ -284,9 +284,9 @@ def load_hf_dataset(
 ) -> list[Task]:
     """Tasks from a Hugging Face dataset (needs the optional ``datasets`` library and either the
     hub or a local cache). ``answer_fn`` converts the raw answer field (default:
-    :func:`normalize_gold`; for GSM8K-style answers pass e.g. ``lambda a: a.split('####')[-1]``).
+    ``normalize_gold``; for GSM8K-style answers pass e.g. ``lambda a: a.split('####')[-1]``).
 
-    Raises :class:`DatasetLoadError` with one clear line when ``datasets`` is missing, the hub is
+    Raises ``DatasetLoadError`` with one clear line when ``datasets`` is missing, the hub is
     unreachable/offline, or the fields are absent.
     """
     try:

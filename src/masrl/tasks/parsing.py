@@ -1,7 +1,7 @@
 """Answer parsers the reward functions share (model output -> answer). They never raise: garbage gives ``None``.
 
-Workflows' tag parsers (``<verify>``, ``<answer>``, ...) are in :mod:`masrl.workflows.parsing`, which
-re-exports :func:`extract_boxed`.
+Workflows' tag parsers (``<verify>``, ``<answer>``, ...) are in ``masrl.workflows.parsing``, which
+re-exports ``extract_boxed``.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ Loaders return ``list[Task]`` with ``answer`` = list of gold strings and
 ``meta["data_source"]``. Formats: FlashRAG JSONL (``question``, ``golden_answers``),
 Search-R1 parquet (``prompt``/``question``, ``reward_model.ground_truth.target``),
 ``[{question, answer}]`` JSON, raw HotpotQA JSON (``_id``, ``question``, ``answer``,
-``supporting_facts``, ``context``). :func:`load_qa` picks the reader from the file, or takes a
+``supporting_facts``, ``context``). ``load_qa`` picks the reader from the file, or takes a
 dataset name (see ``QA_DATASETS``) resolved in the data folders (``masrl.paths.data_roots()``).
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _source_from_name(path: Path) -> str:
 
 
 def _make_task(row_id: Any, question: Any, answers: Any, meta: dict) -> Task:
-    """A task, or :class:`BadRow` with the reason the row is malformed."""
+    """A task, or ``BadRow`` with the reason the row is malformed."""
     if not isinstance(question, str) or not question.strip():
         raise BadRow("missing or empty 'question'")
     if hasattr(answers, "tolist"):  # numpy arrays from parquet

@@ -2,8 +2,8 @@
 
 A task is a builder ``(task_cfg, sft_teacher) -> TaskSource`` registered with ``@register_task("name")``
 (the config's ``task.name`` picks it); its score function comes from the reward registry
-(:func:`masrl.tasks.rewards.resolve_reward`). The math benchmarks and QA datasets are tasks by their
-names too. A package registers its own through the ``masrl.tasks`` entry-point group (:mod:`masrl.registry`).
+(``masrl.tasks.rewards.resolve_reward``). The math benchmarks and QA datasets are tasks by their
+names too. A package registers its own through the ``masrl.tasks`` entry-point group (``masrl.registry``).
 """
 from __future__ import annotations
 

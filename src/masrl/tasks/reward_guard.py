@@ -1,19 +1,19 @@
 """The contract every reward function runs under (docs/reliability.md, "User code: rewards").
 
-* It never takes a step down: :class:`GuardedScore` turns an exception, a result without a numeric
+* It never takes a step down: ``GuardedScore`` turns an exception, a result without a numeric
   ``reward`` or a non-finite reward into reward 0 (``reason="score_error"``), and counts it.
-* A user's reward has a deadline (:func:`call_with_deadline`): it runs in a worker thread of masrl and a
+* A user's reward has a deadline (``call_with_deadline``): it runs in a worker thread of masrl and a
   call still running after ``task.reward_timeout_s`` scores 0 (``reason="reward_timeout"``). Python
   cannot stop a thread, so the hung call's thread is abandoned (a daemon thread: it never keeps the
-  process alive); once :data:`MAX_ABANDONED` such threads are still running, further calls are not made
+  process alive); once ``MAX_ABANDONED`` such threads are still running, further calls are not made
   and the run stops.
-* Every call, error and timeout is counted in a :class:`RewardLedger`; the trainer takes the counts after
+* Every call, error and timeout is counted in a ``RewardLedger``; the trainer takes the counts after
   each rollout (``reward/calls``, ``reward/errors``, ``reward/timeouts``, and ``reward/cached``: calls a reward
   answered from its own cache, in metrics.jsonl) and
-  :func:`check_failures` stops the run (:class:`RewardError`, exit 2) when a rollout's calls fail on at
+  ``check_failures`` stops the run (``RewardError``, exit 2) when a rollout's calls fail on at
   least ``task.reward_max_error_share`` of them. The first failure of a run is logged with its
   traceback; later ones are one summary line per step.
-* A finite reward larger than :data:`MAX_ABS_REWARD` in magnitude is clipped to it (one warning per
+* A finite reward larger than ``MAX_ABS_REWARD`` in magnitude is clipped to it (one warning per
   reward), so that no reward overflows the float32 scores and the advantage statistics.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ class RewardTimeout(Exception):
 
 
 class RewardProcessError(RuntimeError):
-    """A call of a reward run in its own process (:mod:`masrl.tasks.reward_process`) failed: it raised there
+    """A call of a reward run in its own process (``masrl.tasks.reward_process``) failed: it raised there
     (``description``: ``Type: message in FILE line N``; ``remote_traceback``: the worker's traceback), returned
     what cannot be sent back, or the worker died during the call or could not load the function."""
 
@@ -55,7 +55,7 @@ class RewardProcessError(RuntimeError):
 
 class RewardError(UserInputError):
     """A reward function failed on too many calls of a rollout: the run stops (exit 2). ``counts``: the
-    rollout's :class:`RewardCounts`."""
+    rollout's ``RewardCounts``."""
 
     def __init__(self, message: str, counts: "RewardCounts"):
         super().__init__(message)
@@ -114,8 +114,8 @@ def abandoned_calls() -> int:
 
 
 def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -> Any:
-    """``fn(*args)`` in reward ``name``'s worker thread; :class:`RewardTimeout` after ``timeout_s`` seconds
-    (the call's thread is abandoned), or at once when :data:`MAX_ABANDONED` calls are still running."""
+    """``fn(*args)`` in reward ``name``'s worker thread; ``RewardTimeout`` after ``timeout_s`` seconds
+    (the call's thread is abandoned), or at once when ``MAX_ABANDONED`` calls are still running."""
     running = abandoned_calls()
     if running >= MAX_ABANDONED:
         raise RewardTimeout(f"not called: {running} earlier reward calls are still running past their deadline")
@@ -214,7 +214,7 @@ class RewardCounts:
 
 
 class RewardLedger:
-    """Counts reward calls until :meth:`take`; logs the traceback of each reward's first failure only."""
+    """Counts reward calls until ``take``; logs the traceback of each reward's first failure only."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -254,8 +254,8 @@ class RewardLedger:
 
 
 def check_failures(counts: RewardCounts, max_error_share: float, where: str) -> None:
-    """Stop the run (:class:`RewardError`) when the calls of ``where`` failed on at least ``max_error_share``
-    of them, or when :data:`MAX_ABANDONED` calls hang; warn in one line when some failed."""
+    """Stop the run (``RewardError``) when the calls of ``where`` failed on at least ``max_error_share``
+    of them, or when ``MAX_ABANDONED`` calls hang; warn in one line when some failed."""
     if counts.abandoned >= MAX_ABANDONED:
         raise RewardError(f"{counts.abandoned} reward calls are still running past their deadline (hung threads "
                           f"cannot be stopped); {counts.describe(where)}; fix the function or raise "

@@ -11,9 +11,9 @@ call is that call's error (its exit code or signal named); either way the next c
 The worker imports the function itself (``file.py:function`` / ``pkg.module:function``, or a registered
 function by reference), so what the module loads at import is loaded again there; each call sends the task and
 a copy of the episode (pickled) and receives the result and the ``reward`` of each turn. Once
-:data:`MAX_TIMEOUTS_IN_A_ROW` calls in a row ran past their deadline, further calls are not made (each scores 0
+``MAX_TIMEOUTS_IN_A_ROW`` calls in a row ran past their deadline, further calls are not made (each scores 0
 as a timeout at once), so a reward that hangs on every call stops the run within a step or two
-(:func:`masrl.tasks.reward_guard.check_failures`) instead of costing its deadline on every call.
+(``masrl.tasks.reward_guard.check_failures``) instead of costing its deadline on every call.
 
 Protocol (stdin / a copy of stdout of the worker; the worker's own stdout goes to stderr, so a ``print`` in
 the reward cannot break it): 8-byte big-endian length, then a pickle. Parent -> worker: the function to load,
@@ -147,7 +147,7 @@ class RewardProcess:
     # --------------------------------------------------------------- a call
     def call(self, task: Any, episode: Any, timeout_s: float) -> tuple[Any, list]:
         """``fn(task, episode)`` in the worker: (its result, each turn's ``reward`` after the call).
-        :class:`RewardTimeout` past ``timeout_s`` (the worker is killed), :class:`RewardProcessError` when it
+        ``RewardTimeout`` past ``timeout_s`` (the worker is killed), ``RewardProcessError`` when it
         raised there or the worker died."""
         with self.lock:
             if self.timeouts_in_a_row >= MAX_TIMEOUTS_IN_A_ROW:

@@ -1,5 +1,5 @@
 """Reward functions by name: ``math``, ``qa_em``, ``qa_f1``, ``qa_subem``, ``code``, the ``judge`` / ``model``
-rewards (:mod:`masrl.judges`), one registered with :func:`register_reward` (or by an installed package,
+rewards (``masrl.judges``), one registered with ``register_reward`` (or by an installed package,
 entry-point group ``masrl.rewards``), or a user's ``pkg.module:function``.
 
 A built-in reward is a ``ScoreFn`` ``(task, answer) -> {"reward", "correct", ...}``. A user's
@@ -15,10 +15,10 @@ reward receives the whole episode::
 It is called by ``team.finish`` (the team reward) and by ``team.score`` (a workflow judging a
 verdict on the turns so far). ``path/to/file.py:function`` works too.
 
-A user's reward runs under the contract of :mod:`masrl.tasks.reward_guard`: it is imported and its
+A user's reward runs under the contract of ``masrl.tasks.reward_guard``: it is imported and its
 signature checked when the config is (one ``ConfigError`` line otherwise); each call runs with a deadline
 (``task.reward_timeout_s``) in a worker process of its own (``task.reward_isolation: auto`` / ``process``,
-:mod:`masrl.tasks.reward_process`) or in a worker thread (``thread``; ``auto`` for a function a separate
+``masrl.tasks.reward_process``) or in a worker thread (``thread``; ``auto`` for a function a separate
 process cannot import: one defined in ``__main__`` or inside a function) and sees copies of the turns, whose
 ``reward`` values are taken back only from a call that returned in time; rewards must be finite and are clipped
 to ``±MAX_ABS_REWARD``; failures are counted and a rollout where they reach ``task.reward_max_error_share``
@@ -52,9 +52,9 @@ class RewardSpec:
     """A registered reward: ``fn`` and how it is called (``form``).
 
     ``episode``: ``fn(task, episode) -> float | dict``, a reward with the user-function contract (run
-    guarded, :class:`EpisodeReward`); ``builder``: ``fn(task_params) -> ScoreFn`` (``reward: name``);
+    guarded, ``EpisodeReward``); ``builder``: ``fn(task_params) -> ScoreFn`` (``reward: name``);
     ``options``: ``fn(options, task_params) -> ScoreFn``, given as a one-key mapping ``reward: {name: {...}}``
-    (the ``judge`` and ``model`` rewards, registered by :mod:`masrl.judges`, which sits above tasks)."""
+    (the ``judge`` and ``model`` rewards, registered by ``masrl.judges``, which sits above tasks)."""
 
     name: str
     fn: Callable[..., Any]
@@ -72,7 +72,7 @@ def register_reward(name: str, fn: Callable[..., Any] | None = None, *, builder:
     module docstring's contract, run as a user function is). ``builder=True``: ``fn(task_params)`` returns
     the ``ScoreFn``; ``options=True``: ``fn(options, task_params)`` does, and the config gives the reward as
     ``{name: {options}}``. A package registers its own through the ``masrl.rewards`` entry-point group
-    (:mod:`masrl.registry`)."""
+    (``masrl.registry``)."""
     form = "options" if options else "builder" if builder else "episode"
 
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -242,9 +242,9 @@ class EpisodeReward:
 
 def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | None = None,
                    timeout_s: float | None = DEFAULT_TIMEOUT_S, isolation: str = "auto"):
-    """The score function for reward ``name`` (see the module docstring): a name in :data:`REWARDS`, a user
+    """The score function for reward ``name`` (see the module docstring): a name in ``REWARDS``, a user
     function ``pkg.module:function`` / ``file.py:function``, or a mapping ``{judge: {...}}`` /
-    ``{model: {...}}`` built by its registered reward (:func:`register_reward` with ``options=True``).
+    ``{model: {...}}`` built by its registered reward (``register_reward`` with ``options=True``).
     ``params``: the task's params (``answer_fallback`` for math, ``reward_mode`` for code); ``timeout_s``: the
     deadline of each call of a user reward; ``isolation``: where its calls run (``task.reward_isolation``:
     auto, process, thread)."""
@@ -266,7 +266,7 @@ def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | No
 
 
 def _process_load(spec: str | None, fn: Callable, isolation: str) -> tuple[str, Any] | None:
-    """How a worker process loads the reward (:class:`masrl.tasks.reward_process.RewardProcess`), or None to
+    """How a worker process loads the reward (``masrl.tasks.reward_process.RewardProcess``), or None to
     run it in a thread: ``thread``, or ``auto`` for a function a separate process cannot import (``process``
     then is one ConfigError line saying why)."""
     if isolation == "thread":

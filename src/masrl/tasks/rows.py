@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.io.rows`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.io.rows``. This path is the same module for one release and warns on
 import; import from ``masrl.io.rows`` instead."""
 import sys
 import warnings

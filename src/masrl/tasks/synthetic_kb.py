@@ -18,7 +18,7 @@ sometimes a final consonant: "Zorvak", "Belta"; ``name_length`` fixes the length
 is one such word. ``meta`` holds ``relation``, ``subject`` (the name in the question), ``hops``
 and the ids of the gold passages (in hop order).
 
-Options of :func:`generate_kb` for tiny models (the defaults keep the layout above):
+Options of ``generate_kb`` for tiny models (the defaults keep the layout above):
 ``relations`` (a subset of the six, e.g. one-hop ``lives_in`` + ``works_for``),
 ``question_style="cloze"`` (the passages' own wording: "Zorvak lives in?"),
 ``split_by="person"`` (held-out people: every question about them is a test question; their
@@ -208,7 +208,7 @@ def synthetic_kb(seed: int = 0, split: str = "train", **sizes) -> tuple[list[Tas
     """``(tasks, passages)`` of one split (``train``, ``test`` or ``all``); passages are shared by splits.
 
     ``sizes``: ``n_people``, ``n_companies``, ``n_cities``, ``test_fraction``, ``relations``,
-    ``split_by``, ``question_style``, ``name_length`` (see :func:`generate_kb`).
+    ``split_by``, ``question_style``, ``name_length`` (see ``generate_kb``).
     Fresh copies are returned, so callers may modify them.
     """
     kb = generate_kb(seed, **_kb_args(sizes))
@@ -224,7 +224,7 @@ def synthetic_kb(seed: int = 0, split: str = "train", **sizes) -> tuple[list[Tas
 
 
 def synthetic_kb_retriever(seed: int = 0, **settings):
-    """A ready :class:`BM25Retriever` over the knowledge base of ``seed``.
+    """A ready ``BM25Retriever`` over the knowledge base of ``seed``.
 
     ``settings`` holds generator sizes (``n_people``, ...) and BM25 settings (``k1``, ``b``, ...).
     """

@@ -1,5 +1,5 @@
 """User code a config names by ``pkg.module:attr`` or ``path/to/file.py:attr`` (rewards, workflows, entries),
-imported with one clear :class:`~masrl.errors.ConfigError` line when it cannot be; a ``.py`` file is imported
+imported with one clear ``ConfigError`` line when it cannot be; a ``.py`` file is imported
 once per process (the config check, then the run)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Built-in tools: ``calculator`` (safe arithmetic), ``python`` (the code sandbox), ``search`` (a retriever).
 
-``calculator`` is a ready :class:`Tool`; ``python_tool(...)`` and ``search_tool(retriever)`` make
+``calculator`` is a ready ``Tool``; ``python_tool(...)`` and ``search_tool(retriever)`` make
 tools with their limits / retriever bound.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ class CalculatorError(ValueError):
 def evaluate_arithmetic(expression: str) -> int | float:
     """Evaluate ``+ - * / // % **`` and parentheses over int and float literals, without ``eval``.
 
-    The expression is parsed with :mod:`ast` and only the nodes above are evaluated; anything
-    else (names, calls, attributes, strings, comparisons) is a :class:`CalculatorError`, as are
+    The expression is parsed with ``ast`` and only the nodes above are evaluated; anything
+    else (names, calls, attributes, strings, comparisons) is a ``CalculatorError``, as are
     expressions over ``MAX_EXPRESSION_CHARS`` characters, exponents over ``MAX_EXPONENT`` and
     integers over ``MAX_INT_BITS`` bits.
     """
@@ -129,7 +129,7 @@ def python_tool(*, timeout_s: float = 5.0, memory_mb: int = 512, max_output_char
 def search_tool(retriever: Any, *, topk: int = 3, doc_format: str = "Doc {rank}: {contents}",
                 name: str = "search") -> Tool:
     """A ``search`` tool over ``retriever`` (an object with ``search(queries, topk)`` or a spec for
-    :func:`masrl.retrieval.build_retriever`: a corpus path, ``"synthetic_kb"``, a URL, ...)."""
+    ``masrl.retrieval.build_retriever``: a corpus path, ``"synthetic_kb"``, a URL, ...)."""
     import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
     from masrl.retrieval import format_passages, resolve_retriever
 

@@ -1,25 +1,25 @@
 """Rendering a conversation (with tools) into a prompt: the tokenizer's own chat template.
 
-A :class:`ChatPrompt` is what ``team.chat`` hands to the rollout backend instead of a prompt
+A ``ChatPrompt`` is what ``team.chat`` hands to the rollout backend instead of a prompt
 string: the agent's messages (system / user / assistant / tool) and the tool schemas. The
-backend renders it with :func:`render_chat`:
+backend renders it with ``render_chat``:
 
 - the tokenizer's chat template, ``apply_chat_template(messages, tools=..., add_generation_prompt=True)``,
   when the conversation has no tools and no tool messages, or when the template knows tools
   (its source mentions ``tools``): real instruction models see the format they were trained on;
 - a template without tool support (SmolLM2-Instruct's ChatML, Llama-2 style ones) still renders
-  the conversation, with the tools described the Hermes way (:func:`hermes_tool_messages`): the
+  the conversation, with the tools described the Hermes way (``hermes_tool_messages``): the
   system message gets the block Qwen2.5's template writes (``# Tools`` ... ``<tools>`` one JSON
   schema per line ``</tools>`` ... how to write ``<tool_call>``), and each run of tool results
   becomes one user message of ``<tool_response>\n...\n</tool_response>`` blocks. On a ChatML
   template this is exactly Qwen2.5's rendering;
-- the masrl tiny character models' template (:data:`masrl.models.tiny.TINY_CHAT_TEMPLATE`) uses
-  :data:`FALLBACK_CHAT_TEMPLATE` instead, a terse one: one line ``Tools: name(arg,...) ...``,
+- the masrl tiny character models' template (``masrl.models.tiny.TINY_CHAT_TEMPLATE``) uses
+  ``FALLBACK_CHAT_TEMPLATE`` instead, a terse one: one line ``Tools: name(arg,...) ...``,
   then system content + newline, user content as it is, assistant content + end-of-sequence,
   tool results as ``<tool_response>...</tool_response>``. Without tools it renders exactly like
   the tiny model's own template.
 
-Token ids of a conversation's next turn (:func:`extend_chat_ids`): the previous turn's prompt
+Token ids of a conversation's next turn (``extend_chat_ids``): the previous turn's prompt
 ids + the ids the model generated + the ids of the rendering's *delta* (what the template adds
 after the reply: end-of-turn markers, tool messages, the next generation prompt), as the
 verl / TRL agent loops do. Re-tokenizing the whole rendered text instead can differ from the
@@ -80,7 +80,7 @@ class ChatPrefix:
 @dataclass
 class ChatPrompt:
     """An agent's conversation so far and the tools it may call (OpenAI-format schemas);
-    ``prefix``: the previous call of this conversation, to extend its token ids (:func:`extend_chat_ids`)."""
+    ``prefix``: the previous call of this conversation, to extend its token ids (``extend_chat_ids``)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict] | None = None
@@ -106,7 +106,7 @@ def template_handles_tools(tokenizer: Any, chat_template: str | None = None) -> 
 
 def hermes_tool_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """``messages`` for a template without tool support: the tools described in the system message
-    (:data:`HERMES_TOOLS_SYSTEM` after the system content, as Qwen2.5 writes it; a system message of
+    (``HERMES_TOOLS_SYSTEM`` after the system content, as Qwen2.5 writes it; a system message of
     its own if there is none), each run of tool messages as one user message of ``<tool_response>``
     blocks."""
     out: list[dict] = []

@@ -17,7 +17,7 @@ every parameter); its schema is the OpenAI / Hugging Face function-calling forma
 
     add.schema["function"]["parameters"]["required"]  # ['a', 'b']
 
-Arguments parsed from model output are checked against the schema (:func:`check_arguments`)
+Arguments parsed from model output are checked against the schema (``check_arguments``)
 before the function runs: a wrong type, a missing or an unexpected argument is the model's
 format error, never an exception inside the tool.
 """
@@ -78,7 +78,7 @@ class Tool:
 
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, description: str | None = None,
          timeout_s: float | None = None):
-    """Decorator: ``@tool`` or ``@tool(name=..., timeout_s=...)`` turns a function into a :class:`Tool`."""
+    """Decorator: ``@tool`` or ``@tool(name=..., timeout_s=...)`` turns a function into a ``Tool``."""
     if fn is None:
         return lambda f: Tool(f, name=name, description=description, timeout_s=timeout_s)
     return Tool(fn, name=name, description=description, timeout_s=timeout_s)

@@ -2,15 +2,15 @@
 
 Pure-Python tools run in a daemon thread that the caller waits for until the deadline; a tool
 past its deadline is reported as a timeout and left to finish in the background (its result
-is dropped; :func:`abandoned_tool_threads` counts those still running, and past
+is dropped; ``abandoned_tool_threads`` counts those still running, and past
 ``MAX_ABANDONED`` of them further calls are refused rather than piling up threads), so a tool
 must not hold resources it cannot release on its own. Tools that execute untrusted code go
-through the sandbox (:func:`masrl.tools.builtin.python_tool`), which enforces its own time and
+through the sandbox (``masrl.tools.builtin.python_tool``), which enforces its own time and
 memory limits in a separate process.
 
-Every way out of a call is a string observation (:meth:`ToolBox.run` never raises): the value is
+Every way out of a call is a string observation (``ToolBox.run`` never raises): the value is
 turned into text in the worker thread too (so a ``__str__`` that hangs is bounded by the
-deadline), with :func:`format_result`; an object that cannot be printed, a ``str`` subclass
+deadline), with ``format_result``; an object that cannot be printed, a ``str`` subclass
 with broken methods, bytes, a result too large (cut, with a note) and lone surrogates (U+FFFD)
 all give valid UTF-8 text.
 """
@@ -103,7 +103,7 @@ class ToolBox:
         self.counts = ToolCounts()
 
     def run(self, call: ToolCall | CallError) -> ToolResult:
-        """Execute one parsed call (a :class:`CallError` becomes an ``invalid`` result). Never raises."""
+        """Execute one parsed call (a ``CallError`` becomes an ``invalid`` result). Never raises."""
         try:
             result = self._run(call)
         except Exception as e:  # noqa: BLE001 - a call that cannot even start is an observation too
@@ -147,7 +147,7 @@ class ToolBox:
         return ToolResult(t.name, box.get("error", f"Error: {t.name} ended without a result"), "error", duration)
 
     def observe(self, value: Any) -> str:
-        """The observation text of a tool's return value: :func:`format_result`, cut to ``max_result_chars``."""
+        """The observation text of a tool's return value: ``format_result``, cut to ``max_result_chars``."""
         return self._cut(format_result(value))
 
     def _cut(self, text: str) -> str:
@@ -159,8 +159,8 @@ class ToolBox:
 
 def format_result(value: Any) -> str:
     """A tool's return value as message text: strings as they are, bytes as UTF-8 (bad bytes replaced),
-    anything else as JSON (what JSON cannot encode by :func:`~masrl.tools.text.safe_str`). Never raises;
-    the text is an exact ``str`` (lone surrogates are kept here; :meth:`ToolBox.observe` replaces them)."""
+    anything else as JSON (what JSON cannot encode by ``safe_str``). Never raises;
+    the text is an exact ``str`` (lone surrogates are kept here; ``ToolBox.observe`` replaces them)."""
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, (bytes, bytearray, memoryview)):

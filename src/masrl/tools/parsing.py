@@ -1,6 +1,6 @@
 """Tool calls in model output: parse them (never raising, linear time) and render them.
 
-Formats (``formats=`` of :func:`parse_tool_calls`, tried in this order):
+Formats (``formats=`` of ``parse_tool_calls``, tried in this order):
 
 - ``hermes`` (Hermes, Qwen2.5/Qwen3, SmolLM3 templates): one or more
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the reply.
@@ -11,7 +11,7 @@ Formats (``formats=`` of :func:`parse_tool_calls`, tried in this order):
   contains ``"name"`` counts as an attempt, so ordinary answers are not read as calls.
 
 A reply either has no call attempt (``attempted`` is False: a final answer), or every
-attempt becomes a :class:`ToolCall` or a :class:`CallError` (malformed JSON, no name,
+attempt becomes a ``ToolCall`` or a ``CallError`` (malformed JSON, no name,
 arguments that are not an object, an unknown tool, arguments against the schema). At most
 ``MAX_ATTEMPTS`` attempts are read from one reply, in every format (``<tool_call>`` blocks, a
 sequence of JSON objects, the items of a JSON list): past it one error says how many more there

@@ -2,8 +2,8 @@
 
 A prompt must be valid UTF-8 for a tokenizer: a lone surrogate (``'\\ud800'``, from a tool that read
 bytes with ``surrogateescape`` or a JSON ``"\\ud800"`` escape) makes the Rust tokenizers raise.
-:func:`valid_text` replaces each lone surrogate with U+FFFD (a surrogate pair becomes the character it
-encodes); :func:`safe_str` turns any object into such a string without ever raising.
+``valid_text`` replaces each lone surrogate with U+FFFD (a surrogate pair becomes the character it
+encodes); ``safe_str`` turns any object into such a string without ever raising.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def valid_text(text: str) -> str:
 
 def safe_str(value: Any, limit: int | None = None) -> str:
     """``str(value)`` (``repr`` when that raises, else a placeholder naming the type), at most ``limit``
-    characters, as :func:`valid_text`. Never raises."""
+    characters, as ``valid_text``. Never raises."""
     if isinstance(value, str):
         text = str.__str__(value)
     else:

@@ -13,7 +13,7 @@ A policy's folder holds one of two formats:
   whose headers carry the shard offsets: no pickled metadata), keys ``model.<param>`` and
   ``optim.<param>.<state key>``; ``optimizer.json`` holds the param groups (parameters by name) and
   which state entries are tensors. DCP reshards on load, so it resumes at any number of ranks;
-  :func:`read_dcp` reassembles whole tensors in one process (no process group) for the local
+  ``read_dcp`` reassembles whole tensors in one process (no process group) for the local
   runtime, the replica strategy, ``masrl eval --checkpoint`` and ``masrl export``.
 """
 from __future__ import annotations

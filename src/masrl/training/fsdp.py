@@ -10,8 +10,8 @@ round-robin share of each minibatch with losses normalised by the whole minibatc
 and FSDP2 reduce-scatters gradients as a SUM (divide factor 1), so the sharded gradient is a
 shard of exactly the single-process gradient. FSDP2 runs collectives inside every forward and
 backward, so ranks must make the same number of calls: a rank with fewer micro-batches runs
-zero-weight padding ones (:meth:`ShardedDataParallel.pad_chunks`). Norms are exact: local
-squared norms of the shards, all-reduced (:func:`sharded_norm`).
+zero-weight padding ones (``ShardedDataParallel.pad_chunks``). Norms are exact: local
+squared norms of the shards, all-reduced (``sharded_norm``).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class FSDPOptions:
 
 
 class ShardedDataParallel(DataParallel):
-    """A :class:`DataParallel` whose gradients FSDP2 already reduced (and sharded) in backward."""
+    """A ``DataParallel`` whose gradients FSDP2 already reduced (and sharded) in backward."""
 
     sharded = True
 
@@ -221,7 +221,7 @@ def save_sharded(policy, folder: str) -> dict:
 
 
 def load_sharded(policy, folder: str, optimizer_meta: dict | None, where: str) -> None:
-    """Load a :func:`save_sharded` checkpoint saved at any number of ranks: each rank reads the parts of the
+    """Load a ``save_sharded`` checkpoint saved at any number of ranks: each rank reads the parts of the
     shards that fall into its own (DCP reshards); ``optimizer_meta`` None: weights only. Every rank must call."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader

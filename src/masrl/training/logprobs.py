@@ -1,6 +1,6 @@
 """Response-token log-probs without full-vocabulary logits (``trainer.logprob_chunk_tokens``).
 
-The plain path (:func:`masrl.training.update.response_logits`) materialises float32 logits
+The plain path (``masrl.training.update.response_logits``) materialises float32 logits
 ``[rows, R, V]`` for a micro-batch (0.8 GB for 4096 tokens of SmolLM2's 49k vocabulary) and
 autograd keeps several tensors of that size for backward. Here the decoder's last hidden states
 are gathered at the response positions (the loss mask) only, and the LM head, log-softmax,
@@ -182,8 +182,8 @@ def response_logprobs(model: torch.nn.Module, batch, chunk_tokens: int,
                       with_entropy: bool = False) -> tuple[Tensor, Tensor | None] | None:
     """Log-probs (and entropy) of ``batch.targets`` under ``model``, ``[rows, R]`` float32, zero outside
     ``batch.response_mask``; computed from the decoder's last hidden states at the response positions
-    only (:func:`chunked_token_logprobs`). None when ``chunk_tokens`` is 0 or the model's logits are not
-    a plain LM head (:func:`lm_head_params`): use :func:`masrl.training.update.response_logits`."""
+    only (``chunked_token_logprobs``). None when ``chunk_tokens`` is 0 or the model's logits are not
+    a plain LM head (``lm_head_params``): use ``masrl.training.update.response_logits``."""
     if chunk_tokens <= 0:
         return None
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None

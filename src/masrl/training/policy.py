@@ -1,6 +1,6 @@
 """A policy: one trainable model with its tokenizer, optimizer and rollout engine.
 
-:class:`PolicyProtocol` is what the trainer and checkpoints ask of any policy: the local :class:`Policy` here,
+``PolicyProtocol`` is what the trainer and checkpoints ask of any policy: the local ``Policy`` here,
 and the Ray runtime's ``RayPolicy`` (its model in a worker group).
 """
 from __future__ import annotations
@@ -103,12 +103,12 @@ class PolicyText:
 
 @runtime_checkable
 class PolicyProtocol(Protocol):
-    """A policy as the trainer and checkpoints see it, local (:class:`Policy`) or remote (``RayPolicy``).
+    """A policy as the trainer and checkpoints see it, local (``Policy``) or remote (``RayPolicy``).
 
     Checkpoints make these calls and ask nothing else (``masrl.training.checkpoint``): a consolidated
-    checkpoint holds :meth:`checkpoint_state` and goes back through :meth:`restore_state`; a sharded one
+    checkpoint holds ``checkpoint_state`` and goes back through ``restore_state``; a sharded one
     (``sharded_checkpoint``: ``runtime.strategy: fsdp``) is written and read by every rank
-    (:meth:`save_sharded`, :meth:`load_sharded`).
+    (``save_sharded``, ``load_sharded``).
     """
 
     name: str
@@ -128,7 +128,7 @@ class PolicyProtocol(Protocol):
 
     @property
     def sharded_checkpoint(self) -> bool:
-        """Checkpoints are saved and loaded shard by shard by every rank (:meth:`save_sharded`)."""
+        """Checkpoints are saved and loaded shard by shard by every rank (``save_sharded``)."""
         ...
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
@@ -208,7 +208,7 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
     """A policy on ``device`` with its optimizer and rollout engine (``rollout.engine``: transformers or vllm;
     a model built in memory is written under ``workdir`` for vLLM to load; ``autocast``: the in-process
     engine decodes in that mixed precision, as ``trainer.autocast`` trains; ``agent_optim``: per-agent AdamW
-    overrides for agents with their own LoRA adapter, see :func:`param_groups`)."""
+    overrides for agents with their own LoRA adapter, see ``param_groups``)."""
     model, tokenizer = load_model_and_tokenizer(cfg, seed=seed)
     if cfg.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
@@ -247,7 +247,7 @@ def build_policy(name: str, cfg: PolicyConfig, *, seed: int, max_rollout_batch: 
 
 
 def make_optimizer(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -> torch.optim.Optimizer:
-    """The policy's AdamW over :func:`param_groups` (also used again on FSDP2's sharded parameters)."""
+    """The policy's AdamW over ``param_groups`` (also used again on FSDP2's sharded parameters)."""
     o = policy.cfg.optim
     groups = param_groups(policy, agent_optim)
     fused = use_fused_adamw(o.fused, [p for g in groups for p in g["params"]])
@@ -261,7 +261,7 @@ FUSED_ADAMW_MIN_PARAMS = 10_000_000
 
 def use_fused_adamw(setting: bool | str, params: list[torch.Tensor]) -> bool:
     """``optim.fused`` resolved: ``auto`` is the fused kernel when every parameter is a floating tensor on CPU
-    or CUDA and there are at least :data:`FUSED_ADAMW_MIN_PARAMS` of them (global sizes under FSDP2, so
+    or CUDA and there are at least ``FUSED_ADAMW_MIN_PARAMS`` of them (global sizes under FSDP2, so
     every rank decides alike); explicit ``true`` / ``false`` win."""
     if setting != "auto":
         return bool(setting)

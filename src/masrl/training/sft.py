@@ -41,7 +41,7 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     Calls of ``filter_agents`` whose own text scores incorrect are left out of the rows
     (rejection-sampled SFT); they still shaped the prompts of the calls after them.
     ``workflow: external``: the program runs with the teacher answering its gateway calls; a call without tools
-    shows the teacher the prompt as rendered for the model (:func:`from_program`), so a program that sends a
+    shows the teacher the prompt as rendered for the model (``from_program``), so a program that sends a
     built-in workflow's prompts gets that workflow's demonstrations.
 
     ``concurrency``: tasks run at once (programs behind the gateway wait on their calls); above 1 each task draws

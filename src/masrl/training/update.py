@@ -137,7 +137,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs_lse(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`token_logprobs` and the ``logsumexp`` it used (reused by the entropy metric)."""
+    """``token_logprobs`` and the ``logsumexp`` it used (reused by the entropy metric)."""
     lse = torch.logsumexp(logits, dim=-1)
     return logits.gather(-1, targets[..., None]).squeeze(-1) - lse, lse
 
@@ -200,7 +200,7 @@ GLOBAL_METRICS = ("grad_norm", "grad_share", "_skipped", "grad_spike")
 
 
 def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence[Row]) -> dict[str, float]:
-    """Average the per-micro-batch (or per-minibatch) values of :func:`update_policy_raw`."""
+    """Average the per-micro-batch (or per-minibatch) values of ``update_policy_raw``."""
     out = {}
     for key, values in raw.items():
         if not values:
@@ -219,10 +219,10 @@ def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence
 def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, trainer: TrainerConfig,
                       *, step: int, seed: int, guard: GradGuard | None = None, track_kl: bool = False,
                       dp: DataParallel | None = None) -> dict[str, list[float]]:
-    """:func:`update_policy` before averaging: every metric's list of values (mergeable across ranks).
+    """``update_policy`` before averaging: every metric's list of values (mergeable across ranks).
 
-    Stages: per minibatch, :func:`_accumulate_gradients` (micro-batches by :func:`_backward_chunk`), then
-    :func:`_optimizer_step` (finite check, spike guard, clipping, the step and the gradient metrics)."""
+    Stages: per minibatch, ``_accumulate_gradients`` (micro-batches by ``_backward_chunk``), then
+    ``_optimizer_step`` (finite check, spike guard, clipping, the step and the gradient metrics)."""
     assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
     u = _UpdateRun.start(policy, rows, algo, trainer, step=step, guard=guard, track_kl=track_kl, dp=dp)
     rng = random.Random(seed * 1_000_003 + step)
@@ -244,7 +244,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
 
 @dataclass
 class _UpdateRun:
-    """What the stages of one :func:`update_policy_raw` call share, and the metrics they append to."""
+    """What the stages of one ``update_policy_raw`` call share, and the metrics they append to."""
 
     policy: Policy
     algo: AlgorithmConfig

@@ -2,7 +2,7 @@
 
 A score function with ``score_batch(pairs) -> results`` (an LLM judge, a reward model: masrl.judges)
 is not called by ``team.finish``: the team marks the episode ``score_pending`` and, once every episode
-of the rollout is done, :func:`score_pending` scores all pending final answers with one call, so
+of the rollout is done, ``score_pending`` scores all pending final answers with one call, so
 judging never serializes the rollout. ``team.score`` mid-episode still calls the judge for one answer.
 """
 from __future__ import annotations

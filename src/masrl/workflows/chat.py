@@ -4,12 +4,12 @@
     result = await team.chat("Solver", messages, tools=[calculator])
     answer = extract_boxed(result.text)
 
-Each model call is one :class:`~masrl.types.Turn` (recorded by ``team.call``) whose prompt is
+Each model call is one ``Turn`` (recorded by ``team.call``) whose prompt is
 the whole conversation so far, rendered with the policy's chat template (see
-:mod:`masrl.tools.chat_format`); the reply is appended to ``messages`` (in place, so the
+``masrl.tools.chat_format``); the reply is appended to ``messages`` (in place, so the
 workflow keeps the agent's history across ``chat`` calls) as an assistant message with the
 text the model wrote; the next call's prompt ids extend this call's prompt and reply ids token
-for token (:class:`~masrl.tools.chat_format.ChatPrefix`). When the reply has tool calls they are run in order and each result is
+for token (``ChatPrefix``). When the reply has tool calls they are run in order and each result is
 appended as a ``tool`` message, then the model is called again; a reply without a call ends
 the loop. Tool output is only ever in later prompts, never in a response, so it is not trained.
 

@@ -8,7 +8,7 @@
       Planner: {policy: team}
       Writer: {policy: team}
 
-Each episode opens a session on masrl's OpenAI-compatible gateway (:mod:`masrl.gateway`) and runs the program
+Each episode opens a session on masrl's OpenAI-compatible gateway (``masrl.gateway``) and runs the program
 with it: ``entry`` is called with ``{"id", "question"}`` and ``client_kwargs`` (``{"base_url", "api_key"}``:
 ``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as one JSON line on stdin and
 ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment, and prints its result as
@@ -20,7 +20,7 @@ name the completions whose replies were malformed, ``"invalid_calls": [response.
 (the format penalty), as a built-in workflow's ``turn.valid = False``. A program that
 raises, exits non-zero, runs past ``timeout_s`` (the subprocess is killed; a hung ``entry`` thread is left
 behind, its session closed so that its calls are refused) or returns anything else fails the episode with
-:class:`ExternalAgentError` naming the reason; the rollout isolates the episode and counts it.
+``ExternalAgentError`` naming the reason; the rollout isolates the episode and counts it.
 """
 from __future__ import annotations
 

@@ -39,13 +39,13 @@ async def math_solver_verifier(task: Task, team: Team) -> Episode:
     ``algorithm.reward: per_turn`` (default ``team``: every turn scores the team reward, as in Dr. MAS).
     ``verifier_reward: balanced``: the same verdict reward, and each Verifier turn is labelled by the class of the
     answer it judged (``info["reward_class"]``: ``right_answer`` / ``wrong_answer``), so the trainer weights the
-    two classes equally within a step (:meth:`masrl.trainer.Trainer.score_turns`): a Verifier that approves
+    two classes equally within a step (``masrl.trainer.Trainer.score_turns``): a Verifier that approves
     everything scores 0.5 however many answers are right, instead of the share of right answers.
     ``transcript: true``: the episode is one running transcript. The first Solver prompt is rendered as
     usual (empty ``context``); every later turn continues the previous turn's token ids
     (``team.extend``) with the next agent's cue, ``Verifier_cue`` / ``Solver_cue`` (fields: ``question``),
     so the rollout engine reuses the keys/values of everything before. Needs a plain-text prompt format
-    (see :class:`masrl.workflows.base.Continuation`).
+    (see ``masrl.workflows.base.Continuation``).
     """
     max_loops = team.params["max_loops"]
     if type(max_loops) is not int or max_loops < 1:

@@ -1,5 +1,5 @@
 """Code tasks: MBPP / HumanEval loaders, code extraction and the code reward (programs run in
-:mod:`masrl.sandbox`).
+``masrl.sandbox``).
 
 See docs/sandbox.md for the threat model and how pass/fail is decided outside the sandbox.
 """

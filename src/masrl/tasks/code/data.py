@@ -11,7 +11,7 @@ HumanEval  code/HumanEval.jsonl(.gz)        test (all 164 problems)
 ``Task.question`` is what the model sees: the MBPP problem text plus the signature of the
 function to write (and, with ``show_tests=True``, the three asserts as in the original MBPP
 prompt), or the HumanEval prompt (signature + docstring to complete). ``Task.answer`` holds the
-hidden tests, as a dict read by :func:`masrl.tasks.code.scoring.score_code`::
+hidden tests, as a dict read by ``masrl.tasks.code.scoring.score_code``::
 
     {"kind": "mbpp", "tests": [assert, ...], "setup": str, "entry_point": str,
      "remote_names": [...], "challenge_tests": [...]}
@@ -20,8 +20,8 @@ hidden tests, as a dict read by :func:`masrl.tasks.code.scoring.score_code`::
 ``Task.meta`` has ``data_source``/``benchmark`` (``mbpp``/``humaneval``), ``task_id``,
 ``entry_point``, ``split`` and ``reference_solution`` (the dataset's canonical code; for
 HumanEval the body completion). Malformed rows are skipped with a
-:class:`~masrl.io.rows.MalformedRowWarning` naming ``file:line``, or raise ``ValueError`` with
-``strict=True`` (see :mod:`masrl.io.rows`).
+``MalformedRowWarning`` naming ``file:line``, or raise ``ValueError`` with
+``strict=True`` (see ``masrl.io.rows``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deprecated: the process sandbox moved to :mod:`masrl.sandbox`. This path re-exports it for one
+"""Deprecated: the process sandbox moved to ``masrl.sandbox``. This path re-exports it for one
 release and warns on import; import from ``masrl.sandbox`` instead."""
 import warnings
 

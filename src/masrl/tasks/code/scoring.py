@@ -4,7 +4,7 @@ The tests are *evaluated outside the untrusted process*. The candidate program r
 sandboxed process that only answers requests ("call this function with these arguments",
 "get this attribute"); results come back as plain data (numbers, strings, containers) through
 a pipe. The test code itself (MBPP asserts, HumanEval's ``check``) runs in the harness, in a
-namespace where the candidate's functions are :class:`RemoteRef` proxies. So the expected
+namespace where the candidate's functions are ``RemoteRef`` proxies. So the expected
 values never enter the untrusted process, and nothing the candidate does (``sys.exit(0)``,
 ``os._exit``, printing "PASSED", patching builtins, objects whose ``__eq__`` always returns
 True, ...) can make a test pass: it would have to return the right values. See
@@ -438,7 +438,7 @@ class _Instrument(ast.NodeTransformer):
     """Each ``assert`` of ``check`` records its outcome and execution goes on. An assert passes
     only when the top-level statement of ``check`` holding it finished (so an assert inside a
     loop passes only when the loop ran to its end) or, inside a nested function, when ``check``
-    returned; :meth:`settle_statements` adds the calls that say so."""
+    returned; ``settle_statements`` adds the calls that say so."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -681,7 +681,7 @@ class ScoreCache:
     ``max_entries``; thread-safe. In a GRPO group many samples are the same program (2/3 of the sandbox
     executions of a code Eval-Opt run after 100 RL steps); each is run once.
 
-    Only results whose outcome depends on the program's text alone are kept (:func:`_stable`), and not those of
+    Only results whose outcome depends on the program's text alone are kept (``_stable``), and not those of
     HumanEval checks that draw random inputs. A program whose outcome varies from run to run on its own (it
     reads the clock, the order of a set of strings) gets its first outcome for every identical copy while it is
     kept."""
@@ -725,7 +725,7 @@ class ScoreCache:
 
 
 def cache_entries_param(params: Any, where: str = "task.params.score_cache") -> int:
-    """``task.params.score_cache`` (entries of the code reward's :class:`ScoreCache`; 0 turns it off)."""
+    """``task.params.score_cache`` (entries of the code reward's ``ScoreCache``; 0 turns it off)."""
     from masrl.errors import ConfigError
 
     value = params.get("score_cache", DEFAULT_CACHE_ENTRIES) if hasattr(params, "get") else DEFAULT_CACHE_ENTRIES
@@ -738,7 +738,7 @@ def cache_entries_param(params: Any, where: str = "task.params.score_cache") -> 
 def make_code_score(mode: str = "fraction", *, cache_entries: int = DEFAULT_CACHE_ENTRIES, **kwargs: Any):
     """A ``ScoreFn`` ``(task, answer) -> dict`` bound to ``mode`` and scoring options (``score_code``'s keywords).
 
-    ``cache_entries`` > 0: a :class:`ScoreCache` of that many results (the function's ``cache``); a program
+    ``cache_entries`` > 0: a ``ScoreCache`` of that many results (the function's ``cache``); a program
     already scored on the same task is not run again, and its result has ``cached: True`` and the lookup's
     ``duration_s``. 0: every answer is run."""
     if mode not in MODES:

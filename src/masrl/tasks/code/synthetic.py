@@ -114,7 +114,7 @@ def code_synth_score(mode: str = "fraction", timeout_s: float = 1.0, cache_entri
     """The sandboxed score of ``code_synth``: ``timeout_s`` per hidden test (a reference program takes
     microseconds), ``3 * timeout_s`` for a whole answer, so a looping program costs seconds, not ``n_tests``
     times the MBPP default of 5 s. ``cache_entries``: results kept for identical programs
-    (:class:`~masrl.tasks.code.scoring.ScoreCache`; None: its default, 0: none)."""
+    (``ScoreCache``; None: its default, 0: none)."""
     from masrl.tasks.code.scoring import DEFAULT_CACHE_ENTRIES, make_code_score
 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0.05 <= timeout_s <= 60:

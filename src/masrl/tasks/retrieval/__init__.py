@@ -1,5 +1,5 @@
-"""Deprecated: retrieval moved to :mod:`masrl.retrieval` (the synthetic knowledge base to
-:mod:`masrl.tasks.synthetic_kb`). This package re-exports it for one release and warns on import;
+"""Deprecated: retrieval moved to ``masrl.retrieval`` (the synthetic knowledge base to
+``masrl.tasks.synthetic_kb``). This package re-exports it for one release and warns on import;
 import from ``masrl.retrieval`` instead."""
 import warnings
 

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.retrieval.bm25`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.retrieval.bm25``. This path is the same module for one release and warns on
 import; import from ``masrl.retrieval.bm25`` instead."""
 import sys
 import warnings

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.retrieval.http`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.retrieval.http``. This path is the same module for one release and warns on
 import; import from ``masrl.retrieval.http`` instead."""
 import sys
 import warnings

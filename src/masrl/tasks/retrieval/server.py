@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.retrieval.server`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.retrieval.server``. This path is the same module for one release and warns on
 import; import from ``masrl.retrieval.server`` instead."""
 import sys
 import warnings

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.tasks.synthetic_kb`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.tasks.synthetic_kb``. This path is the same module for one release and warns on
 import; import from ``masrl.tasks.synthetic_kb`` instead."""
 import sys
 import warnings
