@@ -215,3 +215,45 @@ def test_get_from_a_url(empty_data):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_sourced_entry_names_a_url_a_user_can_open():
+    """A catalogue source is an https URL (the ensemble tables, described in their data folder's README, apart)."""
+    import urllib.parse
+
+    for e in CATALOG.values():
+        if e.kind == "ensembles":
+            continue
+        url = urllib.parse.urlparse(e.source)
+        assert url.scheme == "https" and url.netloc and " " not in e.source, (e.name, e.source)
+
+
+def test_an_unreachable_hub_is_one_line_at_once(empty_data, monkeypatch, capsys):
+    """No retries: one request that fails (a closed local port here) ends the fetch, nothing is written."""
+    import time
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(catalog, "_default_load_dataset", lambda: pytest.fail("the Hub was not probed first"))
+    t0 = time.perf_counter()
+    assert main(["data", "get", "gsm8k"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - t0 < 10
+    assert len(err.strip().splitlines()) == 1 and "cannot be reached" in err and "--from FILE_OR_URL" in err
+    assert not empty_data.exists()
+
+
+def test_read_only_data_commands_create_no_folder(tmp_path, monkeypatch, capsys):
+    """`masrl data list`, `path` and `verify` read; a fresh home stays empty (outside a checkout, where the
+    user data folder is the only root)."""
+    import masrl.paths
+
+    monkeypatch.delenv("MASRL_DATA_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(masrl.paths, "in_checkout", lambda: False)
+    for argv in (["data", "list"], ["data", "path", "gsm8k"], ["data", "verify"]):
+        main(argv)
+    capsys.readouterr()
+    assert list(tmp_path.iterdir()) == []

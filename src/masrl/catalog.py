@@ -17,6 +17,7 @@ import gzip
 import json
 import os
 import shutil
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -81,91 +82,111 @@ _GSM8K_FIELDS = ("question", "answer")
 CATALOG: dict[str, Entry] = {e.name: e for e in [
     Entry("gsm8k", "math", _f("math/gsm8k_test.jsonl", 749738,
                               "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"),
-          1319, "MIT", "openai/grade-school-math@3101c7d5:grade_school_math/data/test.jsonl",
+          1319, "MIT", "https://github.com/openai/grade-school-math/blob/3101c7d5/grade_school_math/data/test.jsonl",
           HubSource("openai/gsm8k", ("test",), _GSM8K_FIELDS, config="main")),
     Entry("gsm8k_train", "math", _f("math/gsm8k_train.jsonl", 4166206,
                                     "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"),
-          7473, "MIT", "openai/grade-school-math@3101c7d5:grade_school_math/data/train.jsonl",
+          7473, "MIT", "https://github.com/openai/grade-school-math/blob/3101c7d5/grade_school_math/data/train.jsonl",
           HubSource("openai/gsm8k", ("train",), _GSM8K_FIELDS, config="main")),
     Entry("math500", "math", _f("math/math500_test.jsonl", 446564,
                                 "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"),
-          500, "MIT", "ZubinGou/math-evaluation-harness@db77bc6b:data/math_oai/test.jsonl",
+          500, "MIT", "https://github.com/ZubinGou/math-evaluation-harness/blob/db77bc6b/data/math_oai/test.jsonl",
           HubSource("HuggingFaceH4/MATH-500", ("test",),
                     ("problem", "solution", "answer", "subject", "level", "unique_id"))),
     Entry("aime24", "math", _f("math/aime24_test.jsonl", 156944,
                                "af2b8bd2aa911b6333ad0df32f3ca05c7ae8ed10f1731f4372c8ae26990bf7ac"),
-          30, "none stated (AIME 2024, MAA)", "QwenLM/Qwen2.5-Math@a45202bd:evaluation/data/aime24/test.jsonl"),
+          30, "none stated (AIME 2024, MAA)",
+          "https://github.com/QwenLM/Qwen2.5-Math/blob/a45202bd/evaluation/data/aime24/test.jsonl"),
     Entry("aime25", "math", _f("math/aime25_test.jsonl", 18551,
                                "3e24561227261150e56cd67f06d1c0fb5b2eeb282e72c0ec8216b3133aea6637"),
-          30, "none stated (AIME 2025, MAA)", "ZhangShimin1/PassKEval@4a1495c8:data/aime2025/test.jsonl"),
+          30, "none stated (AIME 2025, MAA)",
+          "https://github.com/ZhangShimin1/PassKEval/blob/4a1495c8/data/aime2025/test.jsonl"),
     Entry("amc23", "math", _f("math/amc23_test.jsonl", 27631,
                               "43707e1ca784602d8479de24ee8ce36609dbebc46dd152b0b12a46611aa898a4"),
-          40, "none stated (AMC 2023, MAA)", "QwenLM/Qwen2.5-Math@a45202bd:evaluation/data/amc23/test.jsonl"),
+          40, "none stated (AMC 2023, MAA)",
+          "https://github.com/QwenLM/Qwen2.5-Math/blob/a45202bd/evaluation/data/amc23/test.jsonl"),
     Entry("olympiadbench", "math", _f("math/olympiadbench_test.jsonl", 1493870,
                                       "bb8c1e38a16ea9eacb77530315a674d883f267fbff79183effc53681b4fcc416"),
-          675, "none stated", "QwenLM/Qwen2.5-Math@a45202bd:evaluation/data/olympiadbench/test.jsonl"),
+          675, "none stated",
+          "https://github.com/QwenLM/Qwen2.5-Math/blob/a45202bd/evaluation/data/olympiadbench/test.jsonl"),
     Entry("minerva", "math", _f("math/minerva_math_test.jsonl", 247267,
                                 "0e656b430d3a0a1dab6aa853f453ba3805e28e2cabe4fc72486a897cc09d8ba2"),
-          272, "CC BY-NC-SA (MIT OCW)", "QwenLM/Qwen2.5-Math@a45202bd:evaluation/data/minerva_math/test.jsonl"),
+          272, "CC BY-NC-SA (MIT OCW)",
+          "https://github.com/QwenLM/Qwen2.5-Math/blob/a45202bd/evaluation/data/minerva_math/test.jsonl"),
     Entry("humaneval", "code", _f("code/HumanEval.jsonl.gz", 44877,
                                   "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-          164, "MIT", "openai/human-eval@6d43fb98:data/HumanEval.jsonl.gz",
+          164, "MIT", "https://github.com/openai/human-eval/blob/6d43fb98/data/HumanEval.jsonl.gz",
           HubSource("openai/openai_humaneval", ("test",),
                     ("task_id", "prompt", "entry_point", "canonical_solution", "test"))),
     Entry("mbpp", "code", _f("code/mbpp.jsonl", 563743,
                              "ccf64ceae9c5403bf50a044cb6d505bfd2a2963ee58338ba268fd65beab92a9f"),
-          974, "CC BY 4.0", "google-research/mbpp (copy: OckBench/OckBench@b72752a0:data/mbpp.jsonl)",
+          974, "CC BY 4.0",
+          "https://github.com/OckBench/OckBench/blob/b72752a0/data/mbpp.jsonl",
           HubSource("google-research-datasets/mbpp", ("train", "test", "validation", "prompt"),
                     ("text", "code", "task_id", "test_setup_code", "test_list", "challenge_test_list"),
-                    config="full", sort_key="task_id")),
+                    config="full", sort_key="task_id"),
+          notes="Google Research's MBPP (https://github.com/google-research/google-research/tree/master/mbpp)"),
     Entry("bamboogle", "qa", _f("qa/bamboogle_test.jsonl", 17031,
                                 "c9703dae6bb1ceb9e2df77be45da28cb12aa040d2f471507890a461296968f3f"),
-          125, "none stated", "GaurisankarJ/reason_over_search@45495b57:data_subsample/bamboogle/test.jsonl"),
+          125, "none stated",
+          "https://github.com/GaurisankarJ/reason_over_search/blob/45495b57/data_subsample/bamboogle/test.jsonl"),
     Entry("nq", "qa", _f("qa/nq_test_sub1000.jsonl", 134245,
                          "a95e3864de49e0339b433a5235451895d98cfa38d0bc4e8013dc2b1439b569be"),
-          1000, "CC BY-SA 3.0", "GaurisankarJ/reason_over_search@45495b57:data_subsample/nq/test.jsonl",
+          1000, "CC BY-SA 3.0",
+          "https://github.com/GaurisankarJ/reason_over_search/blob/45495b57/data_subsample/nq/test.jsonl",
           notes="a fixed random 1,000 of FlashRAG's NQ test split"),
     Entry("triviaqa", "qa", _f("qa/triviaqa_test_sub1000.jsonl", 397059,
                                "4a46971e676400b102885b4690f26014cbfed71d6d9785f134b22182170e58e3"),
-          1000, "Apache-2.0", "GaurisankarJ/reason_over_search@45495b57:data_subsample/triviaqa/test.jsonl"),
+          1000, "Apache-2.0",
+          "https://github.com/GaurisankarJ/reason_over_search/blob/45495b57/data_subsample/triviaqa/test.jsonl"),
     Entry("popqa", "qa", _f("qa/popqa_test_sub1000.jsonl", 601807,
                             "849ee23a02b395acb68dddbb7789ab86dd9e818765ed804696eab4760f042aea"),
-          1000, "MIT", "GaurisankarJ/reason_over_search@45495b57:data_subsample/popqa/test.jsonl"),
+          1000, "MIT",
+          "https://github.com/GaurisankarJ/reason_over_search/blob/45495b57/data_subsample/popqa/test.jsonl"),
     Entry("nq_full", "qa", _f("qa/nq_test_full_qa.json", 394926,
                               "72ef06d7750154e7a70b328f6bcdc40b6abcec32d3ff34836805f108214f1889"),
-          3610, "CC BY-SA 3.0", "chenyiqun/Agentic-RAG@a6694e2e:data/nq/nq_test_questions_and_answers.json"),
+          3610, "CC BY-SA 3.0",
+          "https://github.com/chenyiqun/Agentic-RAG/blob/a6694e2e/data/nq/nq_test_questions_and_answers.json"),
     Entry("hotpotqa", "qa", _f("qa/hotpotqa_dev_full_qa.json", 1039779,
                                "5f840eb93158c2f8875dda07646c3ca6714507d63b93def54632b07620263096"),
-          7405, "CC BY-SA 4.0", "chenyiqun/Agentic-RAG@a6694e2e:data/hotpot_qa/hotpotqa_test_questions_and_answers.json"),
+          7405, "CC BY-SA 4.0",
+          "https://github.com/chenyiqun/Agentic-RAG/blob/a6694e2e/data/hotpot_qa/"
+          "hotpotqa_test_questions_and_answers.json"),
     Entry("2wikimultihopqa", "qa", _f("qa/2wikimultihopqa_dev_full_qa.json", 1458596,
                                       "85cbe1019b2bd96ca2c0790711fefa47bfa5a564fe881bcf39017dd09e9a9e8d"),
           12576, "Apache-2.0",
-          "chenyiqun/Agentic-RAG@a6694e2e:data/2wikimultihop_qa/2wikimultihop_test_questions_and_answers.json"),
+
+          "https://github.com/chenyiqun/Agentic-RAG/blob/a6694e2e/data/2wikimultihop_qa/"
+          "2wikimultihop_test_questions_and_answers.json"),
     Entry("musique", "qa", _f("qa/musique_dev_full_qa.json", 364482,
                               "6c7723e9f4539a552c7f5ae26a1ca9131f0f9ab7efb1b47409652f0c99fda7da"),
-          2417, "CC BY 4.0", "chenyiqun/Agentic-RAG@a6694e2e:data/musique/musique_test_questions_and_answers.json"),
+          2417, "CC BY 4.0",
+          "https://github.com/chenyiqun/Agentic-RAG/blob/a6694e2e/data/musique/"
+          "musique_test_questions_and_answers.json"),
     Entry("searchr1_nq_test", "qa", _f("qa/searchr1_nq_search_test.parquet", 617522,
                                        "c31d75875e68d29a2c01ed5f68555ecff278d8151f7e77544e1c1fd04513d59a"),
-          3610, "Apache-2.0", "tehranixyz/Search-R1@b791f5d9:data/nq_search/test.parquet"),
+          3610, "Apache-2.0", "https://github.com/tehranixyz/Search-R1/blob/b791f5d9/data/nq_search/test.parquet"),
     Entry("searchr1_nq_train", "qa", _f("qa/searchr1_nq_search_train5000.parquet", 774979,
                                         "5c83b883d637f17b1988517b3858f05eb99bf2d4b9e2173db162735c98956491"),
-          5000, "Apache-2.0", "tehranixyz/Search-R1@d519535c:data/nq_search/train.parquet"),
+          5000, "Apache-2.0", "https://github.com/tehranixyz/Search-R1/blob/d519535c/data/nq_search/train.parquet"),
     Entry("hotpotqa_train100", "qa", _f("corpus/hipporag_hotpotqa_train100.json", 810836,
                                         "6c0e2689d03c94b3bb4d5f94ed806ea4f4eb4f46c12132f8e91df774ad5c5a22"),
-          100, "MIT", "OSU-NLP-Group/HippoRAG@3d95d255:data/hotpotqa_train.json",
+          100, "MIT", "https://github.com/OSU-NLP-Group/HippoRAG/blob/3d95d255/data/hotpotqa_train.json",
           notes="100 HotpotQA questions; their contexts' passages are hotpotqa_train100_corpus"),
     Entry("hotpotqa_train100_corpus", "corpus", _f("corpus/hipporag_hotpotqa_train100_corpus.json", 640159,
                                                    "2671af600095eabc5b3f3bc3728861682f14fcced84ef1386509a8ae92647f88"),
-          994, "MIT", "OSU-NLP-Group/HippoRAG@3d95d255:data/hotpotqa_train_corpus.json"),
+          994, "MIT", "https://github.com/OSU-NLP-Group/HippoRAG/blob/3d95d255/data/hotpotqa_train_corpus.json"),
     Entry("wiki18_sample1000", "corpus", _f("corpus/flashrag_wiki18_sample1000.jsonl", 677910,
                                             "4ff49380c38844c413c5d022e9c269b21a00726130f561b518600f2beb7cc6ed"),
-          1000, "MIT", "RUC-NLPIR/FlashRAG@adb2a8bc:examples/quick_start/indexes/sample_data.jsonl"),
+          1000, "MIT",
+          "https://github.com/RUC-NLPIR/FlashRAG/blob/adb2a8bc/examples/quick_start/indexes/sample_data.jsonl"),
     Entry("searchr1_example_corpus", "corpus", _f("corpus/searchr1_example_corpus.jsonl", 6399,
                                                   "68b4ff871e19da6e63610517f5af253f118cce301b4d90a6ae007d0a86976491"),
-          10, "Apache-2.0", "PeterGriffinJin/Search-R1@a14dc3a4:example/corpus.jsonl"),
+          10, "Apache-2.0", "https://github.com/PeterGriffinJin/Search-R1/blob/a14dc3a4/example/corpus.jsonl"),
     Entry("2wikimultihopqa_corpus", "corpus", _f("corpus/hipporag_2wikimultihopqa_corpus.json", 3083943,
                                                  "9d6e352952aafb18dab22bf8195039461321a44a949df902ae83bce134ad238a"),
-          6119, "MIT", "OSU-NLP-Group/HippoRAG@c617143f:reproduce/dataset/2wikimultihopqa_corpus.json"),
+          6119, "MIT",
+          "https://github.com/OSU-NLP-Group/HippoRAG/blob/c617143f/reproduce/dataset/2wikimultihopqa_corpus.json"),
     Entry("rlfocal_bbh", "ensembles", (
         DataFile("ensembles/rlfocal_bbh/bbh.jsonl", 6129427,
                  "cf0c88e9ca27b7cd70d07c84f1a08b6c2fb8c8983fc8239e359022249121c8bc"),
@@ -364,6 +385,29 @@ def _write_rows(rows: list[dict], tmp: Path, gz: bool) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+HUB_PROBE_S = 5.0  # seconds the Hub gets to answer before a fetch is given up (one line, no retries)
+
+
+def check_hub(timeout: float = HUB_PROBE_S) -> None:
+    """One request to the Hugging Face Hub (``$HF_ENDPOINT``, default huggingface.co) before a fetch: when it does
+    not answer, one ``DataError`` line now instead of ``datasets``' retries (tens of seconds of log lines). Skipped
+    under ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` (the local cache answers then)."""
+    if any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes") for k in
+           ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{endpoint}/api/whoami-v2", method="HEAD"),
+                                    timeout=timeout):
+            pass
+    except urllib.error.HTTPError:  # it answered (401 without a token): reachable
+        return
+    except (OSError, ValueError) as err:  # URLError, a timeout, a refused connection, a malformed endpoint
+        reason = getattr(err, "reason", err)
+        raise DataError(f"the Hugging Face Hub ({endpoint}) cannot be reached ({reason}); connect to the network, "
+                        "or download the file yourself and give --from FILE_OR_URL") from None
+
+
 def _default_load_dataset() -> Callable[..., Any]:
     try:
         from datasets import load_dataset
@@ -396,6 +440,8 @@ def get(name: str, source: Optional[str] = None, *, force: bool = False, dest_ro
             if status != "bad":
                 done.append((dest, status, f"already there{'; ' + detail if detail else ''}"))
                 continue
+        if source is None and load_dataset is None:
+            check_hub()  # before anything is written: an unreachable Hub leaves no folder behind
         tmp = _tmp_for(dest)
         try:
             if source is None:
