@@ -241,3 +241,32 @@ def test_data_get_dir_and_cache_dir_under_a_dangling_symlink_are_refused(tmp_pat
     with pytest.raises(UserInputError, match=r"\$MASRL_CACHE_DIR.*symlink"):
         cache_dir()
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_every_file_of_a_run_folder_gets_the_umask_mode(tiny_cfg):
+    """Checkpoint weights (safetensors writes 0600) and plots (written through a temporary file) come out as any
+    other file of the run: 0644 under umask 022, 0640 under 027."""
+    import os
+    import stat
+
+    from masrl.config import config_from_dict
+    from masrl.io.atomic import write_file_atomic
+    from masrl.monitoring.dashboard import plot_dashboard
+    from masrl.trainer import Trainer
+
+    cfg = config_from_dict(tiny_cfg(**{"sft.steps": 0, "trainer.total_steps": 1, "trainer.batch_size": 1,
+                                       "trainer.group_size": 2, "eval.before_after": False}))
+    old = os.umask(0o022)
+    try:
+        with Trainer(cfg) as trainer:
+            trainer.fit()
+        plot_dashboard(cfg.run_dir)
+        modes = {str(p.relative_to(cfg.run_dir)): oct(stat.S_IMODE(p.stat().st_mode))
+                 for p in cfg.run_dir.rglob("*") if p.is_file()}
+        assert any(k.endswith("model.safetensors") for k in modes) and "plots/dashboard.png" in modes
+        assert {k: v for k, v in modes.items() if v != "0o644"} == {}
+        os.umask(0o027)
+        written = write_file_atomic(cfg.run_dir / "x.bin", lambda tmp: tmp.write_bytes(b"x"))
+        assert stat.S_IMODE(written.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)

@@ -27,6 +27,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from masrl.io.atomic import as_if_opened
 from masrl.config import RunConfig, load_config
 from masrl.errors import ConfigError, UserInputError
 from masrl.paths import check_output_dir
@@ -297,7 +298,9 @@ def eval_config(cfg: RunConfig, exported: dict[str, dict], out: Path) -> str:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an existing ``out`` (overwrite) is moved aside first, then removed."""
+    """Rename ``tmp`` to ``out``; an existing ``out`` (overwrite) is moved aside first, then removed. Its files get
+    the mode a plain ``open`` gives (safetensors writes weights 0600)."""
+    as_if_opened(*(f for f in tmp.rglob("*") if f.is_file() and not f.is_symlink()))
     old = None
     if out.exists():
         old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -10,10 +10,11 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from masrl.io.atomic import write_file_atomic
 
 __all__ = ["PANELS", "Panel", "load_metrics", "plot_dashboard"]
 
@@ -97,16 +98,7 @@ def _spike_steps(series: Series, label: str) -> list[float]:
 
 
 def _write_atomic(fig, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dashboard-", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100), suffix=".png")
 
 
 def plot_dashboard(run_dir: str | os.PathLike, out_name: str = "dashboard.png") -> list[Path]:

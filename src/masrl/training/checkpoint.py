@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from masrl.errors import UserInputError
+from masrl.io.atomic import as_if_opened
 from masrl.paths import sha256_file
 
 if TYPE_CHECKING:
@@ -136,6 +137,7 @@ def save_checkpoint(run_dir: Path, step: int, policies: Mapping[str, "PolicyProt
         weights, tensors, meta = policy.checkpoint_state()
         save_file(weights, str(pdir / "model.safetensors"))
         save_file(tensors, str(pdir / "optimizer.safetensors"))
+        as_if_opened(pdir / "model.safetensors", pdir / "optimizer.safetensors")  # safetensors writes 0600
         (pdir / "optimizer.json").write_text(json.dumps(meta))
         files += [pdir / "model.safetensors", pdir / "optimizer.safetensors", pdir / "optimizer.json"]
     state_path = tmp / "trainer_state.json"
