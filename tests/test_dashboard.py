@@ -99,6 +99,8 @@ def test_dashboard_with_few_keys_and_no_data(tmp_path):
     ("policy/shared/grad_norm", "grad norm (x = spike)", "policy/shared"),
     ("agent/Worker/grad_norm", "grad norm (x = spike)", "agent/Worker"),
     ("policy/p/kl", "KL to reference", "policy/p"),
+    ("agent/Solver/kl_ref", "KL to reference", "agent/Solver"),
+    ("policy/p/approx_kl", "update size (approx_kl, rollout vs updated policy)", "policy/p"),
     ("policy/p/entropy", "entropy", "policy/p"),
     ("agent/Generator/length_p95", "response length (tokens)", "agent/Generator p95"),
     ("agent/Generator/chi2_drift", "unigram drift (chi2 vs step 0)", "agent/Generator"),

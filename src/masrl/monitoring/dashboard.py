@@ -56,7 +56,9 @@ PANELS: tuple[Panel, ...] = (
     Panel("accuracy", _accuracy),
     Panel("reward", _entity_metric(r"(mean_)?reward(_mean)?")),
     Panel("grad norm (x = spike)", _entity_metric(r"grad_norm", ("agent", "policy")), log_y=True),
-    Panel("KL to reference", _entity_metric(r"(approx_)?kl(_[a-z0-9]+)?")),
+    # the reference KL is logged only with algorithm.loss.kl_coef > 0 or monitoring.kl_to_base; approx_kl always
+    Panel("KL to reference", _entity_metric(r"kl(_ref|_k[0-9]+)?")),
+    Panel("update size (approx_kl, rollout vs updated policy)", _entity_metric(r"approx_kl")),
     Panel("entropy", _entity_metric(r"entropy(_mean)?")),
     Panel("response length (tokens)", _entity_metric(r"(response_)?length(_mean|_p95)?")),
     Panel("unigram drift (chi2 vs step 0)", _entity_metric(r"chi2(_drift)?", ("agent", "policy")), log_y=True),
@@ -105,7 +107,7 @@ def plot_dashboard(run_dir: str | os.PathLike, out_name: str = "dashboard.png") 
     """Draw the per-role dashboard of ``run_dir`` into ``run_dir/plots/<out_name>``; return the written paths.
 
     Panels: accuracy (``team/accuracy``, ``eval/<bench>/avg@k``), reward, grad norm (spikes marked
-    with x from ``.../grad_spike``), KL, entropy, length (mean, p95 dashed), χ² drift, perplexity;
+    with x from ``.../grad_spike``), KL to the reference (when logged), update size (``approx_kl``), entropy, length (mean, p95 dashed), χ² drift, perplexity;
     one line per role / policy. Returns ``[]`` (and writes nothing) when there is nothing to plot.
     Raises ``FileNotFoundError`` when ``run_dir/metrics.jsonl`` is missing.
     """
