@@ -1,6 +1,7 @@
 """The config at load: registry names checked with the known names listed, `masrl config show`,
 `masrl --version`, a description on every field and docs/config.md generated from the schema."""
 import typing
+from pathlib import Path
 
 import pytest
 import yaml
@@ -97,3 +98,31 @@ def test_config_show_refuses_what_train_refuses(tmp_path, tiny_cfg, capsys, over
     assert says in shown.err and shown.out == ""
     assert main(["train", str(path), override, "--output-dir", str(tmp_path / "run")]) == 2
     assert says in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
+
+
+@pytest.mark.parametrize("override,blamed,suggested", [
+    ("trainer.totl_steps=3", "override 'trainer.totl_steps=3'", "trainer.total_steps"),
+    ("agents.Solver.max_new_token=3", "override 'agents.Solver.max_new_token=3'", "agents.Solver.max_new_tokens"),
+    ("policies.shared.optm.lr=1", "override 'policies.shared.optm.lr=1'", "policies.shared.optim"),
+    ("sedd=1", "override 'sedd=1'", "seed"),
+])
+def test_an_override_typo_is_blamed_on_the_override_with_did_you_mean(override, blamed, suggested, capsys):
+    assert main(["config", "show", str(QUICKSTART), override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"masrl: config error: {blamed}: unknown key"), err
+    assert f"did you mean '{suggested}'" in err and "quickstart.yaml" not in err
+
+
+def test_a_yaml_typo_gets_did_you_mean_and_names_the_file(tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    data = yaml.safe_load(QUICKSTART.read_text())
+    data["trainer"]["bach_size"] = 4
+    path.write_text(yaml.safe_dump(data))
+    assert main(["config", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: unknown key 'trainer.bach_size' (did you mean 'trainer.batch_size'?" in err

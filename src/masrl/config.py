@@ -5,7 +5,10 @@ Dotted overrides from the command line: ``trainer.total_steps=50 algorithm.estim
 """
 from __future__ import annotations
 
+import collections.abc
+import difflib
 import types
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
@@ -717,30 +720,72 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _model_of(annotation: Any):
+    """The pydantic model an annotation holds (``Model``, ``Optional[Model]``, ``dict[str, Model]``: then
+    ``(model, True)``, a mapping by name), else ``(None, False)``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    args = get_args(annotation)
+    if get_origin(annotation) in (dict, collections.abc.Mapping) and len(args) == 2:
+        return _model_of(args[1])[0], True
+    for arg in args:  # Optional / Union
+        model, by_name = _model_of(arg)
+        if model is not None:
+            return model, by_name
+    return None, False
+
+
+def known_keys(loc: Sequence[Any], root: type[BaseModel] | None = None) -> list[str]:
+    """The keys a config accepts beside the last part of ``loc`` (``("trainer", "totl_steps")``: the trainer's
+    keys; ``("policies", "shared", "lr")``: a policy's), or [] where ``loc`` leaves the schema."""
+    model, parts = root or RunConfig, [str(p) for p in loc[:-1]]
+    while parts:
+        field = model.model_fields.get(parts.pop(0))
+        inner, by_name = _model_of(field.annotation) if field is not None else (None, False)
+        if inner is None or (by_name and not parts):
+            return []
+        if by_name:
+            parts.pop(0)  # the entry's name (a policy, an agent)
+        model = inner
+    return list(model.model_fields)
+
+
 def format_validation_error(err: ValidationError, source: str, *, unknown_hint: str = (
-        "check the spelling; see the config reference in docs/config.md"), hidden_loc: tuple[str, ...] = ()) -> str:
-    """One line per pydantic error, naming ``source`` and the dotted key (``hidden_loc``: path parts left out)."""
+        "check the spelling; see the config reference in docs/config.md"), hidden_loc: tuple[str, ...] = (),
+        overrides: Mapping[str, str] | None = None, root: type[BaseModel] | None = None) -> str:
+    """One line per pydantic error, naming ``source`` (or the command-line override that set the key, a section
+    above it or a key under it) and the dotted key (``hidden_loc``: path parts left out); an unknown key gets the
+    closest known ones."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in hidden_loc) or "(top level)"
+        parts = [p for p in e["loc"] if p not in hidden_loc]
+        loc = ".".join(str(p) for p in parts) or "(top level)"
+        where = next((f"override {item!r}" for key, item in (overrides or {}).items()
+                      if key == loc or loc.startswith(key + ".") or key.startswith(loc + ".")), source)
         if e["type"] == "extra_forbidden":
-            lines.append(f"{source}: unknown key '{loc}' ({unknown_hint})")
+            close = difflib.get_close_matches(str(parts[-1]), known_keys(parts, root), n=3, cutoff=0.6) if parts \
+                else []
+            mean = f"did you mean {' or '.join(repr('.'.join([*map(str, parts[:-1]), c])) for c in close)}? " \
+                if close else ""
+            lines.append(f"{where}: unknown key '{loc}' ({mean}{unknown_hint})")
         elif e["type"] == "missing":
-            lines.append(f"{source}: missing required key '{loc}'")
+            lines.append(f"{where}: missing required key '{loc}'")
         else:
             got = e.get("input")
             got = f" (got {quote(got)})" if not isinstance(got, dict) else ""
-            lines.append(f"{source}: key '{loc}': {clip(e['msg'].removeprefix('Value error, '), 500)}{got}")
+            lines.append(f"{where}: key '{loc}': {clip(e['msg'].removeprefix('Value error, '), 500)}{got}")
     return "\n".join(lines)
 
 
-def config_from_dict(data: dict, source: str = "<config>") -> RunConfig:
+def config_from_dict(data: dict, source: str = "<config>", overrides: Mapping[str, str] | None = None) -> RunConfig:
+    """``data`` checked against the schema; an error names ``source``, or the override (``{key: "key=value"}``)
+    that set the key at fault."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, overrides=overrides)) from None
 
 
 
@@ -750,7 +795,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys")
     data = apply_overrides(data, overrides or [])
-    return config_from_dict(data, str(path))
+    given = {item.partition("=")[0].strip(): item for item in overrides or []}
+    return config_from_dict(data, str(path), given)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -212,7 +212,7 @@ def load_spec(path: str | Path) -> SweepSpec:
 
 
 def _format_error(err: ValidationError, source: str) -> str:
-    return format_validation_error(err, source, hidden_loc=("arms",), unknown_hint=(
+    return format_validation_error(err, source, hidden_loc=("arms",), root=SweepSpec, unknown_hint=(
         "a spec has name, base, out, seeds, overrides, axes; see docs/study.md"))
 
 
