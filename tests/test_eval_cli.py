@@ -100,3 +100,18 @@ def test_eval_of_a_run_folder_without_checkpoint_says_the_model_is_untrained(tmp
     assert first.startswith("masrl eval: weights: a randomly initialised tiny model, never trained"), first
     assert "holds no checkpoint" in first
     assert "randomly initialised" in (tmp_path / "o" / "eval.md").read_text()
+
+
+def test_eval_and_plot_help_describe_every_argument_with_its_default():
+    import argparse
+
+    from masrl.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("eval", "plot"):
+        for action in sub.choices[name]._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, (name, action.dest)
+            if action.option_strings:  # an option: its default is said
+                assert "default" in action.help, (name, action.dest)

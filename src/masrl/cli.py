@@ -181,22 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_cmd_config_show)
 
     ev = sub.add_parser("eval", help="evaluate a team on benchmarks (avg@n, pass@k, maj@k)")
-    ev.add_argument("config")
-    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("config", help="YAML config of the team (the one it was trained with)")
+    ev.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.limit=50 (default: none)")
     ev.add_argument("--checkpoint", help="RUN_DIR (its newest checkpoint), RUN_DIR/checkpoints/step_N, or 'none' "
-                    "(the config's models as they load); default: the newest checkpoint of the config's run folder "
-                    "when it holds one")
-    ev.add_argument("--bench", default="test", help="comma-separated benchmarks; 'test' = the task's held-out split")
-    ev.add_argument("--n", type=bounded(int, 1, MAX_COUNT), default=None, help="samples per task")
-    ev.add_argument("--k", default=None, help="comma-separated k values for pass@k")
-    ev.add_argument("--limit", type=bounded(int, 1, MAX_STEP), default=None, help="tasks per benchmark")
-    ev.add_argument("--out", default=None, help="output folder (default: RUN_DIR/eval or runs/eval)")
-    ev.add_argument("--strict", action="store_true", help="fail on malformed data rows instead of skipping them")
-    ev.add_argument("--overwrite", action="store_true", help="replace an evaluation already in the output folder")
+                    "(the config's models as they load) (default: the newest checkpoint of the config's run folder "
+                    "when it holds one)")
+    ev.add_argument("--bench", default="test", help="comma-separated benchmarks, e.g. test,gsm8k; 'test' = the "
+                    "task's held-out split (default: test)")
+    ev.add_argument("--n", type=bounded(int, 1, MAX_COUNT), default=None,
+                    help="samples per task (default: the config's eval.n)")
+    ev.add_argument("--k", default=None, help="comma-separated k values for pass@k and maj@k, each <= n "
+                    "(default: the config's eval.k)")
+    ev.add_argument("--limit", type=bounded(int, 1, MAX_STEP), default=None,
+                    help="tasks per benchmark, the first ones (default: the config's eval.limit; unset: all)")
+    ev.add_argument("--out", default=None, help="output folder for eval.json, eval.md, samples.jsonl "
+                    "(default: RUN_DIR/eval, or runs/eval without a checkpoint)")
+    ev.add_argument("--strict", action="store_true",
+                    help="fail on malformed data rows instead of skipping them (default: skip, with a warning)")
+    ev.add_argument("--overwrite", action="store_true",
+                    help="replace an evaluation already in the output folder (default: refuse)")
     ev.set_defaults(func=_cmd_eval)
 
     plot = sub.add_parser("plot", help="draw training curves and the per-role dashboard of a run")
-    plot.add_argument("run_dir")
+    plot.add_argument("run_dir", help="a masrl run folder (its metrics.jsonl); writes RUN_DIR/plots/"
+                      "training_curves.png and dashboard.png, replacing earlier ones")
     plot.set_defaults(func=_cmd_plot)
 
     pl = sub.add_parser("plan", help="memory per device for a config, and whether it fits (docs/scaling.md)")
