@@ -108,3 +108,21 @@ def test_get_into_a_dangling_symlink_is_refused(tmp_path, capsys):
     (tmp_path / "examples").symlink_to(tmp_path / "nowhere")
     assert main(["example", "get", "quickstart", "--dir", str(tmp_path)]) == 2
     assert "symlink" in capsys.readouterr().err and not (tmp_path / "nowhere").exists()
+
+
+def test_list_descriptions_end_on_a_word_or_a_sentence(capsys):
+    """Each description is its config's first sentence, or cut at a word boundary with an ellipsis: never
+    mid-word ("Dr. MAS" does not end a sentence)."""
+    from masrl.examples import description
+
+    assert main(["example", "list"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()[:-2] if line.strip()]
+    full = {name: description((REPO / "examples" / f"{name}.yaml").read_text()) for name, _ in list_examples()}
+    for line in lines:
+        name, shown = line.split(None, 1)
+        assert len(shown) <= 100, line
+        text = shown.removesuffix(" …")
+        assert full[name].startswith(text), line
+        following = full[name][len(text):len(text) + 1]
+        assert following in ("", " ", "."), line  # the cut falls between words
+    assert any("Dr. MAS math on GPUs" in line for line in lines)

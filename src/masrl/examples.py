@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import textwrap
 from pathlib import Path
 
 from masrl.errors import UserInputError
@@ -24,15 +25,37 @@ def examples_root() -> Path:
     return Path(__file__).resolve().parent / "_examples"
 
 
+def description(text: str) -> str:
+    """The opening comment paragraph of a config (its lines joined; indented command lines and what follows a
+    blank comment line left out)."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            if words:
+                break
+            continue
+        body = line[1:]
+        if not body.strip() or body.startswith("   "):  # a blank comment line, or an indented command
+            if words:
+                break
+            continue
+        words.append(body.strip())
+    return " ".join(words)
+
+
 def list_examples() -> list[tuple[str, str]]:
-    """``(name, first comment line)`` of every example config, ``gpu/...`` and ``sweeps/...`` included."""
+    """``(name, opening comment paragraph)`` of every example config, ``gpu/...`` and ``sweeps/...`` included."""
     root = examples_root()
-    out = []
-    for path in sorted(root.rglob("*.yaml")):
-        first = next((line.lstrip("# ").strip() for line in path.read_text(encoding="utf-8-sig").splitlines()
-                      if line.startswith("#") and line.strip("# ")), "")
-        out.append((path.relative_to(root).with_suffix("").as_posix(), first))
-    return out
+    return [(path.relative_to(root).with_suffix("").as_posix(), description(path.read_text(encoding="utf-8-sig")))
+            for path in sorted(root.rglob("*.yaml"))]
+
+
+def summary(text: str, width: int = 100) -> str:
+    """``text``'s first sentence (a period after a two-letter title such as "Dr" does not end it), shortened at a
+    word boundary (with an ellipsis) to ``width`` characters."""
+    ends = (m.end() for m in re.finditer(r"(?<![A-Z][a-z])(?<!\.[a-z])\.(?= |$)", text))  # not after Dr, e.g
+    first = text[:next(ends, len(text))].rstrip(".")
+    return textwrap.shorten(first, width=width, placeholder=" …")
 
 
 def example_files(name: str) -> list[Path]:
@@ -88,7 +111,7 @@ def _cmd_list(args) -> int:
     rows = list_examples()
     width = max(len(n) for n, _ in rows)
     for name, first in rows:
-        print(f"{name:<{width}}  {first[:100]}")
+        print(f"{name:<{width}}  {summary(first)}")
     print(f"\n{len(rows)} examples in {examples_root()}; write one out with: masrl example get NAME")
     return 0
 
