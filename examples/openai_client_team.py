@@ -12,13 +12,12 @@ Result: the last solution, scored by the task's reward, and the ids of the compl
 penalty, as the built-in team marks such turns invalid). A reply without a verdict counts as a rejection (the
 quickstart's `untagged_verdict: reject`).
 
-Against the built-in team (`masrl sweep benchmarks/study/gateway_vs_builtin.yaml --jobs 1 --nice 19`, both arms cut
-to 100 SFT / 10 RL steps and 600 training tasks, seeds 0-2, 2 shared Zen 3 cores at load 8-14, 2026-12-03):
-the same cold start (bitwise equal SFT losses), held-out avg@4 after RL 6.9 +- 0.3 % against 5.5 +- 1.4 %
-(mean +- sd; within the built-in team's seed spread, both near the floor at this budget), rollout throughput
-(perf/rollout_tokens_per_s, median over RL steps) 0.35 +- 0.17x the built-in team's on that loaded machine; +2.5 ms of
-CPU per call, 0.85x its tokens per CPU second (benchmarks/gateway_overhead.py). Commands, commits and caveats:
-benchmarks/RESULTS.md ("OpenAI-client team vs the built-in team").
+Against the built-in team (both cut to 100 SFT / 10 RL steps and 600 training tasks, seeds 0-2, on 2 shared cores):
+the same cold start, held-out avg@4 after RL 6.9 +- 0.3 % against 5.5 +- 1.4 % (mean +- sd; both near the floor at
+this budget); the gateway costs about 2.5 ms of CPU per call. How it was measured: "Example: the quickstart team as
+an OpenAI-API program" in masrl's docs (docs/gateway.md in the source repository).
+
+Needs the `openai` package: pip install 'masrl[openai]'.
 
 Run by masrl as `entry: examples/openai_client_team.py:run` (in-process, async), or as a command, one process per
 episode: `python examples/openai_client_team.py` reads the task as JSON on stdin, takes OPENAI_BASE_URL and

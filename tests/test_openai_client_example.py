@@ -126,3 +126,11 @@ def test_the_trainer_collects_an_external_programs_demonstrations_with_progress(
     assert 16 <= len(rows) < 24, len(rows)
     assert "[demonstrations " in out and "eta" in out
     assert f"[masrl] {len(rows)} demonstrations in " in out and "of the 64 training tasks run" in out
+
+
+def test_the_example_cites_nothing_a_wheel_user_lacks():
+    """The example ships in the wheel, benchmarks/ does not: its text points at the docs, and names its extra."""
+    for name in ("openai_client_team.py", "openai_client_team.yaml"):
+        text = (REPO / "examples" / name).read_text()
+        assert "benchmarks/" not in text, name
+        assert "pip install 'masrl[openai]'" in text, name
