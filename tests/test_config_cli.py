@@ -103,16 +103,13 @@ def test_config_show_refuses_what_train_refuses(tmp_path, tiny_cfg, capsys, over
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml"
 
 
-@pytest.mark.parametrize("override,blamed,suggested", [
-    ("trainer.totl_steps=3", "override 'trainer.totl_steps=3'", "trainer.total_steps"),
-    ("agents.Solver.max_new_token=3", "override 'agents.Solver.max_new_token=3'", "agents.Solver.max_new_tokens"),
-    ("policies.shared.optm.lr=1", "override 'policies.shared.optm.lr=1'", "policies.shared.optim"),
-    ("sedd=1", "override 'sedd=1'", "seed"),
-])
-def test_an_override_typo_is_blamed_on_the_override_with_did_you_mean(override, blamed, suggested, capsys):
+@pytest.mark.parametrize("override,suggested", [("trainer.totl_steps=3", "trainer.total_steps"), ("sedd=1", "seed"),
+                                                ("agents.Solver.max_new_token=3", "agents.Solver.max_new_tokens"),
+                                                ("policies.shared.optm.lr=1", "policies.shared.optim")])
+def test_an_override_typo_is_blamed_on_the_override_with_did_you_mean(override, suggested, capsys):
     assert main(["config", "show", str(QUICKSTART), override]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith(f"masrl: config error: {blamed}: unknown key"), err
+    assert len(err.splitlines()) == 1 and err.startswith(f"masrl: config error: override '{override}': unknown key"), err
     assert f"did you mean '{suggested}'" in err and "quickstart.yaml" not in err
 
 
