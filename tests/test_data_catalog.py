@@ -235,7 +235,7 @@ def test_an_unreachable_hub_is_one_line_at_once(empty_data, monkeypatch, capsys)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(catalog, "_default_load_dataset", lambda: pytest.fail("the Hub was not probed first"))
+    monkeypatch.setattr(catalog, "_default_load_dataset", lambda: lambda *a, **k: pytest.fail("the Hub was not probed"))
     t0 = time.perf_counter()
     assert main(["data", "get", "gsm8k"]) == 2
     err = capsys.readouterr().err
@@ -257,3 +257,13 @@ def test_read_only_data_commands_create_no_folder(tmp_path, monkeypatch, capsys)
         main(argv)
     capsys.readouterr()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_hub_fetch_without_datasets_names_the_extra_before_the_network(empty_data, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    assert main(["data", "get", "gsm8k"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'masrl[hf]'" in err and "cannot be reached" not in err

@@ -111,3 +111,13 @@ def test_progress_eta():
     assert again.eta(again.start + 30.0) == 50.0
     again.done = 200
     assert again.eta(again.start + 99.0) == 0.0
+
+
+def test_output_cut_short_by_a_pipe_is_no_traceback():
+    """`masrl data list | head -1`: the reader leaves before masrl writes; masrl stops without a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "masrl", "data", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -441,11 +441,12 @@ def get(name: str, source: Optional[str] = None, *, force: bool = False, dest_ro
                 done.append((dest, status, f"already there{'; ' + detail if detail else ''}"))
                 continue
         if source is None and load_dataset is None:
+            load_dataset = _default_load_dataset()  # the hf extra first, then the network
             check_hub()  # before anything is written: an unreachable Hub leaves no folder behind
         tmp = _tmp_for(dest)
         try:
             if source is None:
-                _write_rows(_hub_rows(e.hub, load_dataset or _default_load_dataset()), tmp, f.rel.endswith(".gz"))
+                _write_rows(_hub_rows(e.hub, load_dataset), tmp, f.rel.endswith(".gz"))
             else:
                 _copy_from(e, f, source, tmp)
             status, detail = check_file(e, f, tmp)

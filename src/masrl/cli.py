@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -286,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = _parse(parser, argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handlers below, not at exit
+        return code
     except ConfigError as e:
         print(f"masrl: config error: {e}", file=sys.stderr)
         return 2
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("masrl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `masrl data list | head`: the reader left; no traceback (nor a second one at exit)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except ImportError as e:  # an optional extra (ray, vllm, openai in user code) that the run needs
         hint = extra_hint(e)
         if not hint and "pip install" not in str(e):
