@@ -43,6 +43,7 @@ from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError
 from masrl.runtime.malloc import tune_malloc
+from masrl.training.batch_select import BatchSelector, agent_ids, shape_scores
 from masrl.training.conversation import merge_extending_rows
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
@@ -96,6 +97,7 @@ class Trainer:
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.collapse = CollapseMonitor(list(cfg.agents), **mon.collapse.model_dump())
         self.signal = SignalMonitor(**mon.no_signal.model_dump())  # steps where every advantage is 0
+        self.selector = BatchSelector(cfg)  # algorithm.dynamic_sampling, algorithm.overlong
         self.rolled_back_to: int | None = None  # monitoring.collapse.action: rollback
         self.step = 0
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
@@ -123,15 +125,11 @@ class Trainer:
         for t, team_reward in zip(turns, team_rewards):
             base = t.reward * weights.get(id(t), 1.0) if per_turn and t.reward is not None else team_reward
             scores.append(base - (0.0 if t.valid else penalty))
-        return turns, keys, torch.tensor(scores, dtype=torch.float32)
+        return turns, keys, shape_scores(self.cfg, turns, torch.tensor(scores, dtype=torch.float32))
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
         a = self.cfg.algorithm
-        if a.group_by == "slot":  # parallel same-role agents (voting generators...) normalised per slot
-            agent_ids = [f"{t.agent}#{t.info.get('slot', 0)}" for t in turns]
-        else:  # per role: parallel same-role agents pooled
-            agent_ids = [t.agent for t in turns]
-        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=agent_ids,
+        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=agent_ids(turns, a.group_by),
                                   episode_ids=[k[1] for k in keys], estimator=a.estimator,
                                   turn_index=[t.turn_index for t in turns], eps=a.eps,
                                   unbiased_std=a.unbiased_std, singleton=a.singleton)
@@ -216,6 +214,8 @@ class Trainer:
         try:
             episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2),
                                     where=f"step {self.step + 1}")
+            episodes = self.selector.refill(self, episodes, batch, rng, seed=_step_seed(cfg.seed, self.step, 2),
+                                            step=self.step)  # dynamic sampling: more groups with a signal
         except RewardError as e:  # the failing step's counts are kept in metrics.jsonl too
             if self.logger is not None:
                 self.logger.log(self.step + 1, e.counts.metrics())
@@ -226,7 +226,8 @@ class Trainer:
         turns, keys, scores = self.score_turns(episodes)
         advantages = self.advantages(turns, keys, scores)
         t1 = time.perf_counter()
-        metrics = self.update(turns, advantages)
+        loss_turns, loss_advantages, selected = self.selector.select(turns, keys, scores, advantages)
+        metrics = {**self.update(loss_turns, loss_advantages), **selected}
         t_update = time.perf_counter() - t1
         if cfg.algorithm.role_stages is not None:  # which group of agents this step trained
             metrics["train/role_stage"] = float(role_stage(cfg.algorithm, self.step + 1))
