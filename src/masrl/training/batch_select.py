@@ -96,12 +96,15 @@ class BatchSelector:
                advantages: torch.Tensor) -> tuple[list[Turn], torch.Tensor, dict[str, float]]:
         """The turns (and their advantages) that reach the loss, and the metrics of the choice: per agent the
         share of its turns filtered for no signal, its truncated turns masked, and the response tokens it
-        generated per response token trained; the rounds used. Everything, and no metrics, when both are off."""
+        generated per response token trained; the rounds used. Turns marked ``info["stale"]`` are left out too.
+        Everything, and no metrics, when none of that applies."""
         a = self.cfg.algorithm
-        if self.ds.filter == "none" and not a.overlong.mask:
+        stale = [bool(t.info.get("stale")) for t in turns]  # older than rollout.max_staleness (stale: drop)
+        if self.ds.filter == "none" and not a.overlong.mask and not any(stale):
             return turns, advantages, {}
         signal = self.signal(turns, keys, scores) if turns else torch.zeros(0, dtype=torch.bool)
-        keep = signal & torch.tensor([not (a.overlong.mask and t.truncated) for t in turns], dtype=torch.bool)
+        keep = signal & torch.tensor([not (a.overlong.mask and t.truncated) and not old
+                                      for t, old in zip(turns, stale)], dtype=torch.bool)
         counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0, 0])  # turns, filtered, masked, gen, trained
         for t, kept, live in zip(turns, keep.tolist(), signal.tolist()):
             c = counts[t.agent]
