@@ -10,6 +10,7 @@ import torch
 from masrl.algorithms import SIGNAL_GROUPING, compute_advantages, signal_mask
 from masrl.config import config_from_dict
 from masrl.monitoring.logger import read_metrics
+from masrl.tasks.reward_guard import RewardCounts
 from masrl.trainer import Trainer
 from masrl.training.batch_select import BatchSelector
 from masrl.types import Episode, Task, Turn
@@ -150,10 +151,12 @@ class _ScriptedTeam:
     def __init__(self, cfg, script):
         self.cfg, self.script, self.calls = cfg, script, []
         self.source = SimpleNamespace(train=[Task(f"t{i}", "q", "a") for i in range(20)])
+        self.team = SimpleNamespace(last_reward_counts=RewardCounts(calls=6))  # the first generation's
 
     def rollout(self, tasks, groups, *, seed, where):
         rewards = self.script[len(self.calls) + 2]  # the first generation is given
         self.calls.append((len(tasks), sorted(set(groups)), where))
+        self.team.last_reward_counts = RewardCounts(calls=len(tasks), errors=1)
         out = []
         for i, (task, g) in enumerate(zip(tasks, groups)):
             r = rewards[sorted(set(groups)).index(g)][i % self.cfg.trainer.group_size]
@@ -183,7 +186,9 @@ def test_refill_draws_until_the_batch_has_signal(tiny_cfg, capsys):
     ids = [e.episode_id for e in out]
     assert len(set(ids)) == len(ids) == 12
     drawn = {e.task.id for e in out[6:]}
-    assert not drawn & {t.id for t in batch}  # later rounds draw tasks not yet used this step
+    assert not drawn & {t.id for t in batch}  # later generations draw tasks not yet used this step
+    counts = team.team.last_reward_counts  # the step's reward calls: every generation's
+    assert (counts.calls, counts.errors) == (6 + 4 + 2, 2)
     assert capsys.readouterr().err == ""
 
 

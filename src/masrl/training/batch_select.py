@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -63,6 +64,7 @@ class BatchSelector:
         if self.ds.filter == "none" or not self.ds.refill:
             return episodes
         group_size, used = self.cfg.trainer.group_size, {id(t) for t in batch}
+        counts = [trainer.team.last_reward_counts]  # every generation's reward calls count in the step's
         while True:
             live = self.live_groups(trainer, episodes)
             short = len(batch) - len(live)
@@ -78,9 +80,13 @@ class BatchSelector:
             self.rounds += 1
             new = trainer.rollout(tasks, groups, seed=_seed(seed, self.rounds),
                                   where=f"step {step + 1}, generation {self.rounds} of dynamic sampling")
+            counts.append(trainer.team.last_reward_counts)
             for e in new:
                 e.episode_id += first_episode
             episodes = episodes + list(new)
+        trainer.team.last_reward_counts = replace(counts[0], **{
+            field: sum(getattr(c, field) for c in counts) for field in ("calls", "errors", "timeouts", "abandoned",
+                                                                         "cached")})
         if short > 0:
             print(f"[masrl] step {step + 1}: dynamic sampling found {len(live)} of {len(batch)} groups with a "
                   f"learning signal in {self.rounds} rounds (max_rounds); training on those", file=sys.stderr)
