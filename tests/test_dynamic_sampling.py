@@ -183,6 +183,7 @@ def test_refill_draws_until_the_batch_has_signal(tiny_cfg, capsys):
     out = selector.refill(team, first, batch, random.Random(0), seed=1, step=0)
     assert [c[:2] for c in team.calls] == [(4, [3, 4]), (2, [5])]
     assert selector.rounds == 3 and selector.live_groups(team, out) == {1, 4, 5}
+    assert [t.info.get("generation", 1) for e in out for t in e.turns][::2] == [1] * 6 + [2] * 4 + [3] * 2
     ids = [e.episode_id for e in out]
     assert len(set(ids)) == len(ids) == 12
     drawn = {e.task.id for e in out[6:]}

@@ -83,6 +83,8 @@ class BatchSelector:
             counts.append(trainer.team.last_reward_counts)
             for e in new:
                 e.episode_id += first_episode
+                for t in e.turns:  # which generation of the step sampled it (train/sampling_rounds)
+                    t.info["generation"] = self.rounds
             episodes = episodes + list(new)
         trainer.team.last_reward_counts = replace(counts[0], **{
             field: sum(getattr(c, field) for c in counts) for field in ("calls", "errors", "timeouts", "abandoned",
@@ -119,7 +121,8 @@ class BatchSelector:
             c[2] += live and t.truncated and a.overlong.mask
             c[3] += len(t.response_ids)
             c[4] += len(t.response_ids) if kept else 0
-        metrics = {"train/sampling_rounds": float(self.rounds),
+        rounds = max((t.info.get("generation", 1) for t in turns), default=1)
+        metrics = {"train/sampling_rounds": float(rounds),
                    "train/groups_with_signal": float(len({k[0] for k, s in zip(keys, signal.tolist()) if s}))}
         for agent, (n, filtered, masked, generated, trained) in counts.items():
             metrics[f"agent/{agent}/filtered_share"] = filtered / n
