@@ -13,12 +13,15 @@ reward is the episode's reward, and its named scores (a verifiers rubric's funct
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 from contextvars import ContextVar
 from typing import Any
 
 from masrl.errors import ConfigError
 from masrl.tasks.environments import agent_param
+from masrl.tasks.environments.tool_env import ToolGame
 from masrl.types import Episode, Task
 from masrl.workflows.base import Team, get_workflow, register_workflow
 from masrl.workflows.common import check_params
@@ -43,6 +46,8 @@ async def environment(task: Task, team: Team) -> Episode:
     the config's)."""
     check_params(team)
     run = team.params.get("env_episode")
+    if isinstance(run, ToolGame):
+        run = ToolPlayer(run, team.tool_timeout_s)
     if not callable(run):
         raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
                           "verifiers or tool_env")
@@ -63,3 +68,61 @@ async def environment(task: Task, team: Team) -> Episode:
     if "correct" in kept:
         episode.info["correct"] = bool(kept["correct"])
     return episode
+
+
+class ToolPlayer:
+    """An episode of a tool environment (:class:`~masrl.tasks.environments.tool_env.ToolGame`) as an OpenAI-API
+    program: the agent is called with the environment's tools until it answers without a call, the environment
+    is done, or ``max_turns`` calls were made; each call runs through masrl's :class:`~masrl.tools.ToolBox` (a
+    deadline per call, errors answered to the model, counted)."""
+
+    def __init__(self, game: ToolGame, timeout_s: float):
+        self.game, self.timeout_s = game, timeout_s
+
+    def toolbox(self, env: Any):
+        from masrl.tools import Tool, ToolBox
+
+        tools = []
+        for name, (fn, schema) in self.game.tools(env).items():
+            if schema is None:
+                tools.append(Tool(fn, name=name))
+            else:  # an MCP tool: the schema the environment lists
+                t = object.__new__(Tool)
+                t.fn, t.schema, t.timeout_s = fn, schema, None
+                tools.append(t)
+        return ToolBox(tools, timeout_s=self.timeout_s)
+
+    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
+        import openai
+
+        from masrl.tools import ToolCall, tool_schemas
+
+        env, first = await asyncio.to_thread(self.game.start, dict(task.meta.get("row") or {}))
+        box = await asyncio.to_thread(self.toolbox, env)
+        messages = [{"role": "user", "content": task.question + (f"\n\n{first}" if first else "")}]
+        answer, done = None, False
+        async with openai.AsyncOpenAI(max_retries=0, timeout=None, **client_kwargs) as client:
+            for _ in range(self.game.max_turns):
+                response = await client.chat.completions.create(model=agent, messages=messages,
+                                                                tools=tool_schemas(box.tools) or None)
+                message = response.choices[0].message
+                answer = message.content or ""
+                calls = message.tool_calls or []
+                messages.append({"role": "assistant", "content": answer,
+                                 **({"tool_calls": [c.model_dump() for c in calls]} if calls else {})})
+                if not calls:
+                    break
+                for call in calls:
+                    arguments = json.loads(call.function.arguments or "{}")
+                    result = await asyncio.to_thread(box.run, ToolCall(call.function.name, arguments))
+                    messages.append({"role": "tool", "tool_call_id": call.id, "name": result.name or "",
+                                     "content": result.content})
+                reward, done = await asyncio.to_thread(self.game.outcome, env)
+                if done:
+                    break
+        reward, done = await asyncio.to_thread(self.game.outcome, env)
+        counts = box.counts.as_dict()
+        return {"reward": reward, "answer": answer,
+                "metrics": {"tool_calls": float(counts["calls"]), "tool_errors": float(counts["errors"]),
+                            "done": float(done)}}
+
