@@ -159,3 +159,15 @@ def rows():
     assert ep.error is None and ep.reward == 1.0
     assert [t["function"]["name"] for t in scripted.prompts[0].tools] == ["guess"]
     assert [m["content"] for m in scripted.prompts[1].messages if m["role"] == "tool"] == ["higher"]
+
+
+def test_a_missing_extra_is_one_install_line(monkeypatch):
+    from masrl.config import TaskConfig
+    from masrl.tasks.registry import load_task_source
+
+    monkeypatch.setitem(sys.modules, "verifiers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install masrl\[verifiers\]"):
+        load_task_source(TaskConfig(name="verifiers", params={"env": "anything"}))
+    monkeypatch.setitem(sys.modules, "openai", None)
+    with pytest.raises(ImportError, match=r"pip install masrl\[openai\]"):
+        load_task_source(TaskConfig(name="tool_env", params=GUESS))

@@ -162,6 +162,9 @@ def _score(task: Task, answer: str | None) -> dict:
 def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.user_code import import_object
 
+    from masrl.tasks.environments import require
+
+    require("openai", "openai", "task tool_env")  # the episodes' client
     params = cfg.params
     unknown = sorted(set(params) - _KNOWN)
     if unknown:

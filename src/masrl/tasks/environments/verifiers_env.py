@@ -137,6 +137,7 @@ def verifiers_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     env_args = params.get("env_args") or {}
     if not isinstance(env_args, dict):
         raise ConfigError(f"task.params.env_args must be a mapping of load_environment's arguments, got {env_args!r}")
+    require("openai", "verifiers", "task verifiers")  # the episodes' client
     env = load_environment(spec, env_args)
     name = spec.rpartition(":")[0].rsplit("/", 1)[-1].removesuffix(".py") or spec
     train = rows_to_tasks(env.get_dataset(), name, cfg.train_limit)
