@@ -96,6 +96,7 @@ def test_rows_become_tasks_and_a_training_step_logs_each_rubric_function(tiny_cf
             exact = float(turn.text.strip() == ep.task.answer)
             assert ep.info["env_metrics"]["length"] == len(turn.text)
             assert ep.reward == pytest.approx(exact + 0.01 * len(turn.text))  # the rubric's weighted sum
+            assert ep.correct == (ep.reward >= 0.5)  # verifiers' pass_threshold, not reward >= 1
         trainer.fit()
     rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]

@@ -19,6 +19,7 @@ from typing import Mapping
 
 from masrl.errors import UserInputError
 from masrl.serve_team import load_run as _load
+from masrl.serve_team import serve_until
 
 
 class ServeBatcher:
@@ -99,10 +100,7 @@ def run_serve(args) -> int:
         gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
         print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
         try:
-            while args.max_seconds is None or time.monotonic() < args.max_seconds:
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
+            serve_until(args.max_seconds)
         finally:
             gateway.shutdown()
             loop.call_soon_threadsafe(loop.stop)

@@ -206,6 +206,15 @@ def _handler(server: TeamServer, api_key: str | None):
     return Handler
 
 
+def serve_until(deadline: float | None) -> None:
+    """Return at ``deadline`` (``time.monotonic()``; None: never) or on an interrupt (Ctrl-C)."""
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+
+
 def run_team(args, runner, where) -> int:
     """Serve ``runner``'s team until ``args.max_seconds`` (or an interrupt)."""
     name = runner.cfg.name
@@ -217,10 +226,7 @@ def run_team(args, runner, where) -> int:
     print(f"masrl serve --team: {where} -> http://{host}:{port}/v1 (model = {name}: one request = one episode of "
           f"{runner.cfg.workflow.name})", flush=True)
     try:
-        while args.max_seconds is None or time.monotonic() < args.max_seconds:
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        pass
+        serve_until(args.max_seconds)
     finally:
         httpd.shutdown()
     print(f"masrl serve --team: stopped after {server.episodes} episodes", file=sys.stderr)

@@ -36,7 +36,7 @@ async def play(payload: dict, client_kwargs: dict) -> dict:
     run, task, agent, kept = _EPISODE.get()
     result = await run(task, client_kwargs, agent)
     kept.update(result)
-    return {k: result[k] for k in ("reward", "answer", "invalid_calls") if k in result}
+    return {k: result[k] for k in ("reward", "answer", "invalid_calls") if k in result}  # what external takes
 
 
 @register_workflow("environment", agents=(), prompts={},

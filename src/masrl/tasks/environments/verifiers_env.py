@@ -16,7 +16,8 @@ The environment's dataset rows become tasks (``question``: the last user message
 its eval dataset is the held-out split (the train rows when it has none). Each episode runs the environment's own
 ``run_rollout`` (single-turn, multi-turn and tool environments alike) with an ``AsyncOpenAI`` client on masrl's
 gateway and ``model`` = the agent, so every model call is a recorded turn; the rubric's reward is the episode's
-reward and each rubric function's score is kept in ``episode.info["env_metrics"]`` (logged as ``env/<name>``).
+reward and each rubric function's score is kept in ``episode.info["env_metrics"]`` (logged as ``env/<name>``); an
+episode is correct (accuracy, pass@k) when its reward reaches the environment's ``pass_threshold`` (0.5 by default).
 A rollout that ends with the environment's own error (``state["error"]``) fails its episode with that reason.
 
 Built against verifiers 0.3.1 (the release that installs beside openai 3: 0.4 requires openai < 3). Its v1 API
@@ -116,7 +117,9 @@ class VerifiersEpisode:
             raise RuntimeError(f"the environment's rollout ended with an error: {str(error)[:300]}")
         metrics = {str(k): float(v) for k, v in (output.get("metrics") or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return {"reward": float(output.get("reward") or 0.0), "answer": _answer(output.get("completion")),
+        reward = float(output.get("reward") or 0.0)
+        threshold = float(getattr(self.env, "pass_threshold", 0.5))  # verifiers' pass@k threshold
+        return {"reward": reward, "correct": reward >= threshold, "answer": _answer(output.get("completion")),
                 "metrics": metrics, "info": {"stop_condition": output.get("stop_condition"),
                                              "is_truncated": bool(output.get("is_truncated"))}}
 
