@@ -101,7 +101,7 @@ def test_inspect_ai_agrees_with_masrl_eval(served, tmp_path, monkeypatch):
     pytest.importorskip("inspect_ai", reason="inspect-ai is not installed: pip install masrl[harness]")
     from inspect_ai import eval as inspect_eval
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "harness"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "harness"))
     from inspect_gsm8k import masrl_gsm8k
 
     url, cfg, samples = served
