@@ -110,9 +110,7 @@ def test_bad_tool_env_params_are_one_clear_error(tmp_path):
         tool_env_source(TaskConfig(name="tool_env", params={"env": GUESS["env"]}), {})
 
 
-def test_an_openenv_mcp_environment_in_process(tmp_path):
-    pytest.importorskip("openenv.core.env_server", reason="openenv-core is not installed: pip install masrl[openenv]")
-    (tmp_path / "oe.py").write_text('''
+OPENENV_MODULE = '''
 from fastmcp import FastMCP
 from openenv.core.env_server.mcp_environment import MCPEnvironment
 from openenv.core.env_server.types import Observation, State
@@ -152,7 +150,12 @@ def found(env):
 
 def rows():
     return [{"question": "find it", "target": 2}]
-''')
+'''
+
+
+def test_an_openenv_mcp_environment_in_process(tmp_path):
+    pytest.importorskip("openenv.core.env_server", reason="openenv-core is not installed: pip install masrl[openenv]")
+    (tmp_path / "oe.py").write_text(OPENENV_MODULE)
     scripted = _Scripted(stop_after=3)
     ep = _play({"env": f"{tmp_path / 'oe.py'}:Guess", "train": f"{tmp_path / 'oe.py'}:rows",
                 "reward": f"{tmp_path / 'oe.py'}:found", "max_turns": 3}, None, scripted)
@@ -171,3 +174,43 @@ def test_a_missing_extra_is_one_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)
     with pytest.raises(ImportError, match=r"pip install masrl\[openai\]"):
         load_task_source(TaskConfig(name="tool_env", params=GUESS))
+
+
+def test_an_openenv_server_through_its_mcp_client(tmp_path):
+    """The same environment behind OpenEnv's own FastAPI server, played by URL (one WebSocket session per episode)."""
+    pytest.importorskip("openenv.core.env_server", reason="openenv-core is not installed: pip install masrl[openenv]")
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    from openenv.core.env_server import create_fastapi_app
+    from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+
+    sys.path.insert(0, str(tmp_path))
+    (tmp_path / "oe_server.py").write_text(OPENENV_MODULE)
+    import oe_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_fastapi_app(oe_server.Guess, CallToolAction, CallToolObservation)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if server.started:
+                break
+            time.sleep(0.05)
+        scripted = _Scripted(stop_after=2)
+        ep = _play({"url": f"http://127.0.0.1:{port}", "train": f"{tmp_path / 'oe_server.py'}:rows", "max_turns": 3},
+                   None, scripted)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sys.path.remove(str(tmp_path))
+    assert ep.error is None, ep.error
+    assert [t["function"]["name"] for t in scripted.prompts[0].tools] == ["guess"]
+    assert [m["content"] for m in scripted.prompts[1].messages if m["role"] == "tool"] == ["higher"]
+    assert ep.info["env_metrics"]["tool_calls"] == 2.0

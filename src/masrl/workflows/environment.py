@@ -92,15 +92,14 @@ class ToolPlayer:
                 tools.append(t)
         return ToolBox(tools, timeout_s=self.timeout_s)
 
-    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
+    async def _converse(self, env: Any, box, messages: list[dict], client_kwargs: dict, agent: str) -> str | None:
+        """Call the agent with the tools until it answers without a call, the environment is done or
+        ``max_turns`` calls were made; its last reply."""
         import openai
 
         from masrl.tools import ToolCall, tool_schemas
 
-        env, first = await asyncio.to_thread(self.game.start, dict(task.meta.get("row") or {}))
-        box = await asyncio.to_thread(self.toolbox, env)
-        messages = [{"role": "user", "content": task.question + (f"\n\n{first}" if first else "")}]
-        answer, done = None, False
+        answer = None
         async with openai.AsyncOpenAI(max_retries=0, timeout=None, **client_kwargs) as client:
             for _ in range(self.game.max_turns):
                 response = await client.chat.completions.create(model=agent, messages=messages,
@@ -117,10 +116,19 @@ class ToolPlayer:
                     result = await asyncio.to_thread(box.run, ToolCall(call.function.name, arguments))
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": result.name or "",
                                      "content": result.content})
-                reward, done = await asyncio.to_thread(self.game.outcome, env)
-                if done:
+                if (await asyncio.to_thread(self.game.outcome, env))[1]:
                     break
-        reward, done = await asyncio.to_thread(self.game.outcome, env)
+        return answer
+
+    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
+        env, first = await asyncio.to_thread(self.game.start, dict(task.meta.get("row") or {}))
+        try:
+            box = await asyncio.to_thread(self.toolbox, env)
+            messages = [{"role": "user", "content": task.question + (f"\n\n{first}" if first else "")}]
+            answer = await self._converse(env, box, messages, client_kwargs, agent)
+            reward, done = await asyncio.to_thread(self.game.outcome, env)
+        finally:
+            await asyncio.to_thread(self.game.close, env)
         counts = box.counts.as_dict()
         return {"reward": reward, "answer": answer,
                 "metrics": {"tool_calls": float(counts["calls"]), "tool_errors": float(counts["errors"]),

@@ -3,9 +3,9 @@
     task:
       name: tool_env
       params:
-        env: examples/tool_env_lights.py:LightsOut   # module:Class (file.py:Class)
-        train: examples/tool_env_lights.py:train_rows  # rows: a JSON Lines file or a function returning a list of dicts
-        test: examples/tool_env_lights.py:test_rows    # optional (default: the train rows)
+        env: examples/tool_env_guess.py:GuessNumber   # module:Class (file.py:Class); or url: http://HOST:PORT
+        train: examples/tool_env_guess.py:train_rows  # rows: a JSON Lines file or a function returning a list of dicts
+        test: examples/tool_env_guess.py:test_rows    # optional (default: the train rows)
         max_turns: 8                                  # model calls per episode at most
         reward: null                                  # optional module:function(env) -> float (default: env.reward)
     workflow:
@@ -24,9 +24,10 @@ Two shapes of class are played:
   was not None, and an observation with ``done`` ends the episode.
 
 The row's ``prompt`` (a string or chat messages) or ``question`` is the agent's first message, followed by the text
-``reset`` returns. A tool that raises answers the model with the error (as in TRL). Environments reached only
-through a URL (OpenEnv's HTTP/WebSocket client) or that need remote sandboxes (Docker, Modal, Prime) are not
-played here.
+``reset`` returns. A tool that raises answers the model with the error (as in TRL). With ``url: http://HOST:PORT``
+instead of ``env``, an OpenEnv server is played through its MCP tool client (HTTP/WebSocket, one session per
+episode): ``reset(**row)``, its listed tools, each call a ``CallToolAction`` whose result carries reward and done.
+Environments that need remote sandboxes (Docker, Modal, Prime) are not started here.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from masrl.errors import ConfigError
 from masrl.tasks.source import TaskSource
 from masrl.types import Task
 
-_KNOWN = {"env", "train", "test", "max_turns", "reward"}
+_KNOWN = {"env", "url", "train", "test", "max_turns", "reward"}
 _NOT_TOOLS = {"reset", "step", "state", "close", "reward", "done"}
 
 
@@ -48,25 +49,38 @@ class ToolGame:
     """One environment class and how an episode of it is played: :meth:`start` (a fresh instance and its first
     observation), :meth:`tools` (``{name: (function, schema or None)}``), :meth:`outcome` (reward, done)."""
 
-    def __init__(self, cls: type, reward: Callable | None = None, max_turns: int = 8):
-        self.cls, self.reward_fn, self.max_turns = cls, reward, max_turns
-        self.openenv = _is_openenv(cls)
+    def __init__(self, cls: type | None, reward: Callable | None = None, max_turns: int = 8, url: str | None = None):
+        self.cls, self.reward_fn, self.max_turns, self.url = cls, reward, max_turns, url
+        self.openenv = url is not None or _is_openenv(cls)
 
     def start(self, row: dict) -> tuple[Any, str | None]:
-        env = self.cls()
+        env = self._connect() if self.url else self.cls()
         env._masrl_outcome = [None, False]  # the last reward seen and done (OpenEnv observations)
         fields = {k: v for k, v in row.items() if k not in ("prompt", "question")}
         first = env.reset(**fields)
         if self.openenv:
             self._observe(env, first)
-            return env, _observation_text(first)
+            return env, _observation_text(getattr(first, "observation", first))
         return env, None if first is None else str(first)
+
+    def _connect(self) -> Any:
+        """An OpenEnv server's MCP tool client (HTTP/WebSocket), connected: one session per episode."""
+        from openenv.core.mcp_client import MCPToolClient
+
+        client = MCPToolClient(base_url=self.url).sync()
+        client.connect()
+        return client
+
+    def close(self, env: Any) -> None:
+        """End the episode's instance (a remote session is closed; an in-process OpenEnv environment too)."""
+        if self.openenv and callable(getattr(env, "close", None)):
+            env.close()
 
     def tools(self, env: Any) -> dict[str, tuple[Callable, dict | None]]:
         if self.openenv:
             from openenv.core.env_server.mcp_types import ListToolsAction
 
-            listed = env.step(ListToolsAction()).tools
+            listed = env.list_tools() if self.url else env.step(ListToolsAction()).tools
             return {t.name: (self._mcp_call(env, t.name), {"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}) for t in listed}
         return {name: (getattr(env, name), None) for name, member in inspect.getmembers(type(env))
@@ -76,12 +90,12 @@ class ToolGame:
         from openenv.core.env_server.mcp_types import CallToolAction
 
         def call(**arguments: Any) -> Any:
-            obs = env.step(CallToolAction(tool_name=name, arguments=arguments))
-            self._observe(env, obs)
+            step = env.step(CallToolAction(tool_name=name, arguments=arguments))
+            self._observe(env, step)
+            obs = getattr(step, "observation", step)  # a client's StepResult, or the observation in-process
             if getattr(obs, "error", None) is not None:
                 raise RuntimeError(obs.error.message if hasattr(obs.error, "message") else str(obs.error))
-            result = obs.result
-            return getattr(result, "data", None) if hasattr(result, "data") else result
+            return _tool_value(obs.result)
 
         return call
 
@@ -104,7 +118,18 @@ class ToolGame:
         return float(reward or 0.0), done
 
 
-def _is_openenv(cls: type) -> bool:
+def _tool_value(result: Any) -> Any:
+    """An MCP tool result's value: fastmcp's ``CallToolResult`` in-process, its JSON form from a server."""
+    if isinstance(result, dict) and "data" in result:
+        if result.get("is_error"):
+            raise RuntimeError(str(result.get("content") or result["data"]))
+        return result["data"]
+    return getattr(result, "data", result)
+
+
+def _is_openenv(cls: type | None) -> bool:
+    if cls is None:
+        return False
     try:
         from openenv.core.env_server.interfaces import Environment
     except ImportError:
@@ -169,19 +194,24 @@ def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     unknown = sorted(set(params) - _KNOWN)
     if unknown:
         raise ConfigError(f"task.params for tool_env: unknown keys {unknown}; known: {sorted(_KNOWN)}")
-    if not isinstance(params.get("env"), str):
-        raise ConfigError("task tool_env: set task.params.env to 'module:Class' (or 'file.py:Class')")
-    cls = import_object(params["env"], "task.params.env")
-    if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
-        raise ConfigError(f"task.params.env {params['env']!r} is not a class with a reset method")
+    if (params.get("env") is None) == (params.get("url") is None):
+        raise ConfigError("task tool_env: set exactly one of task.params.env ('module:Class' or 'file.py:Class') and "
+                          "task.params.url (an OpenEnv server: http://HOST:PORT)")
+    cls = None
+    if params.get("url") is not None:
+        require("openenv.core.mcp_client", "openenv", "task tool_env with a url")
+    else:
+        cls = import_object(str(params["env"]), "task.params.env")
+        if not inspect.isclass(cls) or not callable(getattr(cls, "reset", None)):
+            raise ConfigError(f"task.params.env {params['env']!r} is not a class with a reset method")
     if "train" not in params:
         raise ConfigError("task tool_env: set task.params.train (a JSON Lines file or 'module:function' of rows)")
     reward = import_object(params["reward"], "task.params.reward") if params.get("reward") else None
     max_turns = params.get("max_turns", 8)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or not 1 <= max_turns <= 1000:
         raise ConfigError(f"task.params.max_turns must be an integer in 1..1000, got {max_turns!r}")
-    name = params["env"].rpartition(":")[2]
+    name = str(params["env"]).rpartition(":")[2] if cls is not None else "openenv"
     train = row_tasks(_rows(params["train"], "task.params.train"), name)
     test = row_tasks(_rows(params["test"], "task.params.test"), name) if params.get("test") else list(train)
     return TaskSource("tool_env", train, test, _score, None,
-                      {"env_episode": ToolGame(cls, reward, max_turns)})
+                      {"env_episode": ToolGame(cls, reward, max_turns, params.get("url"))})
