@@ -90,7 +90,7 @@ def test_lm_eval_agrees_with_masrl_eval(served, tmp_path):
     results = lm_eval.simple_evaluate(
         model="local-chat-completions", tasks=["masrl_gsm8k"], limit=ROWS, apply_chat_template=True,
         model_args=f"base_url={url}/chat/completions,model={cfg.name},num_concurrent=1,max_retries=1,"
-                   "tokenized_requests=False", task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True)
+                   "tokenized_requests=False", task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False), log_samples=True)
     replies = [s["resps"][0][0] for s in sorted(results["samples"]["masrl_gsm8k"], key=lambda s: s["doc_id"])]
     assert replies == [s["answer"] for s in samples]
     accuracy = results["results"]["masrl_gsm8k"]["exact_match,boxed"]
