@@ -68,12 +68,15 @@ def test_plan_fsdp_halves_the_persistent_terms(tiny_cfg):
 
 
 def test_plan_verdicts_for_the_paper_settings(capsys):
-    """Qwen3-8B math with fsdp fits on 8 x 80 GiB; as replicas it does not, and the plan says why."""
+    """Qwen3-8B math with fsdp fits on 8 x 80 GiB; as replicas both policies' state on every GPU does not,
+    and the plan says why (with offload the two take turns: one 8B replica's bf16 state, 61 GiB, fits)."""
     path = str(EXAMPLES / "math_drmas_qwen3_8b_fsdp.yaml")
     assert main(["plan", path, "--gpu-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "fits on 8 x 80 GiB" in out and "Qwen/Qwen3-8B 8.19B params, fsdp over 8 rank(s)" in out
-    assert main(["plan", path, "runtime.strategy=replica", "--gpu-gib", "80"]) == 1
+    assert main(["plan", path, "runtime.strategy=replica", "runtime.offload=true", "--gpu-gib", "80"]) == 0
+    capsys.readouterr()
+    assert main(["plan", path, "runtime.strategy=replica", "runtime.offload=false", "--gpu-gib", "80"]) == 1
     out = capsys.readouterr().out
     assert "does not fit on 8 x 80 GiB (largest term: solver/optimizer 30.51 GiB)" in out
     report = plan(load_config(EXAMPLES / "search_drmas_qwen25_7b_fsdp.yaml", []), device_gib=80)
@@ -113,3 +116,34 @@ def test_gpu_check_script_skips_every_check_without_cuda():
     assert out.returncode == 0 and [line.split()[1] for line in out.stdout.splitlines()] == ["fsdp_one_rank:"]
     out = subprocess.run(["bash", str(script), "fsdp"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "no check named fsdp" in out.stderr and "mixed_lora" in out.stderr
+
+
+def test_colocated_workers_put_their_engines_to_sleep_when_the_rollout_ends():
+    """What the plan's update phase assumes: a colocated worker's vLLM engine (sleep mode) sleeps at the
+    rollout's end, and only there (after an update its synced weights stay for the next rollout)."""
+    from types import SimpleNamespace
+
+    from masrl.config import RolloutConfig
+    from masrl.runtime.worker import PolicyWorker
+
+    class Engine:
+        can_sleep, slept = True, []
+
+        def sleep(self, level):
+            self.slept.append(level)
+
+        def clear_prefix_cache(self):
+            pass
+
+    worker = object.__new__(PolicyWorker)
+    engine = Engine()
+    worker.policy = SimpleNamespace(engine=engine)
+    worker.rollout = RolloutConfig(sleep_level=1)
+    worker.offload_enabled, worker.on_device = True, False
+    worker.end_rollout()
+    assert engine.slept == [1]
+    worker.offload()  # after an update: the engine keeps its synced weights
+    assert engine.slept == [1]
+    worker.offload_enabled = False  # not colocated with another policy: its engine stays awake
+    worker.end_rollout()
+    assert engine.slept == [1]
