@@ -108,14 +108,38 @@ def test_gpu_check_script_skips_every_check_without_cuda():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [["SKIP", f"{name}:"] for name in
-                                                    ("engine_logprobs_vs_trainer", "rl_step_bf16", "fsdp_one_rank",
-                                                     "peak_memory_vs_plan", "mixed_lora", "lora_team_rl_step_bf16",
+                                                    ("engine_logprobs_vs_trainer", "decode_bf16", "rl_steps_bf16",
+                                                     "fsdp_one_rank", "per_role_lora_logprobs", "peak_memory_vs_plan",
+                                                     "mixed_lora", "lora_team_rl_step_bf16",
                                                      "engine_speed_smollm2_shape")]
     # a subset by name; a name that is no check is refused with the list
     out = subprocess.run(["bash", str(script), "fsdp_one_rank"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and [line.split()[1] for line in out.stdout.splitlines()] == ["fsdp_one_rank:"]
     out = subprocess.run(["bash", str(script), "fsdp"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "no check named fsdp" in out.stderr and "mixed_lora" in out.stderr
+
+
+def _dry_run(*names):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    out = subprocess.run(["bash", str(script), "--dry-run", *names], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if not line.startswith("total ")]
+
+
+def test_gpu_check_dry_run_on_cpu():
+    """The GPU check's own functions on CPU with a 2-layer Qwen3: bf16 greedy decoding against transformers,
+    FSDP2 on one rank, and each role's sampled log-probs equal to the trainer's under its adapter."""
+    lines = _dry_run("decode_bf16", "fsdp_one_rank", "per_role_lora_logprobs")
+    assert [line.split()[:2] for line in lines] == [["PASS", "decode_bf16"], ["PASS", "fsdp_one_rank"],
+                                                    ["PASS", "per_role_lora_logprobs"]]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_every_check():
+    lines = _dry_run()
+    assert len(lines) == 9 and all(line.startswith(("PASS", "SKIP")) for line in lines), lines
 
 
 def test_colocated_workers_put_their_engines_to_sleep_when_the_rollout_ends():
