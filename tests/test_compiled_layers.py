@@ -28,11 +28,13 @@ def _rows(n: int = 6):
 
 def test_decision_names_what_runs_and_why(monkeypatch):
     monkeypatch.setenv("CXX", "g++") if cl.shutil.which("g++") else pytest.skip("no g++ here")
-    ok = dict(device="cpu", total_steps=cl.AUTO_MIN_STEPS, lora=False, checkpointing=False)
+    ok = dict(device="cpu", total_steps=cl.AUTO_MIN_STEPS, lora=False, checkpointing=False, native_bf16=True)
     assert cl.compile_decision("auto", **ok)[0] and cl.compile_decision("on", **{**ok, "total_steps": 1})[0]
     assert not cl.compile_decision("off", **ok)[0]
     short = cl.compile_decision("auto", **{**ok, "total_steps": cl.AUTO_MIN_STEPS - 1})
     assert not short[0] and "do not repay the compile time" in short[1]
+    avx2 = cl.compile_decision("auto", **{**ok, "native_bf16": False})
+    assert not avx2[0] and "no faster than eager" in avx2[1] and cl.compile_decision("on", **{**ok, "native_bf16": False})[0]
     for key, value, words in (("lora", True, "LoRA"), ("checkpointing", True, "checkpointing"),
                               ("device", "cuda", "on cuda")):
         decided, line = cl.compile_decision("on", **{**ok, key: value})

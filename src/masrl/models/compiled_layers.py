@@ -10,10 +10,12 @@ inputs), so a 30-layer model compiles once per shape, not 30 times. Only the tra
 Compiled graphs persist across runs in inductor's FX graph cache under masrl's cache folder
 (``$MASRL_CACHE_DIR/inductor``, :func:`masrl.paths.cache_dir`) unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
 
-``auto`` compiles when every condition holds: the model is on a CPU, a C++ compiler is present (``$CXX``, else
-``g++``, ``clang++`` or ``c++`` on ``PATH``, as inductor looks for one), the policy trains without LoRA adapters
-and without gradient checkpointing, and the run has at least :data:`AUTO_MIN_STEPS` RL steps (the measured
-break-even, docs/performance.md). ``on`` compiles wherever the compiler and the policy allow; otherwise, and
+``auto`` compiles when every condition holds: the model is on a CPU with native bf16 (where a compiled update was
+measured faster than eager; on an AVX2-only CPU in float32 the compiled layers measured 1.01-1.05x eager's CPU time,
+so they never repay their compile time there), a C++ compiler is present (``$CXX``, else ``g++``, ``clang++`` or
+``c++`` on ``PATH``, as inductor looks for one), the policy trains without LoRA adapters and without gradient
+checkpointing, and the run has at least :data:`AUTO_MIN_STEPS` RL steps (docs/performance.md, "Compiled decoder
+layers"). ``on`` compiles wherever the compiler and the policy allow; otherwise, and
 for ``off``, eager, with one line saying why.
 """
 from __future__ import annotations
@@ -28,9 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# RL steps from which `auto` compiles: a cold compile of the tiny quickstart's layer graphs costs about as much
-# as this many steps save (benchmarks/compile_layers.py; docs/performance.md, "Compiled decoder layers")
-AUTO_MIN_STEPS = 400
+# RL steps from which `auto` compiles: the break-even of a cold inductor cache measured for the compiled tiny
+# quickstart update on a Zen 4 (0.92x steady, 70 warm - 170 cold steps; benchmarks/RESULTS.md, "torch.compile")
+AUTO_MIN_STEPS = 170
 _COMPILED: dict[type, object] = {}  # decoder layer class -> its compiled forward (shared by every instance)
 
 
@@ -44,10 +46,14 @@ def cxx_compiler() -> str | None:
 
 
 def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
-                     checkpointing: bool) -> tuple[bool, str]:
-    """(compile?, the one line that says what runs and why)."""
+                     checkpointing: bool, native_bf16: bool | None = None) -> tuple[bool, str]:
+    """(compile?, the one line that says what runs and why). ``native_bf16``: the CPU's (None: read it)."""
     if setting == "off":
         return False, "trainer.compile: off, eager decoder layers"
+    if native_bf16 is None:
+        from masrl.models.precision import cpu_has_native_bf16
+
+        native_bf16 = cpu_has_native_bf16()
     blockers = []
     if device != "cpu":
         blockers.append(f"the model is on {device} (compiled layers are a CPU lever)")
@@ -57,6 +63,8 @@ def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
         blockers.append("LoRA adapters are routed per row (eager PEFT layers)")
     if checkpointing:
         blockers.append("gradient checkpointing recomputes layers eagerly")
+    if setting == "auto" and device == "cpu" and not native_bf16:
+        blockers.append("on a CPU without native bf16 compiled layers measured no faster than eager")
     if setting == "auto" and total_steps < AUTO_MIN_STEPS:
         blockers.append(f"{total_steps} RL steps do not repay the compile time (auto compiles from "
                         f"{AUTO_MIN_STEPS})")
