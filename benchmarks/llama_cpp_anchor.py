@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,8 +111,10 @@ class LlamaWorker:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         if pythonpath:  # a llama_cpp package beside its built libraries (LLAMA_CPP_LIB_PATH)
             env["PYTHONPATH"] = pythonpath
+        self.log = open(Path(tempfile.gettempdir()) / "llama_cpp_anchor.worker.log", "w")  # llama.cpp's verbose log
         self.proc = subprocess.Popen([python, "-c", WORKER, str(gguf), str(threads), str(max_rows), str(max_len)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)
 
     def call(self, prompt: list[int], rows: int, new: int) -> tuple[float, float]:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "rows": rows, "new": new}) + "\n")
@@ -125,6 +128,7 @@ class LlamaWorker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+        self.log.close()
 
 
 def setup(venv: Path) -> None:
