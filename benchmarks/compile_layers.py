@@ -7,7 +7,8 @@ every update):
 * exactness: the update's token log-probs and loss, compiled vs eager, on the same weights and rows;
 * compile time: the first two compiled updates (the static graph, then the shape-generic one) minus two
   steady ones (cold: a fresh inductor cache folder unless ``--cache-dir``);
-* steady process CPU seconds per update (load-resistant), eager and compiled alternated (E C E C ...), and the break-even number of updates
+* steady process CPU seconds per update (load-resistant), eager and compiled alternated (E C E C ...), and the
+  break-even number of updates
   (compile seconds / seconds saved per update).
 
     nice -n 10 python benchmarks/compile_layers.py --updates 6
@@ -52,29 +53,35 @@ def _policy(arch: dict, compile_setting: str):
     return cfg, build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
 
 
-def exactness(arch: dict, seed: int = 0) -> dict:
-    import torch
+def compiled_vs_eager(policy, trainer, chunk) -> dict:
+    """One micro-batch through the trainer's forward and backward, eager then compiled: the largest log-prob
+    difference, both losses, and the largest gradient difference relative to the gradient's largest entry."""
+    from masrl.training.update import pack_rows, policy_logprobs, trainer_forward
 
-    from masrl.training.update import micro_batches, pack_rows, policy_logprobs, trainer_forward
+    batch = pack_rows(chunk, 0)
+    got = {}
+    for mode in (False, True):
+        policy.compile_layers = mode
+        with trainer_forward(policy, chunk):
+            logp, _ = policy_logprobs(policy, batch, trainer, entropy_grad=False)
+        loss = (logp * batch.response_mask).sum()
+        policy.model.zero_grad()
+        loss.backward()
+        got[mode] = (logp.detach(), loss.item(), [p.grad.clone() for p in policy.model.parameters()])
+    mask = batch.response_mask.bool()
+    return {"max_abs_logprob_diff": float((got[True][0] - got[False][0])[mask].abs().max()),
+            "loss_eager": got[False][1], "loss_compiled": got[True][1],
+            "max_rel_grad_diff": max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+                                     for a, b in zip(got[True][2], got[False][2]))}
+
+
+def exactness(arch: dict, seed: int = 0) -> dict:
+    from masrl.training.update import micro_batches
 
     cfg, policy = _policy(arch, "on")
-    worst = 0.0
-    for chunk in micro_batches(_rows(seed, 48), cfg.trainer.micro_batch_tokens)[:3]:
-        batch = pack_rows(chunk, 0)
-        got = {}
-        for mode in (False, True):
-            policy.compile_layers = mode
-            with trainer_forward(policy, chunk):
-                logp, _ = policy_logprobs(policy, batch, cfg.trainer, entropy_grad=False)
-            loss = (logp * batch.response_mask).sum()
-            policy.model.zero_grad()
-            loss.backward()
-            got[mode] = (logp.detach(), loss.item(), [p.grad.clone() for p in policy.model.parameters()])
-        mask = batch.response_mask.bool()
-        worst = max(worst, float((got[True][0] - got[False][0])[mask].abs().max()))
-        grad = max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(got[True][2], got[False][2]))
-    return {"max_abs_logprob_diff": worst, "loss_eager": got[False][1], "loss_compiled": got[True][1],
-            "max_rel_grad_diff": grad}
+    parts = [compiled_vs_eager(policy, cfg.trainer, chunk)
+             for chunk in micro_batches(_rows(seed, 48), cfg.trainer.micro_batch_tokens)[:3]]
+    return {key: max(part[key] for part in parts) if key.startswith("max") else parts[-1][key] for key in parts[0]}
 
 
 def timing(arch: dict, updates: int, rows: int) -> dict:
@@ -96,7 +103,8 @@ def timing(arch: dict, updates: int, rows: int) -> dict:
             times[name].append(time.process_time() - t)
     e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
     compile_s = sum(first) - 2 * c
-    return {"first_two_compiled_updates_s": first, "first_two_compiled_updates_wall_s": first_wall, "eager_s": times["eager"], "compiled_s": times["compiled"],
+    return {"first_two_compiled_updates_s": first, "first_two_compiled_updates_wall_s": first_wall,
+            "eager_s": times["eager"], "compiled_s": times["compiled"],
             "median_eager_s": e, "median_compiled_s": c, "ratio": c / e, "compile_s": compile_s,
             "break_even_updates": compile_s / (e - c) if e > c else None}
 

@@ -6,11 +6,12 @@ import logging
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 from masrl.config import config_from_dict
 from masrl.models import compiled_layers as cl
 from masrl.training.policy import build_policy
-from masrl.training.update import Row, micro_batches, pack_rows, policy_logprobs, trainer_forward, update_policy
+from masrl.training.update import Row, update_policy
 
 ARCH = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
         "intermediate_size": 128}
@@ -76,21 +77,10 @@ def test_compiled_layers_match_eager(tiny_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     cfg = _cfg(tiny_cfg, "on")
     policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
+    bench = load_benchmark("compile_layers.py")
     for chunk in (_rows(3), _rows(5)[1:]):
-        batch = pack_rows(chunk, 0)
-        got = {}
-        for mode in (False, True):
-            policy.compile_layers = mode
-            with trainer_forward(policy, chunk):
-                logp, _ = policy_logprobs(policy, batch, cfg.trainer, entropy_grad=False)
-            loss = (logp * batch.response_mask).sum()
-            policy.model.zero_grad()
-            loss.backward()
-            got[mode] = (logp.detach(), loss.item(), [p.grad.clone() for p in policy.model.parameters()])
-        mask = batch.response_mask.bool()
-        assert float((got[True][0] - got[False][0])[mask].abs().max()) < 1e-5
-        assert got[True][1] == pytest.approx(got[False][1], rel=1e-5)
-        for a, b in zip(got[True][2], got[False][2]):
-            assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max()) + 1e-7
+        got = bench.compiled_vs_eager(policy, cfg.trainer, chunk)
+        assert got["max_abs_logprob_diff"] < 1e-5 and got["max_rel_grad_diff"] < 1e-4
+        assert got["loss_compiled"] == pytest.approx(got["loss_eager"], rel=1e-5)
     assert not any("forward" in vars(m) for m in cl.decoder_layers(policy.model))  # restored after the context
     assert any(tmp_path.iterdir())  # inductor wrote its cache where it was told

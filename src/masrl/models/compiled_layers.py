@@ -3,7 +3,8 @@
 Each decoder layer's forward and backward run as one graph: inductor compiles the layer's forward, and
 AOTAutograd its backward. The first micro-batch shape compiles a static graph; the first other shape compiles one
 shape-generic graph (torch's automatic dynamic shapes), so micro-batches of every length reuse it instead of
-compiling each length anew (a training step's micro-batches rarely repeat a length). All layers of a model share the code and the compiled graph (their weights are graph
+compiling each length anew (a training step's micro-batches rarely repeat a length). All layers of a model
+share the code and the compiled graph (their weights are graph
 inputs), so a 30-layer model compiles once per shape, not 30 times. Only the trainer's forwards go through it
 (:func:`compiled_layers` around them); the engine keeps its own decode step.
 
