@@ -47,7 +47,8 @@ def cxx_compiler() -> str | None:
 
 
 def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
-                     checkpointing: bool, native_bf16: bool | None = None) -> tuple[bool, str]:
+                     checkpointing: bool, native_bf16: bool | None = None,
+                     sharded: bool = False) -> tuple[bool, str]:
     """(compile?, the one line that says what runs and why). ``native_bf16``: the CPU's (None: read it)."""
     if setting == "off":
         return False, "trainer.compile: off, eager decoder layers"
@@ -64,6 +65,8 @@ def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
         blockers.append("LoRA adapters are routed per row (eager PEFT layers)")
     if checkpointing:
         blockers.append("gradient checkpointing recomputes layers eagerly")
+    if sharded:
+        blockers.append("FSDP2 shards the layers (not compiled with them)")
     if setting == "auto" and device == "cpu" and not native_bf16:
         blockers.append("on a CPU without native bf16 compiled layers measured no faster than eager")
     if setting == "auto" and total_steps < AUTO_MIN_STEPS:

@@ -497,7 +497,8 @@ def resolve_compile(policy: Policy, trainer: TrainerConfig) -> None:
     device = next(policy.model.parameters()).device.type
     policy.compile_layers, line = compile_decision(
         trainer.compile, device=device, total_steps=trainer.total_steps, lora=policy.cfg.lora is not None,
-        checkpointing=bool(policy.cfg.gradient_checkpointing))
+        checkpointing=bool(policy.cfg.gradient_checkpointing),
+        sharded=any(hasattr(p, "full_tensor") for p in policy.model.parameters()))  # FSDP2's DTensors
     loud = not policy.compile_layers and (trainer.compile == "on" or "C++" in line)  # asked for, or no compiler
     log.log(logging.WARNING if loud else logging.INFO, "policy %s: %s", policy.name, line)
 
