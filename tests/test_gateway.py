@@ -354,18 +354,19 @@ def test_tool_call_round_trip_and_request_bounds(gateway):
 
 
 def test_a_burst_of_connections_waits_in_the_backlog():
-    """Every episode of a rollout may connect at once: with the server not accepting yet, 64 connections are
-    queued by the kernel (a 5-deep backlog would leave the later ones timing out) and all are then answered."""
+    """Every episode of a rollout may connect at once: with the server not accepting yet (its loop busy), 64
+    connections are queued by the kernel (a 5-deep backlog would leave the later ones timing out) and all are
+    then answered."""
     import socket
-    import threading
+    import time
 
     gw = Gateway()
-    gw.server.shutdown()  # stop accepting: the connections wait in the listen backlog
     socks = []
     try:
+        gw.server.loop.call_soon_threadsafe(time.sleep, 2)  # stop accepting: the connections wait in the backlog
+        time.sleep(0.2)
         for _ in range(64):
-            socks.append(socket.create_connection(gw.server.server_address[:2], timeout=0.5))
-        threading.Thread(target=gw.server.serve_forever, daemon=True).start()
+            socks.append(socket.create_connection(gw.server.address, timeout=0.5))
         for s in socks:
             s.settimeout(30)
             s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
