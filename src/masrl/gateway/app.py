@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from masrl.gateway.errors import error_body
 
@@ -26,22 +27,17 @@ def create_app(gateway: "Gateway") -> FastAPI:
         message = f"{exc.detail}: {request.method} {request.url.path}; {API}"
         return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code, headers=exc.headers)
 
+    # plain routes (a request in, a response out: no parameter parsing to pay per call), each serving one method
     for route, method in ((CHAT, "POST"), (COMPLETIONS, "POST"), (MODELS, "GET")):
-        app.add_api_route(route, _endpoint(gateway, route), methods=[method], include_in_schema=False)
-        app.add_api_route("/e/{key}" + route, _keyed_endpoint(gateway, route), methods=[method],
-                          include_in_schema=False)
+        for path in (route, "/e/{key}" + route):  # the key: the path's, or else the Authorization header's
+            served = Route(path, _endpoint(gateway, route), methods=[method], include_in_schema=False)
+            served.methods.discard("HEAD")  # starlette adds HEAD to a GET route: the gateway answers HEAD with 405
+            app.router.routes.append(served)
     return app
 
 
 def _endpoint(gateway: "Gateway", route: str):
-    async def endpoint(request: Request):  # the key is the Authorization header's
-        return await gateway.serve(request, route, None)
-
-    return endpoint
-
-
-def _keyed_endpoint(gateway: "Gateway", route: str):
-    async def endpoint(request: Request, key: str):  # the key is the path's
-        return await gateway.serve(request, route, key)
+    async def endpoint(request: Request):
+        return await gateway.serve(request, route, request.path_params.get("key"))
 
     return endpoint

@@ -189,8 +189,8 @@ class Gateway:
     # ---- request handling (on the server's loop) ----------------------------------------------------------
     async def serve(self, request: Any, route: str, key: str | None) -> Any:
         """The answer to one request on ``route`` (a JSON response; every failure one JSON error)."""
-        from fastapi.responses import JSONResponse
         from starlette.requests import ClientDisconnect
+        from starlette.responses import JSONResponse
 
         from masrl.http.server import BodyError, read_body
 
@@ -241,11 +241,31 @@ class Gateway:
         return _completion_response(session.record("cmpl-", turns), agent, turns, request.get("logprobs") is not None)
 
     async def _run(self, session: EpisodeSession, coro) -> list[Turn]:
-        """``coro`` on the episode's loop, within ``request_timeout_s`` (cancelled past it: a 504)."""
-        future = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, session.loop))
+        """``coro`` on the episode's loop, within ``request_timeout_s`` (cancelled past it: a 504). The two loops
+        hand the call and its result over with ``call_soon_threadsafe`` alone (no concurrent future and its lock)."""
+        here = asyncio.get_running_loop()
+        done = here.create_future()
+        task: list[asyncio.Task] = []
+
+        def settle(result, error) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        async def call() -> None:
+            try:
+                result = await coro
+            except BaseException as e:  # noqa: BLE001 - handed back to the request, which answers it
+                here.call_soon_threadsafe(settle, None, e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                here.call_soon_threadsafe(settle, result, None)
+
+        session.loop.call_soon_threadsafe(lambda: task.append(session.loop.create_task(call())))
         try:
-            turns = await asyncio.wait_for(future, self.request_timeout_s)
+            turns = await asyncio.wait_for(done, self.request_timeout_s)
         except asyncio.TimeoutError:
+            session.loop.call_soon_threadsafe(lambda: task and task[0].cancel())
             raise GatewayError(504, f"the call did not finish within {self.request_timeout_s:g} s",
                                "timeout", kind="server_error") from None
         session.calls += len(turns)

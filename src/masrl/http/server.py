@@ -86,9 +86,15 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
         return b"".join(chunks)
 
     try:
-        return await asyncio.wait_for(collect(), timeout_s)
+        if _timeout is None:  # Python 3.10
+            return await asyncio.wait_for(collect(), timeout_s)
+        async with _timeout(timeout_s):  # no task of its own per request
+            return await collect()
     except asyncio.TimeoutError:
         raise BodyError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+_timeout = getattr(asyncio, "timeout", None)
 
 
 def format_host(host: str) -> str:
