@@ -239,8 +239,9 @@ def test_external_needs_one_of_entry_and_command(tiny_cfg, tmp_path):
     from masrl.errors import ConfigError
     from masrl.team_runner import check_team
 
-    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {}))
-    spec = check_team(cfg)
+    with pytest.raises(ConfigError, match="exactly one of"):  # at start (masrl train and masrl config show)
+        check_team(config_from_dict(_external_cfg(tiny_cfg, tmp_path, {})))
+    spec = check_team(config_from_dict(_external_cfg(tiny_cfg, tmp_path, {"command": "python my_agent.py"})))
     assert spec.agents == ("Solver", "Verifier")
     from masrl.workflows.external import _params
 
