@@ -78,7 +78,7 @@ def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Pa
     - ``path`` itself being a symlink is allowed only when it leads to an existing folder (the user points
       at a real folder); a symlink to a file is refused;
     - ``path`` or one of its parents being a file is refused; the nearest existing folder must be writable.
-    - the path must be usable at all (:func:`check_path_name`: no control characters, no component longer than
+    - the path must be usable at all (``check_path_name``: no control characters, no component longer than
       the filesystem's NAME_MAX, the whole within PATH_MAX less room for what masrl writes inside).
     Each refusal is one ``UserInputError`` naming ``what``, the path and the part at fault.
     """
@@ -168,7 +168,7 @@ def _check_no_dangling(path: Path, what: str) -> Path:
 
 
 def __getattr__(name: str):
-    """``write_text_atomic`` moved to :mod:`masrl.io.atomic`: it still resolves here, with a
+    """``write_text_atomic`` moved to ``masrl.io.atomic``: it still resolves here, with a
     ``DeprecationWarning``, for one release."""
     if name == "write_text_atomic":
         import warnings

@@ -1,11 +1,11 @@
-"""A team built from a config, and what runs it: :class:`TeamRunner`.
+"""A team built from a config, and what runs it: ``TeamRunner``.
 
-``TeamRunner(cfg)`` checks the config's names (:func:`check_team`), loads the task's data (:func:`load_tasks`),
+``TeamRunner(cfg)`` checks the config's names (``check_team``), loads the task's data (``load_tasks``),
 builds the policies with their engines on the configured runtime (this process, or Ray worker groups) and
-the rollout scheduler. It then rolls out a batch of tasks (:meth:`TeamRunner.rollout`) and evaluates the
-team on benchmarks (:meth:`TeamRunner.benches`, the one loop over benchmarks; :meth:`TeamRunner.evaluate`
+the rollout scheduler. It then rolls out a batch of tasks (``TeamRunner.rollout``) and evaluates the
+team on benchmarks (``TeamRunner.benches``, the one loop over benchmarks; ``TeamRunner.evaluate``
 gives their summaries). ``masrl eval``, ``masrl ensemble collect`` and ``masrl serve`` use one directly;
-the trainer (:class:`masrl.trainer.Trainer`) owns one and adds updates, monitors and checkpoints.
+the trainer (``masrl.trainer.Trainer``) owns one and adds updates, monitors and checkpoints.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ __all__ = ["BenchRun", "TeamRunner", "check_team", "fit_context", "load_tasks"]
 def check_team(cfg: RunConfig):
     """The run-start check of a config, before anything is loaded or built: its registry names (workflow, task,
     reward), the workflow's agents and prompt templates against the config's. Returns the workflow spec (a
-    workflow open to any agents gets the config's). Loads no data: :func:`load_tasks` does."""
+    workflow open to any agents gets the config's). Loads no data: ``load_tasks`` does."""
     from masrl.workflows.base import check_workflow_params, get_workflow
 
     check_names(cfg)
@@ -91,7 +91,7 @@ def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:
 
 @dataclasses.dataclass
 class BenchRun:
-    """One benchmark run by :meth:`TeamRunner.benches`: its tasks (those that fit the context), their score
+    """One benchmark run by ``TeamRunner.benches``: its tasks (those that fit the context), their score
     function, the episodes (``n`` consecutive ones per task), the reward calls' counts, and the tasks skipped."""
     bench: str
     tasks: list[Task]
@@ -135,7 +135,7 @@ class TeamRunner:
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """The weights of ``RUN_DIR/checkpoints/step_N`` or of ``RUN_DIR``'s newest checkpoint that loads, into
-        the policies (:func:`masrl.training.checkpoint.load_eval_checkpoint`); returns the step folder loaded."""
+        the policies (``masrl.training.checkpoint.load_eval_checkpoint``); returns the step folder loaded."""
         return load_eval_checkpoint(path, self.policies)
 
     def call(self, scheduler=None, temperature: float | None = None):
@@ -145,7 +145,7 @@ class TeamRunner:
     def rollout(self, tasks, group_ids, *, temperature: float | None = None, seed: int = 0,
                 score=None, on_episode=None, on_turn=None, where: str = "a rollout") -> list[Episode]:
         """The episodes of ``tasks``; their reward calls' counts are left in ``last_reward_counts``, and a rollout
-        whose reward calls fail too often stops the run (:class:`RewardError`, naming ``where``)."""
+        whose reward calls fail too often stops the run (``RewardError``, naming ``where``)."""
         for i, policy in enumerate(self.policies.values()):
             policy.engine.reseed(seed + i)
         try:
@@ -162,7 +162,7 @@ class TeamRunner:
 
     def eval_rollout(self, bench: str, tasks, group_ids, *, temperature: float, seed: int, score,
                      show: bool | None = None) -> list[Episode]:
-        """:meth:`rollout` of an evaluation, with progress: episodes done, accuracy so far, ETA, and the agent
+        """``rollout`` of an evaluation, with progress: episodes done, accuracy so far, ETA, and the agent
         turns generated (a workflow's episodes finish together in its last round; its turns once per round)."""
         progress = Progress(self.show_progress if show is None else show, f"eval {bench}", len(tasks),
                             expected_s=self._eval_seconds.get((bench, len(tasks))))
@@ -189,9 +189,9 @@ class TeamRunner:
                 show: bool | None = None, error: Callable[[str], Exception] = ConfigError) -> Iterator[BenchRun]:
         """Each benchmark of ``names`` ('test' = the task's held-out split, a math or QA benchmark, a QA file),
         at most ``limit`` tasks, ``n`` samples per task at ``temperature`` (default ``eval.temperature``), the
-        sampling streams restarted from ``seed``: one :class:`BenchRun` each, as it finishes.
+        sampling streams restarted from ``seed``: one ``BenchRun`` each, as it finishes.
 
-        ``fit``: skip the tasks whose question cannot fit an agent's context (:func:`fit_context`); a benchmark
+        ``fit``: skip the tasks whose question cannot fit an agent's context (``fit_context``); a benchmark
         with no task (left) is refused with ``error(message)``; ``show``: progress bars (default the runner's)."""
         temperature = self.cfg.eval.temperature if temperature is None else temperature
         for bench in names:
@@ -208,7 +208,7 @@ class TeamRunner:
             yield BenchRun(bench, tasks, score, episodes, self.last_reward_counts, skipped)
 
     def evaluate(self, names: Sequence[str], *, ks: Sequence[int], n: int, seed: int, **kw) -> dict[str, dict]:
-        """``{bench: summary}`` of :meth:`benches` (``ks``: the pass@k / maj@k to give, those up to ``n``)."""
+        """``{bench: summary}`` of ``benches`` (``ks``: the pass@k / maj@k to give, those up to ``n``)."""
         ks = [k for k in ks if k <= n]
         return {run.bench: run.summary(ks) for run in self.benches(names, n=n, seed=seed, **kw)}
 

@@ -1,27 +1,27 @@
 """The gateway: an HTTP server speaking OpenAI's chat/completions API, backed by live episodes.
 
-Each episode of an ``external`` workflow opens an :class:`EpisodeSession` with a key of its own; the program it
+Each episode of an ``external`` workflow opens an ``EpisodeSession`` with a key of its own; the program it
 runs gets ``base_url = <gateway>/e/<key>/v1`` and ``api_key = <key>`` (either identifies the episode). A request
 is handed to the episode's event loop (``asyncio.run_coroutine_threadsafe``) and becomes ``team.call(agent,
 ChatPrompt(messages, tools))``, so calls from many episodes are batched by the rollout scheduler exactly like a
-built-in workflow's, and every call is a recorded :class:`~masrl.types.Turn` with the prompt ids the policy's
+built-in workflow's, and every call is a recorded ``masrl.types.Turn`` with the prompt ids the policy's
 chat template gave, the sampled ids and their log-probs. The ``model`` field names the agent.
 
 A request that continues the agent's previous call of the same episode (its messages start with that call's
 messages and its reply, unchanged) extends that call's token ids instead of re-rendering them
-(:class:`~masrl.tools.chat_format.ChatPrefix`), as ``team.chat`` does: no re-tokenization drift, and the
+(``masrl.tools.chat_format.ChatPrefix``), as ``team.chat`` does: no re-tokenization drift, and the
 rollout engine reuses the earlier keys and values.
 
 Sampling follows the agent's config (``temperature``, ``top_p``, ``max_new_tokens``): the recorded log-probs must
 be those of the distribution the update assumes. A request's own ``temperature``/``top_p`` are accepted and
 ignored; ``max_tokens``/``max_completion_tokens`` above the agent's ``max_new_tokens`` are capped by it, and
 ``stop`` is not applied (cutting a reply would make its ids differ from what was sampled). Every field of the
-request is checked before anything is rendered (:mod:`masrl.gateway.validate`). Errors use OpenAI's
+request is checked before anything is rendered (``masrl.gateway.validate``). Errors use OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``: 401 no live episode, 404 unknown agent or path,
 405 a method the path does not serve, 400 a malformed request, 413 a body over 4 MiB, 504 a call that did not
 finish within ``request_timeout_s``.
 
-The server is the shared HTTP service (:mod:`masrl.http`): FastAPI (:mod:`masrl.gateway.app`) on uvicorn,
+The server is the shared HTTP service (``masrl.http``): FastAPI (``masrl.gateway.app``) on uvicorn,
 whose loop runs in the gateway's own thread, behind the connection guard (``GatewayLimits``: a deadline on the
 whole request head and on the body, connection limits).
 """
@@ -218,7 +218,7 @@ class Gateway:
         return JSONResponse(payload, status_code=status, headers=headers)
 
     async def handle(self, session: EpisodeSession, route: str, body: bytes) -> dict:
-        """The response to a chat or completions request of ``session`` (raises :class:`GatewayError`)."""
+        """The response to a chat or completions request of ``session`` (raises ``GatewayError``)."""
         request = validate.json_object(body)
         chat = route == "/v1/chat/completions"
         validate.known_fields(request, chat)

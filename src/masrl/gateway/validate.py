@@ -1,6 +1,6 @@
 """What the gateway accepts of a request, checked before anything is rendered or generated: every field of every
 message (role, content, name, tool_calls, tool_call_id, ...), the tools, the numbers. A request that breaks a rule
-is a :class:`~masrl.gateway.errors.GatewayError` 400 naming the field (``param``), so nothing malformed is ever
+is a ``masrl.gateway.errors.GatewayError`` 400 naming the field (``param``), so nothing malformed is ever
 rendered into a chat template or trained on."""
 from __future__ import annotations
 

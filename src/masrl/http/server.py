@@ -1,4 +1,4 @@
-"""A FastAPI app served by uvicorn in a thread of its own, behind the connection guard (:mod:`masrl.http.guard`).
+"""A FastAPI app served by uvicorn in a thread of its own, behind the connection guard (``masrl.http.guard``).
 
     limits = HttpLimits(header_timeout_s=30)
     sock = listen("127.0.0.1", 0, host_setting="--host", port_setting="--port")   # one clear line if it cannot
@@ -6,12 +6,12 @@
     ...
     server.stop()
 
-- :func:`listen` binds IPv4 or IPv6 as the host asks (``::1``, ``[::1]``, a name) with a listen backlog of
-  ``backlog``; an address it cannot use is one :class:`~masrl.errors.UserInputError` naming the setting the
+- ``listen`` binds IPv4 or IPv6 as the host asks (``::1``, ``[::1]``, a name) with a listen backlog of
+  ``backlog``; an address it cannot use is one ``masrl.errors.UserInputError`` naming the setting the
   user gave (``--port``, ``workflow.params.port``) and what to do.
-- :class:`ServerThread` runs uvicorn's loop in a daemon thread: uvicorn installs no signal handler and does not
+- ``ServerThread`` runs uvicorn's loop in a daemon thread: uvicorn installs no signal handler and does not
   configure logging (its own logs go to the ``uvicorn`` loggers at ``warning``, the guard's to ``masrl.http``).
-- :func:`read_body` reads a request's body (``Content-Length`` or chunked) within a size and a deadline on the
+- ``read_body`` reads a request's body (``Content-Length`` or chunked) within a size and a deadline on the
   whole body.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ class BodyError(Exception):
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
     """The request body (``Content-Length`` or chunked, decoded by h11), never holding more than ``max_bytes``
     of it: a declared length over the limit is refused before reading (413), a chunked body as soon as it passes
-    the limit (413), a body that has not all arrived within ``timeout_s`` is a 408. Raises :class:`BodyError`
+    the limit (413), a body that has not all arrived within ``timeout_s`` is a 408. Raises ``BodyError``
     (or starlette's ``ClientDisconnect`` when the client hangs up)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -105,7 +105,7 @@ def format_host(host: str) -> str:
 def listen(host: str, port: int, *, backlog: int = 1024, host_setting: str = "host",
            port_setting: str = "port") -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv6 for an IPv6 address or a name that resolves to one only).
-    What cannot be bound is one :class:`UserInputError` that names ``host_setting`` / ``port_setting`` (what the
+    What cannot be bound is one ``UserInputError`` that names ``host_setting`` / ``port_setting`` (what the
     user set: ``--port``, ``workflow.params.port``) and what to do."""
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     where = f"{format_host(bare)}:{port}"
@@ -149,7 +149,7 @@ def _bind_advice(error: OSError, host_setting: str, port_setting: str) -> str:
 
 class ServerThread:
     """``app`` served by uvicorn on ``sock`` in a daemon thread named ``name``, behind a
-    :class:`~masrl.http.guard.GuardedH11Protocol` with ``limits``; its errors in ``error_body``'s shape."""
+    ``masrl.http.guard.GuardedH11Protocol`` with ``limits``; its errors in ``error_body``'s shape."""
 
     def __init__(self, app: Any, sock: socket.socket, limits: HttpLimits, *, name: str,
                  error_body: Callable[[int, str], Any] = plain_error, api: str = API):

@@ -10,7 +10,7 @@ Limits: ``topk`` above ``max_topk`` is capped; queries longer than ``max_query_c
 truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes`` (refused from its
 ``Content-Length`` before it is read, or as soon as a chunked body passes the limit), is refused
 with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408. Below the app
-(:mod:`masrl.http.guard`, the guard the gateway runs behind too): a connection that has not sent a whole request head within
+(``masrl.http.guard``, the guard the gateway runs behind too): a connection that has not sent a whole request head within
 ``header_timeout_s`` is closed (408); at most ``max_connections`` connections are open, at most
 ``max_connections_per_client`` from one address -- a new one closes the oldest connection still
 waiting for its head, or is refused with a 503 when all are serving requests; malformed HTTP is a
@@ -66,7 +66,7 @@ class ServerLimits:
                 raise ValueError(f"ServerLimits.{name} must be a finite number > 0, got {value!r}")
 
     def http(self) -> HttpLimits:
-        """The connection and body limits, for the shared HTTP service (:mod:`masrl.http`)."""
+        """The connection and body limits, for the shared HTTP service (``masrl.http``)."""
         return HttpLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
                           max_body_bytes=self.max_body_bytes, max_connections=self.max_connections,
                           max_connections_per_client=self.max_connections_per_client)
@@ -115,8 +115,8 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
 
 
 async def read_body(request: Request, limits: ServerLimits) -> bytes:
-    """The request body within ``limits`` (:func:`masrl.http.server.read_body`: 413 over ``max_body_bytes``, 408
-    past ``body_timeout_s``). Raises :class:`_BadRequest` (or ``ClientDisconnect``)."""
+    """The request body within ``limits`` (``masrl.http.server.read_body``: 413 over ``max_body_bytes``, 408
+    past ``body_timeout_s``). Raises ``_BadRequest`` (or ``ClientDisconnect``)."""
     try:
         return await read_limited_body(request, limits.max_body_bytes, limits.body_timeout_s)
     except BodyError as e:
@@ -167,7 +167,7 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None):
 
 
 def uvicorn_options(retriever: Retriever, limits: ServerLimits) -> dict:
-    """uvicorn settings serving ``retriever``: the app behind :class:`GuardedH11Protocol`, which limits connections
+    """uvicorn settings serving ``retriever``: the app behind ``GuardedH11Protocol``, which limits connections
     itself (uvicorn's ``limit_concurrency`` would count connections still waiting for a request head)."""
     guard = ConnectionGuard(max_connections=limits.max_connections, max_per_client=limits.max_connections_per_client,
                             head_timeout_s=limits.header_timeout_s)

@@ -6,10 +6,10 @@
         return team.finish(answer=turn.text)
 
 ``team.call`` sends the request to the rollout scheduler, which batches the pending
-requests of every running episode per policy; it returns the recorded :class:`Turn`.
+requests of every running episode per policy; it returns the recorded ``Turn``.
 Workflows mark malformed turns with ``turn.valid = False`` (a format penalty applies).
 ``team.extend(turn, text)`` is a prompt that continues an earlier turn token for token (a running
-transcript: :class:`Continuation`).
+transcript: ``Continuation``).
 """
 from __future__ import annotations
 
@@ -63,9 +63,9 @@ def register_workflow(name: str, *, agents, prompts: Mapping[str, str], params: 
                       overwrite: bool = False, check: Callable[["Team"], Any] | None = None):
     """Register ``fn`` under ``name`` with its agent roles, default prompt templates and parameters; the
     config's ``workflow.name`` picks it. A name that is taken is an error unless ``overwrite``. A package
-    registers its own through the ``masrl.workflows`` entry-point group (:mod:`masrl.registry`). ``check(team)``,
+    registers its own through the ``masrl.workflows`` entry-point group (``masrl.registry``). ``check(team)``,
     the workflow's check of ``team.params`` (raising ``ConfigError``), also runs when a run starts
-    (:func:`check_workflow_params`), so that ``masrl config show`` and ``masrl train`` refuse the same params
+    (``check_workflow_params``), so that ``masrl config show`` and ``masrl train`` refuse the same params
     before any model is built."""
 
     def deco(fn: WorkflowFn) -> WorkflowFn:
@@ -125,7 +125,7 @@ def render(template: str, **fields: Any) -> str:
 
 
 def never_raises(score: ScoreFn) -> ScoreFn:
-    """``score`` that cannot take a training step down (:class:`masrl.tasks.reward_guard.GuardedScore`): an
+    """``score`` that cannot take a training step down (``masrl.tasks.reward_guard.GuardedScore``): an
     exception, a result without a numeric ``reward`` or a non-finite one becomes reward 0 with
     ``reason="score_error"`` (a user reward past its deadline: ``"reward_timeout"``), counted; the first
     failure is logged with its traceback. A score that is guarded already (the trainer's, whose counts it
@@ -204,7 +204,7 @@ class Team:
         return turn
 
     def extend(self, turn: Turn, text: str) -> Continuation:
-        """A prompt that continues ``turn``'s prompt and reply token for token with ``text`` (see :class:`Continuation`)."""
+        """A prompt that continues ``turn``'s prompt and reply token for token with ``text`` (see ``Continuation``)."""
         if not isinstance(turn, Turn) or not isinstance(text, str):
             raise TypeError(f"team.extend(turn, text) takes a Turn and a str, got {type(turn).__name__} and "
                             f"{type(text).__name__}")
@@ -213,8 +213,8 @@ class Team:
     async def chat(self, agent: str, messages: list[dict], tools=(), **options: Any):
         """Converse with ``agent`` and run its tool calls until it answers; ``messages`` grows in place.
 
-        Returns a :class:`masrl.workflows.chat.ChatResult`; options: ``max_calls``, ``timeout_s``,
-        ``formats`` (see :func:`masrl.workflows.chat.run_chat`).
+        Returns a ``masrl.workflows.chat.ChatResult``; options: ``max_calls``, ``timeout_s``,
+        ``formats`` (see ``masrl.workflows.chat.run_chat``).
         """
         from masrl.workflows.chat import run_chat
 
@@ -239,7 +239,7 @@ class Team:
 
 
 def valid_prompt(prompt: Any) -> Any:
-    """``prompt`` with its text valid UTF-8 (lone surrogates as U+FFFD: :func:`masrl.tools.text.valid_text`):
+    """``prompt`` with its text valid UTF-8 (lone surrogates as U+FFFD: ``masrl.tools.text.valid_text``):
     every prompt passes here on its way to a tokenizer, so task strings, retrieved passages and tool
     results of any source are covered. Text that is valid already is kept as it is."""
     if isinstance(prompt, str):

@@ -14,7 +14,7 @@ reply without a yes/no tag (read as ``untagged_verdict`` while turns remain, as
 ``<answer>`` (the answer is None).
 
 Parameters (``team.params``): ``retriever`` (an object with ``search(queries, topk)`` or a spec
-for :func:`masrl.retrieval.build_retriever`), ``topk``, ``max_turns``,
+for ``masrl.retrieval.build_retriever``), ``topk``, ``max_turns``,
 ``history_length``, ``untagged_verdict``, ``untagged_last_turn``, ``doc_format``.
 Prompts are the templates below (``Verifier``, ``Search``, ``Answer`` and the shared
 ``context`` / ``history`` / ``history_step``), each overridable from the config.

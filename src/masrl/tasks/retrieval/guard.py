@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`masrl.http.guard`. This path is the same module for one release and warns on
+"""Deprecated: moved to ``masrl.http.guard``. This path is the same module for one release and warns on
 import; import from ``masrl.http.guard`` instead."""
 import sys
 import warnings
