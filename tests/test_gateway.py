@@ -239,8 +239,9 @@ def test_external_needs_one_of_entry_and_command(tiny_cfg, tmp_path):
     from masrl.errors import ConfigError
     from masrl.team_runner import check_team
 
-    cfg = config_from_dict(_external_cfg(tiny_cfg, tmp_path, {}))
-    spec = check_team(cfg)
+    with pytest.raises(ConfigError, match="exactly one of"):  # at start (masrl train and masrl config show)
+        check_team(config_from_dict(_external_cfg(tiny_cfg, tmp_path, {})))
+    spec = check_team(config_from_dict(_external_cfg(tiny_cfg, tmp_path, {"command": "python my_agent.py"})))
     assert spec.agents == ("Solver", "Verifier")
     from masrl.workflows.external import _params
 
@@ -354,18 +355,19 @@ def test_tool_call_round_trip_and_request_bounds(gateway):
 
 
 def test_a_burst_of_connections_waits_in_the_backlog():
-    """Every episode of a rollout may connect at once: with the server not accepting yet, 64 connections are
-    queued by the kernel (a 5-deep backlog would leave the later ones timing out) and all are then answered."""
+    """Every episode of a rollout may connect at once: with the server not accepting yet (its loop busy), 64
+    connections are queued by the kernel (a 5-deep backlog would leave the later ones timing out) and all are
+    then answered."""
     import socket
-    import threading
+    import time
 
     gw = Gateway()
-    gw.server.shutdown()  # stop accepting: the connections wait in the listen backlog
     socks = []
     try:
+        gw.server.loop.call_soon_threadsafe(time.sleep, 2)  # stop accepting: the connections wait in the backlog
+        time.sleep(0.2)
         for _ in range(64):
-            socks.append(socket.create_connection(gw.server.server_address[:2], timeout=0.5))
-        threading.Thread(target=gw.server.serve_forever, daemon=True).start()
+            socks.append(socket.create_connection(gw.server.address, timeout=0.5))
         for s in socks:
             s.settimeout(30)
             s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")

@@ -20,8 +20,10 @@ MODULES = [  # (old module, a name in it, new module)
     ("masrl.tasks.rows", "read_rows", "masrl.io.rows"),
     ("masrl.tasks.lines", "text_lines", "masrl.io.lines"),
     ("masrl.evaluation.runner", "summarize_episodes", "masrl.evaluation.summary"),
+    ("masrl.retrieval.guard", None, "masrl.http.guard"),
+    ("masrl.tasks.retrieval.guard", None, "masrl.http.guard"),
 ] + [(f"masrl.tasks.retrieval.{p.stem}", None, f"masrl.retrieval.{p.stem}")
-     for p in sorted(SHIMS.glob("*.py")) if p.stem not in ("__init__", "synthetic_kb")]
+     for p in sorted(SHIMS.glob("*.py")) if p.stem not in ("__init__", "synthetic_kb", "guard")]
 
 NAMES = [  # (old module, moved name, new module)
     ("masrl.tasks.code", "run_python", "masrl.sandbox"),
@@ -34,7 +36,7 @@ NAMES = [  # (old module, moved name, new module)
 
 @pytest.mark.parametrize("old,name,new", MODULES, ids=[f"{m[0]}.{m[1]}" for m in MODULES])
 def test_an_old_module_path_warns_and_gives_the_same_object(old, name, new, monkeypatch):
-    if old.endswith((".dense", ".server")):
+    if old.endswith((".dense", ".server", ".guard")):
         pytest.importorskip("torch" if old.endswith(".dense") else "fastapi")
     monkeypatch.delitem(sys.modules, old, raising=False)  # import it afresh: the warning comes on import
     with pytest.warns(DeprecationWarning, match=re.escape(new)) as record:
@@ -75,6 +77,7 @@ def test_an_unknown_name_is_still_an_attribute_error():
 
 
 OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|code\.sandbox|code\._(child|cgroup|cleanup))"
+                       r"|masrl\.retrieval\.guard\b|retrieval/guard\.py"
                        r"|masrl\.evaluation\.runner\b|evaluation/runner\.py"
                        r"|tasks/(retrieval/|rows\.py|lines\.py|code/(sandbox|_child|_cgroup|_cleanup)\.py)"
                        r"|from masrl\.tasks\.code import[^\n]*\b(run_python|Sandbox|Limits|SandboxError|SandboxResult"
@@ -104,7 +107,7 @@ def test_masrl_itself_uses_only_the_new_paths():
                 continue
             if rel.startswith("src/masrl/tasks/retrieval/") or rel in (
                     "src/masrl/tasks/rows.py", "src/masrl/tasks/lines.py", "src/masrl/tasks/code/sandbox.py",
-                    "src/masrl/evaluation/runner.py"):
+                    "src/masrl/evaluation/runner.py", "src/masrl/retrieval/guard.py"):
                 continue  # the deprecated modules themselves
             try:
                 text = f.read_text(encoding="utf-8")

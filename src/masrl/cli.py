@@ -11,7 +11,7 @@ from pathlib import Path
 from masrl.argtypes import MAX_COUNT, MAX_TOKENS, bounded, shown
 from masrl.config import load_config
 from masrl.errors import ConfigError, UserInputError, clip_lines, extra_hint
-from masrl.paths import check_output_dir
+from masrl.paths import check_output_dir, check_path_name
 
 
 def _cmd_train(args) -> int:
@@ -48,12 +48,16 @@ def _cmd_train(args) -> int:
 
 
 def check_before_build(cfg, run_dir: Path, what: str) -> None:
-    """What ``masrl train`` checks before it builds a model, and ``masrl config show`` checks too: the run
-    folder can be written (``masrl.paths.check_output_dir``), then registry names, agents, prompt templates
-    and the task's data (``masrl.team_runner``: ``check_team``, then ``load_tasks``, as a ``TeamRunner`` starts)."""
+    """What ``masrl train`` checks before it builds a model, and ``masrl config show`` checks too (the one
+    start-time check of both): the run folder can be written and every path derived from the config's names can
+    exist (``masrl.paths.check_output_dir``; the policies' checkpoint folders), then registry names, agents,
+    prompt templates, the workflow's params and the task's data (``masrl.team_runner``: ``check_team``, then
+    ``load_tasks``, as a ``TeamRunner`` starts)."""
     from masrl.team_runner import check_team, load_tasks
 
     check_output_dir(run_dir, what)
+    for policy in cfg.policies:  # checkpoints/step_N/policies/<policy>/
+        check_path_name(Path(run_dir, "checkpoints", "step_0", "policies", policy), f"policies.{policy[:40]}")
     check_team(cfg)
     load_tasks(cfg)
 

@@ -78,9 +78,12 @@ def check_output_dir(path: str | os.PathLike, what: str = "output folder") -> Pa
     - ``path`` itself being a symlink is allowed only when it leads to an existing folder (the user points
       at a real folder); a symlink to a file is refused;
     - ``path`` or one of its parents being a file is refused; the nearest existing folder must be writable.
+    - the path must be usable at all (``check_path_name``: no control characters, no component longer than
+      the filesystem's NAME_MAX, the whole within PATH_MAX less room for what masrl writes inside).
     Each refusal is one ``UserInputError`` naming ``what``, the path and the part at fault.
     """
     path = Path(path)
+    check_path_name(path, what)
     probe = _check_no_dangling(path, what)
     if probe != path and not probe.is_dir():
         raise UserInputError(f"{what} {path}: {probe} is a file, not a folder; choose another path")
@@ -102,6 +105,45 @@ def check_output_file(path: str | os.PathLike, what: str = "output file") -> Pat
     if path.is_dir():
         raise UserInputError(f"{what} {path} is a folder; give a file name, e.g. {path / 'out.jsonl'}")
     check_output_dir(path.parent, what)
+    return path
+
+
+ROOM_INSIDE = 256  # bytes of path masrl may add inside a folder it writes (checkpoints/.step_N.tmp-PID/policies/...)
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(NAME_MAX, PATH_MAX) of the filesystem that holds ``path``'s nearest existing folder (255, 4096 if unknown)."""
+    probe = Path(os.path.abspath(path))
+    while not os.path.isdir(probe) and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return os.pathconf(probe, "PC_NAME_MAX"), os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 255, 4096
+
+
+def check_path_name(path: str | os.PathLike, what: str, room: int = ROOM_INSIDE) -> Path:
+    """``path`` (derived from what the user set: a run name, an output folder) can exist on this filesystem: no
+    NUL or other control character, no component longer than NAME_MAX bytes, the absolute path with ``room``
+    bytes to spare within PATH_MAX. One ``UserInputError`` naming ``what``, the part at fault and the limit;
+    creates nothing. (Otherwise ``mkdir`` fails deep inside a run with ``OSError: [Errno 36]``.)"""
+    path = Path(path)
+    text = os.fspath(path)
+    bad = next((c for c in text if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:
+        raise UserInputError(f"{what} {text[:80]!r}: a path may not hold the control character {bad!r}; "
+                             "choose a name of printable characters")
+    name_max, path_max = _limits(path)
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            raise UserInputError(f"{what} {text[:60]}...: the path component {part[:40]}... is {size} bytes; this "
+                                 f"filesystem allows {name_max} per name: choose a shorter name (the run name and "
+                                 "output_dir make the run folder's name)")
+    size = len(os.fsencode(os.path.abspath(text)))
+    if size + room > path_max:
+        raise UserInputError(f"{what} {text[:60]}...: the path is {size} bytes; with the {room} bytes masrl writes "
+                             f"inside it, it passes this filesystem's limit of {path_max}: choose a shorter path")
     return path
 
 

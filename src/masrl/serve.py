@@ -14,6 +14,7 @@ import asyncio
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Mapping
 
@@ -72,7 +73,7 @@ class _StandingTeam:
         return await self._call(agent, prompt)
 
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
 def run_serve(args) -> int:
@@ -83,27 +84,38 @@ def run_serve(args) -> int:
     from masrl.team_runner import TeamRunner
 
     cfg, checkpoint = _load(Path(args.path), args.overrides)
-    with TeamRunner(cfg, progress=False) as runner:
-        where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
-        if getattr(args, "team", False):  # the whole team as one model (masrl.serve_team)
-            from masrl.serve_team import run_team
+    if getattr(args, "team", False):  # the whole team as one model (masrl.serve_team)
+        from masrl.serve_team import run_team
 
+        with TeamRunner(cfg, progress=False) as runner:
+            where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
             return run_team(args, runner, where)
-        loop = asyncio.new_event_loop()
-        threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
-        batcher = ServeBatcher({n: p.engine for n, p in runner.policies.items()}, args.batch_window_ms / 1000)
-        team = _StandingTeam(cfg.agents, runner.call(batcher))
-        gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout)
-        gateway.default = EpisodeSession(team, loop, key=args.api_key or "", base_url=f"{gateway.url}/v1",
-                                         standing=True)
-        gateway.default_key = args.api_key
-        gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
-        print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
-        try:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
+    ready: Future = Future()  # the team's call, once its models are loaded: calls that come earlier wait for it
+
+    async def call(agent: str, prompt):
+        return await (await asyncio.wrap_future(ready))(agent, prompt)
+
+    # listen before loading the models: an address that cannot be used is said at once, naming the flag
+    gateway = Gateway(args.host, args.port, request_timeout_s=args.request_timeout, host_setting="--host",
+                      port_setting="--port")
+    gateway.default = EpisodeSession(_StandingTeam(cfg.agents, call), loop, key=args.api_key or "",
+                                     base_url=f"{gateway.url}/v1", standing=True)
+    gateway.default_key = args.api_key
+    gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
+    try:
+        with TeamRunner(cfg, progress=False) as runner:
+            where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
+            batcher = ServeBatcher({n: p.engine for n, p in runner.policies.items()}, args.batch_window_ms / 1000)
+            ready.set_result(runner.call(batcher))
+            print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
             serve_until(args.max_seconds)
-        finally:
-            gateway.shutdown()
-            loop.call_soon_threadsafe(loop.stop)
+    finally:
+        if not ready.done():
+            ready.set_exception(RuntimeError("masrl serve stopped before its models were loaded"))
+        gateway.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
     print(f"masrl serve: stopped after {gateway.default.calls} calls", file=sys.stderr)
     return 0
 

@@ -37,7 +37,7 @@ def check_team(cfg: RunConfig):
     """The run-start check of a config, before anything is loaded or built: its registry names (workflow, task,
     reward), the workflow's agents and prompt templates against the config's. Returns the workflow spec (a
     workflow open to any agents gets the config's). Loads no data: ``load_tasks`` does."""
-    from masrl.workflows.base import get_workflow
+    from masrl.workflows.base import check_workflow_params, get_workflow
 
     check_names(cfg)
     spec = get_workflow(cfg.workflow.name)
@@ -55,6 +55,7 @@ def check_team(cfg: RunConfig):
     if unknown_prompts:
         raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                           f"{spec.name} uses {sorted(spec.prompts)}")
+    check_workflow_params(spec, cfg.workflow.params, cfg.workflow.prompts)
     return spec
 
 

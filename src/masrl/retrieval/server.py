@@ -10,7 +10,7 @@ Limits: ``topk`` above ``max_topk`` is capped; queries longer than ``max_query_c
 truncated; more than ``max_queries`` queries, or a body above ``max_body_bytes`` (refused from its
 ``Content-Length`` before it is read, or as soon as a chunked body passes the limit), is refused
 with 413. A body that takes longer than ``body_timeout_s`` to arrive is a 408. Below the app
-(``masrl.retrieval.guard``): a connection that has not sent a whole request head within
+(``masrl.http.guard``, the guard the gateway runs behind too): a connection that has not sent a whole request head within
 ``header_timeout_s`` is closed (408); at most ``max_connections`` connections are open, at most
 ``max_connections_per_client`` from one address -- a new one closes the oldest connection still
 waiting for its head, or is refused with a 503 when all are serving requests; malformed HTTP is a
@@ -22,13 +22,9 @@ traceback.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +34,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from masrl.http.guard import API, ConnectionGuard, GuardedH11Protocol
+from masrl.http.server import BodyError, HttpLimits, ServerThread, listen
+from masrl.http.server import read_body as read_limited_body
 from masrl.retrieval.base import Retriever
-from masrl.retrieval.guard import API, ConnectionGuard, GuardedH11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +64,12 @@ class ServerLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"ServerLimits.{name} must be a finite number > 0, got {value!r}")
+
+    def http(self) -> HttpLimits:
+        """The connection and body limits, for the shared HTTP service (``masrl.http``)."""
+        return HttpLimits(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                          max_body_bytes=self.max_body_bytes, max_connections=self.max_connections,
+                          max_connections_per_client=self.max_connections_per_client)
 
 
 ROUTES = API
@@ -111,26 +115,12 @@ def parse_retrieve_request(body: bytes, limits: ServerLimits) -> tuple[list[str]
 
 
 async def read_body(request: Request, limits: ServerLimits) -> bytes:
-    """The request body, read without ever holding more than ``max_body_bytes`` of it: a ``Content-Length``
-    over the limit is refused before reading (413), a chunked body as soon as it passes the limit (413), a
-    body slower than ``body_timeout_s`` is a 408. Raises ``_BadRequest`` (or ``ClientDisconnect``)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise _BadRequest(413, f"request body of {int(declared)} bytes exceeds {limits.max_body_bytes}")
-
-    async def collect() -> bytes:
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise _BadRequest(413, f"request body exceeds {limits.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
+    """The request body within ``limits`` (``masrl.http.server.read_body``: 413 over ``max_body_bytes``, 408
+    past ``body_timeout_s``). Raises ``_BadRequest`` (or ``ClientDisconnect``)."""
     try:
-        return await asyncio.wait_for(collect(), limits.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise _BadRequest(408, f"the request body did not arrive within {limits.body_timeout_s:g} s") from None
+        return await read_limited_body(request, limits.max_body_bytes, limits.body_timeout_s)
+    except BodyError as e:
+        raise _BadRequest(e.status, e.message) from None
 
 
 def create_app(retriever: Retriever, limits: ServerLimits | None = None):
@@ -202,39 +192,23 @@ class BackgroundServer:
 
     def __init__(self, retriever: Retriever, limits: ServerLimits | None = None, host: str = "127.0.0.1",
                  port: int = 0, startup_timeout: float = 30.0):
-        import uvicorn
-
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self.host, self.port = host, self._sock.getsockname()[1]
-        config = uvicorn.Config(**uvicorn_options(retriever, limits or ServerLimits()), log_level="warning",
-                                lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        limits = limits or ServerLimits()
+        http = limits.http()
+        self._server = ServerThread(create_app(retriever, limits), listen(host, port, backlog=http.backlog), http,
+                                    name="masrl-retriever")
+        self.host, self.port = self._server.address
         self._startup_timeout = startup_timeout
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self._server.url
 
     def start(self) -> "BackgroundServer":
-        self._thread.start()
-        deadline = time.monotonic() + self._startup_timeout
-        while not self._server.started:  # poll until uvicorn reports it is listening
-            if not self._thread.is_alive():
-                raise RuntimeError(f"retrieval server on {self.url} exited during startup")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"retrieval server on {self.url} did not start in {self._startup_timeout:g} s")
-            time.sleep(0.01)
+        self._server.start(self._startup_timeout)
         return self
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        self._sock.close()
+        self._server.stop()
 
     def __enter__(self) -> "BackgroundServer":
         return self.start()

@@ -45,6 +45,9 @@ class WorkflowSpec:
     prompts: dict[str, str]
     params: dict[str, Any] = field(default_factory=dict)
     description: str = ""
+    # the workflow's check of its params, ``check(team)`` raising ConfigError: run at start (masrl train and
+    # masrl config show, through team_runner.check_team) on a team that has no task, as well as by the workflow
+    check: Callable[["Team"], Any] | None = None
 
 
 def _load_builtin() -> None:
@@ -57,16 +60,19 @@ WORKFLOWS: Registry[WorkflowSpec] = Registry("workflow", group="masrl.workflows"
 
 
 def register_workflow(name: str, *, agents, prompts: Mapping[str, str], params: Mapping[str, Any] | None = None,
-                      overwrite: bool = False):
+                      overwrite: bool = False, check: Callable[["Team"], Any] | None = None):
     """Register ``fn`` under ``name`` with its agent roles, default prompt templates and parameters; the
     config's ``workflow.name`` picks it. A name that is taken is an error unless ``overwrite``. A package
-    registers its own through the ``masrl.workflows`` entry-point group (``masrl.registry``)."""
+    registers its own through the ``masrl.workflows`` entry-point group (``masrl.registry``). ``check(team)``,
+    the workflow's check of ``team.params`` (raising ``ConfigError``), also runs when a run starts
+    (``check_workflow_params``), so that ``masrl config show`` and ``masrl train`` refuse the same params
+    before any model is built."""
 
     def deco(fn: WorkflowFn) -> WorkflowFn:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"workflow {name!r} must be an async function")
         WORKFLOWS.register(name, WorkflowSpec(name, fn, tuple(agents), dict(prompts), dict(params or {}),
-                                              (fn.__doc__ or "").strip().split("\n")[0]), overwrite=overwrite)
+                                              (fn.__doc__ or "").strip().split("\n")[0], check), overwrite=overwrite)
         return fn
 
     return deco
@@ -254,3 +260,16 @@ def _valid_values(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _valid_values(v) for k, v in value.items()}
     return value
+
+
+def check_workflow_params(spec: WorkflowSpec, params: Mapping[str, Any], prompts: Mapping[str, str] | None = None) -> None:
+    """The workflow's own check of its params (``spec.check``), run at start on a team that has no task to run:
+    its agents cannot be called and it scores nothing."""
+    if spec.check is None:
+        return
+
+    async def no_call(agent: str, prompt: Any) -> Turn:
+        raise RuntimeError(f"workflow {spec.name!r}: its params check called agent {agent!r}")
+
+    spec.check(Team(Task(id="start-check", question="", answer=""), spec, no_call, lambda task, answer: {"reward": 0.0},
+                    prompts=prompts, params=params))

@@ -24,7 +24,7 @@ TOOL_CHOICES = ("calculator", "none")
 
 
 @register_workflow("calculator_math", agents=("Solver",), prompts=CALCULATOR_PROMPTS,
-                   params={"tools": "calculator", "max_tool_calls": 2})
+                   params={"tools": "calculator", "max_tool_calls": 2}, check=check_params)
 async def calculator_math(task: Task, team: Team) -> Episode:
     """The Solver answers ``task.question``, with the calculator tool or (``tools: none``) without."""
     check_params(team)

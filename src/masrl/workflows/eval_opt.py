@@ -24,7 +24,7 @@ EVAL_OPT_PROMPTS = {
 
 @register_workflow("eval_opt", agents=("Generator", "Evaluator"), prompts=EVAL_OPT_PROMPTS,
                    params={"max_iterations": 3, "invalid_verdict": "incorrect", "evaluate_final": True,
-                           "judge_verdicts": True, "answer_format": "boxed"})
+                           "judge_verdicts": True, "answer_format": "boxed"}, check=check_params)
 async def eval_opt(task: Task, team: Team) -> Episode:
     """Eval-Opt: Generator solves, Evaluator says Correct/Incorrect; on Incorrect the Generator revises.
 

@@ -25,7 +25,8 @@ ORCH_PROMPTS = {
 
 
 @register_workflow("orch_workers", agents=("Orchestrator", "Worker", "Synthesizer"), prompts=ORCH_PROMPTS,
-                   params={"max_subtasks": 3, "workers_see_problem": False, "answer_format": "boxed"})
+                   params={"max_subtasks": 3, "workers_see_problem": False, "answer_format": "boxed"},
+                   check=check_params)
 async def orch_workers(task: Task, team: Team) -> Episode:
     """Orch-Workers: Orchestrator writes ``SUBTASK k: ...`` lines, Workers solve them in parallel,
     the Synthesizer combines their results into the final ``\\boxed{}``.

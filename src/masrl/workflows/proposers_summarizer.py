@@ -20,7 +20,7 @@ MOA_PROMPTS = {
 
 
 @register_workflow("proposers_summarizer", agents=("Proposer", "Summarizer"), prompts=MOA_PROMPTS,
-                   params={"n_proposers": 3, "score_candidates": False})
+                   params={"n_proposers": 3, "score_candidates": False}, check=check_params)
 async def proposers_summarizer(task: Task, team: Team) -> Episode:
     """MoA: ``n_proposers`` answer in parallel; the Summarizer synthesizes the final ``\\boxed{}``.
 

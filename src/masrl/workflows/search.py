@@ -132,7 +132,7 @@ def _check_params(p: dict) -> None:
 
 
 @register_workflow("search_verifier_router", agents=("Verifier", "Search", "Answer"), prompts=SEARCH_PROMPTS,
-                   params=SEARCH_PARAMS)
+                   params=SEARCH_PARAMS, check=lambda team: _check_params({**SEARCH_PARAMS, **team.params}))
 async def search_verifier_router(task: Task, team: Team) -> Episode:
     """Dr. MAS search: Verifier routes to Search (<search>) or Answer (<answer>), up to max_turns."""
     p = {**SEARCH_PARAMS, **team.params}

@@ -18,7 +18,8 @@ def _solver_prompt() -> str:
 SINGLE_PROMPTS = {"Solver": _solver_prompt()}
 
 
-@register_workflow("single", agents=("Solver",), prompts=SINGLE_PROMPTS, params={"answer_format": "boxed"})
+@register_workflow("single", agents=("Solver",), prompts=SINGLE_PROMPTS, params={"answer_format": "boxed"},
+                   check=check_params)
 async def single(task: Task, team: Team) -> Episode:
     """Single-agent baseline: one Solver turn, same prompt as the math solver-verifier's Solver.
 

@@ -21,7 +21,7 @@ VOTING_PROMPTS = {
 
 @register_workflow("voting", agents=("Generator", "Aggregator"), prompts=VOTING_PROMPTS,
                    params={"n_generators": 3, "fallback": "majority", "score_candidates": False,
-                           "answer_format": "boxed"})
+                           "answer_format": "boxed"}, check=check_params)
 async def voting(task: Task, team: Team) -> Episode:
     """Voting: ``n_generators`` answer in parallel; the Aggregator picks one with ``\\boxed{i}`` (1-based).
 
