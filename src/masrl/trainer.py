@@ -38,7 +38,7 @@ from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
-from masrl.tasks.reward_guard import GuardedScore, RewardError, check_failures
+from masrl.usercode.guard import GuardedScore, RewardError, check_failures
 from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError

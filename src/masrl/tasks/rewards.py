@@ -15,10 +15,10 @@ reward receives the whole episode::
 It is called by ``team.finish`` (the team reward) and by ``team.score`` (a workflow judging a
 verdict on the turns so far). ``path/to/file.py:function`` works too.
 
-A user's reward runs under the contract of :mod:`masrl.tasks.reward_guard`: it is imported and its
+A user's reward runs under the contract of :mod:`masrl.usercode.guard`: it is imported and its
 signature checked when the config is (one ``ConfigError`` line otherwise); each call runs with a deadline
 (``task.reward_timeout_s``) in a worker process of its own (``task.reward_isolation: auto`` / ``process``,
-:mod:`masrl.tasks.reward_process`) or in a worker thread (``thread``; ``auto`` for a function a separate
+:mod:`masrl.usercode.process`) or in a worker thread (``thread``; ``auto`` for a function a separate
 process cannot import: one defined in ``__main__`` or inside a function) and sees copies of the turns, whose
 ``reward`` values are taken back only from a call that returned in time; rewards must be finite and are clipped
 to ``±MAX_ABS_REWARD``; failures are counted and a rollout where they reach ``task.reward_max_error_share``
@@ -38,8 +38,8 @@ from typing import Any, Callable, Mapping
 
 from masrl.errors import ConfigError
 from masrl.registry import Registry
-from masrl.tasks.reward_guard import call_with_deadline, checked_reward, reward_name
-from masrl.tasks.user_code import import_object
+from masrl.usercode.guard import call_with_deadline, checked_reward, reward_name
+from masrl.usercode.imports import import_object
 from masrl.types import Episode, Task, Turn
 
 BUILTIN_REWARDS = ("math", "qa_em", "qa_f1", "qa_subem", "code")  # rewards whose gold answers dataset tasks parse
@@ -187,7 +187,7 @@ class EpisodeReward:
         self.takes_episode = True  # read by Team.score: a user reward sees the turns so far
         self.process = None  # its worker process (isolation process), started at the first call
         if load is not None and timeout_s is not None:
-            from masrl.tasks.reward_process import RewardProcess
+            from masrl.usercode.process import RewardProcess
 
             self.process = RewardProcess(name, load)
 
@@ -266,7 +266,7 @@ def resolve_reward(name: str | Mapping[str, Any], params: Mapping[str, Any] | No
 
 
 def _process_load(spec: str | None, fn: Callable, isolation: str) -> tuple[str, Any] | None:
-    """How a worker process loads the reward (:class:`masrl.tasks.reward_process.RewardProcess`), or None to
+    """How a worker process loads the reward (:class:`masrl.usercode.process.RewardProcess`), or None to
     run it in a thread: ``thread``, or ``auto`` for a function a separate process cannot import (``process``
     then is one ConfigError line saying why)."""
     if isolation == "thread":

@@ -80,7 +80,7 @@ def _task_payload(task: Task) -> dict:
 
 
 async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:
-    from masrl.tasks.user_code import import_object
+    from masrl.usercode.imports import import_object
 
     fn = import_object(spec, "workflow.params.entry")
     if not callable(fn):
