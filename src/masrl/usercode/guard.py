@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import queue
 import threading
 import traceback
@@ -29,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from masrl.errors import UserInputError
+from masrl.usercode.calls import contained
+from masrl.usercode.ledger import UserCodeError, check_share, failure_line, usercode_metrics
+from masrl.usercode.numbers import finite
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class RewardProcessError(RuntimeError):
         self.remote_traceback = remote_traceback
 
 
-class RewardError(UserInputError):
+class RewardError(UserCodeError):
     """A reward function failed on too many calls of a rollout: the run stops (exit 2). ``counts``: the
     rollout's :class:`RewardCounts`."""
 
@@ -133,10 +134,7 @@ def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -
         raise RewardTimeout(f"reward {name} ran past its deadline of {timeout_s:g} s (task.reward_timeout_s); "
                             "its call was abandoned")
     if job.error is not None:
-        if isinstance(job.error, Exception):
-            raise job.error
-        raise RuntimeError(f"{type(job.error).__name__}({job.error}) raised by the reward function") \
-            .with_traceback(job.error.__traceback__)
+        raise contained(job.error, f"reward {name}")
     return job.value
 
 
@@ -148,11 +146,7 @@ _CLIPPED: set[str] = set()
 def checked_reward(value: Any, what: str, warn_key: str | None = None) -> float:
     """``value`` as a finite float, clipped to ``±MAX_ABS_REWARD`` (one warning per ``warn_key``, default
     ``what``); a non-number or a NaN/infinite value is a ``ValueError`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{what} must be a number, got {type(value).__name__} {str(value)[:80]!r}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{what} is {number}, not a finite number")
+    number = finite(value, what)
     if abs(number) > MAX_ABS_REWARD:
         if (warn_key or what) not in _CLIPPED:
             _CLIPPED.add(warn_key or what)
@@ -200,17 +194,15 @@ class RewardCounts:
 
     def metrics(self) -> dict[str, float]:
         return {"reward/calls": float(self.calls), "reward/errors": float(self.errors),
-                "reward/timeouts": float(self.timeouts), "reward/cached": float(self.cached)}
+                "reward/timeouts": float(self.timeouts), "reward/cached": float(self.cached),
+                **usercode_metrics("reward", self.calls, self.errors, self.timeouts)}
 
     def summary(self) -> dict[str, int]:
         """For an evaluation's results (``reward_calls``, ``reward_errors``, ``reward_timeouts``)."""
         return {"reward_calls": self.calls, "reward_errors": self.errors, "reward_timeouts": self.timeouts}
 
     def describe(self, where: str) -> str:
-        kinds = ", ".join(f"{n} {w}{'s' if n != 1 else ''}" for n, w in ((self.errors, "error"),
-                                                                          (self.timeouts, "timeout")) if n)
-        return (f"reward {self.name} failed on {self.failed} of {self.calls} calls in {where} ({kinds}; "
-                f"first: {self.first})")
+        return failure_line(f"reward {self.name}", self.calls, self.errors, self.timeouts, self.first, where)
 
 
 class RewardLedger:
@@ -260,9 +252,9 @@ def check_failures(counts: RewardCounts, max_error_share: float, where: str) -> 
         raise RewardError(f"{counts.abandoned} reward calls are still running past their deadline (hung threads "
                           f"cannot be stopped); {counts.describe(where)}; fix the function or raise "
                           "task.reward_timeout_s", counts)
-    if counts.failed and counts.failed >= max_error_share * counts.calls:
-        hint = "" if max_error_share >= 1 else f" or raise task.reward_max_error_share (now {max_error_share:g})"
-        raise RewardError(f"{counts.describe(where)}; fix the function{hint}", counts)
+    hint = "" if max_error_share >= 1 else f" or raise task.reward_max_error_share (now {max_error_share:g})"
+    check_share(f"reward {counts.name}", counts.calls, counts.errors, counts.timeouts, counts.first, max_error_share,
+                where, f"fix the function{hint}", RewardError, counts=counts)
     if counts.failed:
         warnings.warn(f"{counts.describe(where)}; those calls scored 0", RewardWarning, stacklevel=2)
 
