@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from masrl.errors import ConfigError
-from masrl.judges.backends import Reply
+from masrl.judges.backends import NO_REPLY, Reply
 from masrl.judges.config import RemoteOptions
 from masrl.judges.verdicts import top_logprob_masses
 from masrl.usercode.calls import UserCodeTimeout, call_in_thread
@@ -100,9 +100,9 @@ class RemoteJudge:
             status, raw = call_in_thread(self._post, (body, deadline), self.opts.timeout_s, kind="judge",
                                          what=f"judge {self.url}")
         except (UserCodeTimeout, _Late):
-            return None, f"no reply within {self.opts.timeout_s:g} s", True
+            return None, f"{NO_REPLY} {self.opts.timeout_s:g} s", True
         except self._httpx.TimeoutException:
-            return None, f"no reply within {self.opts.timeout_s:g} s", True
+            return None, f"{NO_REPLY} {self.opts.timeout_s:g} s", True
         except self._httpx.HTTPError as e:
             return None, f"{type(e).__name__}: {str(e)[:200]}", True
         except _TooLarge:

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 from masrl.tools.core import Tool, as_tools
 from masrl.tools.parsing import CallError, ToolCall
 from masrl.tools.text import safe_str, valid_text
-from masrl.usercode.calls import UserCodeTimeout, abandoned, call_in_thread
+from masrl.usercode.calls import UserCodeTimeout, abandoned, call_async, call_in_thread
 
 DEFAULT_TIMEOUT_S = 5.0
 MAX_ABANDONED = 64  # tool threads still running past their deadline; beyond this, calls are refused
@@ -102,14 +102,35 @@ class ToolBox:
     def run(self, call: ToolCall | CallError) -> ToolResult:
         """Execute one parsed call (a :class:`CallError` becomes an ``invalid`` result). Never raises."""
         try:
-            result = self._run(call)
+            ready = self._prepare(call)
+            result = ready if isinstance(ready, ToolResult) else self._finish(ready, self._call_sync)
         except Exception as e:  # noqa: BLE001 - a call that cannot even start is an observation too
-            name = getattr(call, "name", None)
-            result = ToolResult(safe_str(name, 200) if isinstance(name, str) else None, f"Error: the call could not run ({safe_str(e, 300)})", "error")
+            result = self._unstarted(call, e)
         self.counts.add(result)
         return result
 
-    def _run(self, call: ToolCall | CallError) -> ToolResult:
+    async def arun(self, call: ToolCall | CallError) -> ToolResult:
+        """:meth:`run` awaited on the running event loop, which keeps running while the tool does."""
+        try:
+            ready = self._prepare(call)
+            if not isinstance(ready, ToolResult):
+                t, arguments, timeout_s = ready
+                t0 = time.monotonic()
+                try:
+                    text = await call_async(self._observed, (t, arguments), timeout_s, kind="tool",
+                                            what=f"tool {t.name}")
+                except Exception as e:  # noqa: BLE001 - anything the tool does is reported to the model
+                    ready = self._failed(t, e, timeout_s, t0)
+                else:
+                    ready = ToolResult(t.name, text, "ok", time.monotonic() - t0)
+            result = ready
+        except Exception as e:  # noqa: BLE001
+            result = self._unstarted(call, e)
+        self.counts.add(result)
+        return result
+
+    def _prepare(self, call: ToolCall | CallError) -> "ToolResult | tuple[Tool, dict, float]":
+        """A result already (invalid, unknown, refused), or the tool, its arguments and its deadline."""
         if isinstance(call, CallError):
             return ToolResult(call.name, valid_text(f"Error: {call.message}"), "invalid")
         t = self.tools.get(call.name)
@@ -120,19 +141,36 @@ class ToolBox:
         if running >= MAX_ABANDONED:
             return ToolResult(t.name, f"Error: {t.name} was not run: {running} tool calls are still running past "
                                       "their deadline", "error")
-        return self._run_with_deadline(t, call.arguments, t.timeout_s or self.timeout_s)
+        return t, call.arguments, t.timeout_s or self.timeout_s
 
-    def _run_with_deadline(self, t: Tool, arguments: dict, timeout_s: float) -> ToolResult:
+    def _finish(self, ready: tuple, call) -> ToolResult:
+        t, arguments, timeout_s = ready
         t0 = time.monotonic()
-        try:  # the result is turned into text in the call's thread too, within the deadline
-            text = call_in_thread(lambda: self.observe(t(**arguments)), (), timeout_s, kind="tool", what=f"tool {t.name}")
-        except UserCodeTimeout:
+        try:
+            text = call(t, arguments, timeout_s)
+        except Exception as e:  # noqa: BLE001 - anything the tool does is reported to the model
+            return self._failed(t, e, timeout_s, t0)
+        return ToolResult(t.name, text, "ok", time.monotonic() - t0)
+
+    def _call_sync(self, t: Tool, arguments: dict, timeout_s: float) -> str:
+        return call_in_thread(self._observed, (t, arguments), timeout_s, kind="tool", what=f"tool {t.name}")
+
+    def _observed(self, t: Tool, arguments: dict) -> str:
+        """The tool's result as text, made in the call's thread (within the deadline)."""
+        return self.observe(t(**arguments))
+
+    def _failed(self, t: Tool, error: Exception, timeout_s: float, t0: float) -> ToolResult:
+        if isinstance(error, UserCodeTimeout):
             return ToolResult(t.name, f"Error: {t.name} timed out after {timeout_s:g} s", "timeout",
                               time.monotonic() - t0)
-        except Exception as e:  # noqa: BLE001 - anything the tool does is reported to the model
-            text = self._cut(f"Error: {safe_str(type(e).__name__)}: {safe_str(e, self.max_result_chars)}")
-            return ToolResult(t.name, text, "error", time.monotonic() - t0)
-        return ToolResult(t.name, text, "ok", time.monotonic() - t0)
+        text = self._cut(f"Error: {safe_str(type(error).__name__)}: {safe_str(error, self.max_result_chars)}")
+        return ToolResult(t.name, text, "error", time.monotonic() - t0)
+
+    @staticmethod
+    def _unstarted(call: ToolCall | CallError, error: Exception) -> ToolResult:
+        name = getattr(call, "name", None)
+        return ToolResult(safe_str(name, 200) if isinstance(name, str) else None,
+                          f"Error: the call could not run ({safe_str(error, 300)})", "error")
 
     def observe(self, value: Any) -> str:
         """The observation text of a tool's return value: :func:`format_result`, cut to ``max_result_chars``."""

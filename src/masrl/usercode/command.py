@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from dataclasses import dataclass
 
 MAX_OUTPUT = 1 << 20  # bytes of a program's stdout kept (the end of it)
@@ -52,29 +53,45 @@ def kill_group(pid: int) -> None:
         pass
 
 
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol, plus an event set when the program exits (``Process.wait`` also waits for its pipes to
+    close on some Python versions: a background child holding them would hold the call)."""
+
+    def __init__(self, loop):
+        super().__init__(limit=_CHUNK, loop=loop)
+        self.exited = asyncio.Event()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        self.exited.set()
+
+
 async def run_command(argv: list[str], stdin: bytes, env: dict, timeout_s: float, *,
                       max_output: int = MAX_OUTPUT) -> CommandResult:
     """Run ``argv`` with ``stdin`` (see the module docstring). ``OSError`` when it cannot start."""
-    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.subprocess_exec(lambda: _Protocol(loop), *argv, stdin=subprocess.PIPE,
+                                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                                     start_new_session=True)
+    proc = asyncio.subprocess.Process(transport, protocol, loop)
     out, err = _Tail(max_output), _Tail(STDERR_TAIL)
     readers = [asyncio.ensure_future(out.read(proc.stdout)), asyncio.ensure_future(err.read(proc.stderr))]
     timed_out = False
     try:
         try:
-            await asyncio.wait_for(_feed_and_wait(proc, stdin), timeout_s)
+            await asyncio.wait_for(_feed_and_wait(proc, protocol, stdin), timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
     finally:
         kill_group(proc.pid)  # the program's children too, whether it finished, timed out or was cancelled
-        if proc.returncode is None:
-            await proc.wait()
+        await asyncio.wait([asyncio.ensure_future(protocol.exited.wait())], timeout=DRAIN_S)
         await _drain(readers)
-    return CommandResult(None if timed_out else proc.returncode, bytes(out.data), bytes(err.data), timed_out,
-                         out.total)
+        transport.close()
+    return CommandResult(None if timed_out else transport.get_returncode(), bytes(out.data), bytes(err.data),
+                         timed_out, out.total)
 
 
-async def _feed_and_wait(proc, data: bytes) -> None:
+async def _feed_and_wait(proc, protocol: _Protocol, data: bytes) -> None:
     """Write ``data`` to the program's stdin, close it, wait for the program (not its pipes) to exit."""
     try:
         proc.stdin.write(data)
@@ -83,7 +100,7 @@ async def _feed_and_wait(proc, data: bytes) -> None:
         pass
     finally:
         proc.stdin.close()
-    await proc.wait()
+    await protocol.exited.wait()
 
 
 async def _drain(readers: list) -> None:

@@ -32,7 +32,7 @@ def sigmoid(x: float) -> float:
     """``1 / (1 + exp(-x))`` for any finite ``x`` without overflow: ~0 for -1000, ~1 for 1000."""
     if x >= 0:
         return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(max(x, -MAX_EXP_ARG))
+    e = math.exp(x)  # underflows to 0.0, never overflows
     return e / (1.0 + e)
 
 
