@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from masrl.errors import UserInputError
 from masrl.evaluation.metrics import auc, ranks
-from masrl.usercode.ledger import usercode_metrics
+from masrl.usercode.ledger import check_share, usercode_metrics
 
 
 class JudgeWarning(UserWarning):
@@ -81,9 +81,9 @@ class JudgeStats:
 
     def pop(self) -> dict[str, float]:
         """The step's metrics, then reset; :class:`JudgeFailedError` when every call of the step failed."""
-        if self.calls and self.errors >= self.calls:
-            raise JudgeFailedError(f"every judge call of the step failed ({self.errors} of {self.calls}) at "
-                                   f"{self.endpoint}; first error: {self.first_error}")
+        check_share(f"every judge call of the step failed: the judge at {self.endpoint}", self.calls,
+                    self.errors - self.timeouts, self.timeouts, self.first_error, 1.0, "the step",
+                    "check the endpoint (or the judge's model)", JudgeFailedError)
         if self.unparsed and not self.rewards:
             warnings.warn(f"{self.endpoint}: no judge reply of the step had a verdict ({self.unparsed} answers scored 0, "
                           f"reason judge_unparsed); first reply: {self.first_unparsed[:200]!r}; check the judge's "
