@@ -1,8 +1,8 @@
 """A judge behind an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint (httpx).
 
 Each call has a deadline on the whole call (``timeout_s``: connect, send, and the whole reply, however slowly it
-comes; run through :func:`masrl.usercode.calls.call_in_thread`, kind ``judge``) and is retried with exponential backoff on a timeout, a
-connection error, HTTP 429 or 5xx; other HTTP errors and replies without ``choices[0].message.content``
+comes; run through :func:`masrl.usercode.calls.call_in_thread`, kind ``judge``) and is retried with exponential
+backoff on a timeout, a connection error, HTTP 429 or 5xx; other HTTP errors and replies without ``choices[0].message.content``
 are errors at once. With verdict ``yes_prob`` each call asks for one token with ``logprobs`` and
 ``top_logprobs: 20`` and reads the probabilities of yes and no among them (a reply without logprobs is an
 error: the endpoint must support them, as vLLM and the OpenAI API do). ``max_calls_per_step`` caps the calls of one step (the rest are errors). The key is

@@ -3,9 +3,9 @@
 A Hugging Face ``AutoModelForSequenceClassification`` with one output: each (question, answer) goes
 through its tokenizer, as a user + assistant conversation when the tokenizer has a chat template (else
 as a text pair), and the logit is the score. ``normalize``: ``sigmoid`` (default) maps the logit to
-(0, 1) without overflow (a logit of -1000 scores ~0); ``none`` keeps it; ``minmax`` maps the answers scored together (one step's batch) to [0, 1] by
-(logit - min) / (max - min), 0.5 when they are all equal. Frozen: no gradients, never trained. Scored
-in batches of ``batch_size`` (right-padded, with an attention mask: a batch scores as one by one).
+(0, 1) without overflow (a logit of -1000 scores ~0); ``none`` keeps it; ``minmax`` maps the answers scored
+together (one step's batch) to [0, 1] by (logit - min) / (max - min), 0.5 when they are all equal. Frozen: no
+gradients, never trained. Scored in batches of ``batch_size`` (right-padded, with an attention mask: a batch scores as one by one).
 """
 from __future__ import annotations
 

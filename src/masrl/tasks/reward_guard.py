@@ -5,6 +5,6 @@ import warnings
 
 import masrl.usercode.guard as _moved
 
-warnings.warn("masrl.tasks.reward_guard is deprecated: import from masrl.usercode.guard (this path goes away in the next "
-              "release)", DeprecationWarning, stacklevel=2)
+warnings.warn("masrl.tasks.reward_guard is deprecated: import from masrl.usercode.guard "
+              "(this path goes away in the next release)", DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved

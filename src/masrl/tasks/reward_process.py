@@ -5,6 +5,6 @@ import warnings
 
 import masrl.usercode.process as _moved
 
-warnings.warn("masrl.tasks.reward_process is deprecated: import from masrl.usercode.process (this path goes away in the next "
-              "release)", DeprecationWarning, stacklevel=2)
+warnings.warn("masrl.tasks.reward_process is deprecated: import from masrl.usercode.process "
+              "(this path goes away in the next release)", DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved

@@ -5,6 +5,6 @@ import warnings
 
 import masrl.usercode.imports as _moved
 
-warnings.warn("masrl.tasks.user_code is deprecated: import from masrl.usercode.imports (this path goes away in the next "
-              "release)", DeprecationWarning, stacklevel=2)
+warnings.warn("masrl.tasks.user_code is deprecated: import from masrl.usercode.imports "
+              "(this path goes away in the next release)", DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved

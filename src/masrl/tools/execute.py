@@ -103,31 +103,26 @@ class ToolBox:
         """Execute one parsed call (a :class:`CallError` becomes an ``invalid`` result). Never raises."""
         try:
             ready = self._prepare(call)
-            result = ready if isinstance(ready, ToolResult) else self._finish(ready, self._call_sync)
-        except Exception as e:  # noqa: BLE001 - a call that cannot even start is an observation too
-            result = self._unstarted(call, e)
-        self.counts.add(result)
-        return result
-
-    async def arun(self, call: ToolCall | CallError) -> ToolResult:
-        """:meth:`run` awaited on the running event loop, which keeps running while the tool does."""
-        try:
-            ready = self._prepare(call)
             if not isinstance(ready, ToolResult):
                 t, arguments, timeout_s = ready
                 t0 = time.monotonic()
                 try:
-                    text = await call_async(self._observed, (t, arguments), timeout_s, kind="tool",
-                                            what=f"tool {t.name}")
+                    text = call_in_thread(self._observed, (t, arguments), timeout_s, kind="tool",
+                                          what=f"tool {t.name}")
                 except Exception as e:  # noqa: BLE001 - anything the tool does is reported to the model
                     ready = self._failed(t, e, timeout_s, t0)
                 else:
                     ready = ToolResult(t.name, text, "ok", time.monotonic() - t0)
-            result = ready
-        except Exception as e:  # noqa: BLE001
-            result = self._unstarted(call, e)
-        self.counts.add(result)
-        return result
+        except Exception as e:  # noqa: BLE001 - a call that cannot even start is an observation too
+            ready = self._unstarted(call, e)
+        self.counts.add(ready)
+        return ready
+
+    async def arun(self, call: ToolCall | CallError) -> ToolResult:
+        """:meth:`run` awaited on the running event loop, which keeps running while the tool does (:meth:`run`
+        keeps the tool's deadline; a thread of its own per call, so no shared pool leaves calls queued)."""
+        what = f"tool call {getattr(call, 'name', '')}"
+        return await call_async(self.run, (call,), None, kind="tool_runner", what=what)
 
     def _prepare(self, call: ToolCall | CallError) -> "ToolResult | tuple[Tool, dict, float]":
         """A result already (invalid, unknown, refused), or the tool, its arguments and its deadline."""
@@ -142,18 +137,6 @@ class ToolBox:
             return ToolResult(t.name, f"Error: {t.name} was not run: {running} tool calls are still running past "
                                       "their deadline", "error")
         return t, call.arguments, t.timeout_s or self.timeout_s
-
-    def _finish(self, ready: tuple, call) -> ToolResult:
-        t, arguments, timeout_s = ready
-        t0 = time.monotonic()
-        try:
-            text = call(t, arguments, timeout_s)
-        except Exception as e:  # noqa: BLE001 - anything the tool does is reported to the model
-            return self._failed(t, e, timeout_s, t0)
-        return ToolResult(t.name, text, "ok", time.monotonic() - t0)
-
-    def _call_sync(self, t: Tool, arguments: dict, timeout_s: float) -> str:
-        return call_in_thread(self._observed, (t, arguments), timeout_s, kind="tool", what=f"tool {t.name}")
 
     def _observed(self, t: Tool, arguments: dict) -> str:
         """The tool's result as text, made in the call's thread (within the deadline)."""

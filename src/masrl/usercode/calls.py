@@ -133,10 +133,11 @@ def call_in_thread(fn: Callable, args: tuple, timeout_s: float, *, kind: str, wh
     return box["value"]
 
 
-async def call_async(fn: Callable, args: tuple, timeout_s: float, *, kind: str, what: str,
+async def call_async(fn: Callable, args: tuple, timeout_s: float | None, *, kind: str, what: str,
                      max_abandoned: int | None = None) -> Any:
     """:func:`call_in_thread` awaited on the running loop, which keeps running meanwhile (every episode of a
-    rollout runs at once: no shared pool leaves calls queued)."""
+    rollout runs at once: no shared pool leaves calls queued). ``timeout_s`` None: no deadline here (for
+    masrl's own code that keeps the user code's deadline itself)."""
     _check_room(kind, max_abandoned)
     loop = asyncio.get_running_loop()
     future = loop.create_future()

@@ -1,5 +1,5 @@
-"""A user's reward function under the user-code contract: its signature checked at load (:func:`check_reward_signature`),
-each call with a deadline in a worker process (:class:`masrl.usercode.process.RewardProcess`) or a worker thread
+"""A user's reward function under the user-code contract: its signature checked at load
+(:func:`check_reward_signature`), each call with a deadline in a worker process (:class:`masrl.usercode.process.RewardProcess`) or a worker thread
 (:func:`masrl.usercode.guard.call_with_deadline`), on copies of the turns, its values checked
 (:class:`EpisodeReward`); :func:`process_load` decides where it can run (``task.reward_isolation``)."""
 from __future__ import annotations
