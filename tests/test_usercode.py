@@ -73,6 +73,37 @@ def test_a_blocking_async_def_neither_freezes_the_callers_loop_nor_escapes_its_d
     assert abandoned("test_block") == 1
 
 
+def test_the_async_calls_of_one_code_share_its_loop_until_one_runs_past_its_deadline():
+    from masrl.usercode.calls import UserCodeExit, UserCodeTimeout, call_async
+
+    loops = []
+
+    async def code(x):
+        loops.append(asyncio.get_running_loop())
+        if x == "exit":
+            raise SystemExit(0)
+        if x == "block":
+            time.sleep(1.0)
+        await asyncio.sleep(0.01)
+        return x
+
+    async def main():
+        def one(x, timeout_s=5.0):
+            return call_async(code, (x,), timeout_s, kind="test_share", what="code")
+
+        first = await asyncio.gather(*(one(i) for i in range(3)))
+        with pytest.raises(UserCodeExit, match=r"sys\.exit\(0\)"):
+            await one("exit")  # contained: the loop goes on serving
+        with pytest.raises(UserCodeTimeout):
+            await one("block", 0.2)
+        return first, await one("after"), asyncio.get_running_loop()
+
+    first, after, callers = asyncio.run(main())
+    assert first == [0, 1, 2] and after == "after"
+    assert len({id(loop) for loop in loops[:5]}) == 1 and loops[0] is not callers  # one loop, not masrl's
+    assert loops[5] is not loops[0]  # the blocked loop was retired: a new one serves the next call
+
+
 def test_an_async_def_past_its_deadline_is_cancelled_on_its_own_loop():
     from masrl.usercode.calls import UserCodeTimeout, abandoned, call_in_thread
 

@@ -1,9 +1,12 @@
 """A call of user code in a thread of its own, with a deadline on the whole call (docs/reliability.md, "User code").
 
 :func:`call_in_thread` (from synchronous code) and :func:`call_async` (awaited on masrl's event loop, which it
-never blocks) run ``fn(*args)`` in a new daemon thread; an ``async def`` runs there on an event loop of its own,
-so a coroutine that blocks (``time.sleep``, a synchronous client inside it) cannot freeze masrl's loop and its
-deadline fires. Anything the code raises, ``SystemExit`` and ``KeyboardInterrupt`` included, comes back as an
+never blocks) run ``fn(*args)`` in a new daemon thread. An ``async def`` runs on an event loop of its own in a
+thread of its own (:func:`call_async`: one loop per piece of code, shared by its concurrent calls, so a client it
+keeps per loop is made once; :func:`call_in_thread`: one loop per call), so a coroutine that blocks
+(``time.sleep``, a synchronous client inside it) cannot freeze masrl's loop and its deadline fires; a shared loop
+whose call ran past its deadline is retired (it stops once its calls have ended) and the next call gets a new
+one. Anything the code raises, ``SystemExit`` and ``KeyboardInterrupt`` included, comes back as an
 ``Exception`` (:class:`UserCodeExit` for the two that are not one): it never ends the run.
 
 Python cannot stop a thread: a call past its deadline raises :class:`UserCodeTimeout` and its thread is left to
@@ -14,6 +17,7 @@ further calls of that kind are refused at once (:class:`UserCodeTimeout`) instea
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import threading
 from typing import Any, Callable
@@ -133,12 +137,83 @@ def call_in_thread(fn: Callable, args: tuple, timeout_s: float, *, kind: str, wh
     return box["value"]
 
 
+class _Loop:
+    """An event loop running in a daemon thread of its own, shared by the concurrent calls of one ``async def``."""
+
+    def __init__(self, kind: str, what: str):
+        self.kind, self.what, self.running, self.retired = kind, what, 0, False
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name=f"masrl-usercode-loop {what}"[:60], daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def submit(self, fn: Callable, args: tuple) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(self._counted(fn, args), self.loop)
+
+    async def _counted(self, fn: Callable, args: tuple) -> Any:
+        self.running += 1
+        try:
+            return await fn(*args)
+        except (SystemExit, KeyboardInterrupt) as e:  # they would end the loop (asyncio re-raises them): contain
+            raise contained(e, self.what) from None
+        finally:
+            self.running -= 1
+            if self.retired and not self.running:
+                self.loop.stop()
+
+    def retire(self) -> None:
+        """No new calls: stop once the calls still running have ended (counted as abandoned until then)."""
+        self.retired = True
+        _abandon(self.kind, self.thread)
+        try:
+            self.loop.call_soon_threadsafe(lambda: self.running or self.loop.stop())
+        except RuntimeError:  # already closed
+            pass
+
+
+_LOOPS: dict[tuple[str, str], _Loop] = {}
+
+
+def _loop_for(kind: str, what: str) -> _Loop:
+    with _LOCK:
+        shared = _LOOPS.get((kind, what))
+        if shared is None or shared.retired or not shared.thread.is_alive():
+            shared = _LOOPS[(kind, what)] = _Loop(kind, what)
+        return shared
+
+
+def _retire(shared: _Loop) -> None:
+    with _LOCK:
+        if _LOOPS.get((shared.kind, shared.what)) is shared:
+            del _LOOPS[(shared.kind, shared.what)]
+    if not shared.retired:
+        shared.retire()
+
+
+async def _call_on_loop(fn: Callable, args: tuple, timeout_s: float | None, kind: str, what: str) -> Any:
+    shared = _loop_for(kind, what)
+    future = asyncio.wrap_future(shared.submit(fn, args))
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except asyncio.TimeoutError:  # wait_for cancelled the call on its loop (it ends at its next await)
+        _retire(shared)  # a loop that may be blocked serves no new call
+        raise _timeout(what, timeout_s) from None
+
+
 async def call_async(fn: Callable, args: tuple, timeout_s: float | None, *, kind: str, what: str,
                      max_abandoned: int | None = None) -> Any:
     """:func:`call_in_thread` awaited on the running loop, which keeps running meanwhile (every episode of a
     rollout runs at once: no shared pool leaves calls queued). ``timeout_s`` None: no deadline here (for
     masrl's own code that keeps the user code's deadline itself)."""
     _check_room(kind, max_abandoned)
+    if inspect.iscoroutinefunction(fn):
+        return await _call_on_loop(fn, args, timeout_s, kind, what)
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
