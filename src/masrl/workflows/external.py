@@ -96,8 +96,8 @@ def _task_payload(task: Task) -> dict:
 
 async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:
     """The ``entry`` function through the user-code service: in a thread of its own (an ``async def`` on an event
-    loop of its own there), with a deadline on the whole call; whatever it raises, ``SystemExit`` included, fails
-    this episode only."""
+    loop of its own, in its own thread, shared by the episodes), with a deadline on the whole call; whatever it
+    raises, ``SystemExit`` included, fails this episode only."""
     fn = import_object(spec, "workflow.params.entry")
     if not callable(fn):
         raise ConfigError(f"workflow.params.entry {spec!r} is not callable")
