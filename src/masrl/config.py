@@ -240,6 +240,38 @@ class RolloutISConfig(_Strict):
     mode: Literal["truncate", "mask"] = Field("truncate", description="truncate at cap, or mask tokens above it")
 
 
+class DynamicSamplingConfig(_Strict):
+    """Dynamic sampling (DAPO): groups, or a group's roles, with no learning signal stay out of the loss
+    (docs/algorithms.md, "Dynamic sampling")."""
+
+    filter: Literal["none", "group", "role"] = Field("none", description=(
+        "none: train on every turn; group: drop a group in which no turn has a signal (every statistic set of "
+        "the estimator constant); role: drop only the dead sets under the estimator's own grouping (per group "
+        "and agent for drmas; per group for grpo, where role equals group)"))
+    refill: bool = Field(False, description=(
+        "draw further tasks until trainer.batch_size groups have a signal, or max_rounds generation rounds "
+        "are spent (then train on what there is, and say so)"))
+    max_rounds: int = Field(3, ge=1, le=1000, description="generation rounds per RL step at most, with refill")
+
+
+class SoftOverlongConfig(_Strict):
+    """DAPO's soft overlong punishment: linear in the last ``buffer_tokens`` before the agent's max_new_tokens."""
+
+    buffer_tokens: int = Field(gt=0, description=(
+        "L_cache: a turn of |y| tokens under the agent's limit L_max gets ((L_max - L_cache) - |y|) / L_cache "
+        "x factor added to its score when |y| > L_max - L_cache (-factor at the limit)"))
+    factor: float = Field(1.0, ge=0.0, description="the penalty at the limit (DAPO: 1)")
+
+
+class OverlongConfig(_Strict):
+    """Turns cut at the agent's ``max_new_tokens`` (``turn.truncated``): mask them, shape their score, or both."""
+
+    mask: bool = Field(False, description=(
+        "leave truncated turns out of the loss (they still count in the advantages' statistics; counted "
+        "as agent/<a>/overlong_masked)"))
+    soft_penalty: Optional[SoftOverlongConfig] = Field(None, description="DAPO's length penalty (None: off)")
+
+
 class AlgorithmConfig(_Strict):
     """Rewards, advantages and the loss (docs/algorithms.md)."""
 
@@ -266,6 +298,10 @@ class AlgorithmConfig(_Strict):
         "are rolled out and scored, their advantages computed as usual, but left out of the loss). Every agent "
         "in at least one group; None: every agent every step. docs/algorithms.md"))
     role_stage_steps: int = Field(1, ge=1, description="RL steps each group of algorithm.role_stages trains in a row")
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig, description=(
+        "filter groups or roles without a learning signal, and refill the batch"))
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description=(
+        "truncated turns: mask from the loss, soft length penalty"))
 
     @field_validator("estimator")
     @classmethod
@@ -274,6 +310,15 @@ class AlgorithmConfig(_Strict):
 
         ADVANTAGE_ESTIMATORS.get(v)  # the registry's error on an unknown name (known names listed; plugins loaded)
         return v
+
+    @model_validator(mode="after")
+    def _filter_knows_estimator(self) -> "AlgorithmConfig":
+        from masrl.algorithms.dynamic_sampling import SIGNAL_GROUPING
+
+        if self.dynamic_sampling.filter != "none" and self.estimator not in SIGNAL_GROUPING:
+            raise ValueError(f"dynamic_sampling.filter {self.dynamic_sampling.filter!r} needs the signal grouping of "
+                             f"estimator {self.estimator!r}; name it with masrl.algorithms.register_signal_grouping")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -304,6 +349,22 @@ class RolloutConfig(_Strict):
     max_running_tokens: int = Field(65536, gt=0, description=(
         "continuous batching: admission limit of the running batch, rows x their longest prompt + "
         "max_new_tokens (rows are also limited by trainer.max_rollout_batch)"))
+    max_staleness: int = Field(0, ge=0, le=64, description=(
+        "k > 0: the batches of steps t+1..t+k are generated (in a thread, with a copy of the weights replaced at "
+        "each update) while step t trains; every turn carries the policy version that sampled it and the trainer "
+        "never trains on a turn more than k versions old (docs/scaling.md, off-policy rollouts). Local runtime, "
+        "transformers engine. 0: on-policy, rollout then update"))
+    stale: Literal["wait", "drop"] = Field("wait", description=(
+        "with max_staleness: wait (a batch starts only when none of its turns can be more than k versions old "
+        "when it trains) or drop (the producer runs one batch further ahead; turns more than k versions old are "
+        "left out of the loss, counted as rollout/stale_dropped)"))
+
+    @model_validator(mode="after")
+    def _staleness_flushes(self) -> "RolloutConfig":
+        if self.max_staleness and self.continuous_batching:
+            raise ValueError("rollout.max_staleness needs the per-round flush (one weight version per batch); "
+                             "set rollout.continuous_batching: false")
+        return self
 
 
 class ToolsConfig(_Strict):

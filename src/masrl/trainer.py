@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import statistics
@@ -38,15 +39,17 @@ from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
-from masrl.usercode.guard import GuardedScore, RewardError, check_failures
+from masrl.rollout.versioned import RolloutsAhead, VersionedEngine
 from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError
 from masrl.runtime.malloc import tune_malloc
+from masrl.training.batch_select import BatchSelector, agent_ids, shape_scores
 from masrl.training.conversation import merge_extending_rows
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
+from masrl.usercode.guard import GuardedScore, RewardError, check_failures
 from masrl.versions import library_versions, versions_comment
 
 
@@ -96,6 +99,8 @@ class Trainer:
         self.capture = RoleCaptureMonitor(mon.capture_threshold, mon.capture_patience)
         self.collapse = CollapseMonitor(list(cfg.agents), **mon.collapse.model_dump())
         self.signal = SignalMonitor(**mon.no_signal.model_dump())  # steps where every advantage is 0
+        self.selector = BatchSelector(cfg)  # algorithm.dynamic_sampling, algorithm.overlong
+        self.ahead: RolloutsAhead | None = None  # rollout.max_staleness > 0: batches generated beside the update
         self.rolled_back_to: int | None = None  # monitoring.collapse.action: rollback
         self.step = 0
         self.versions = library_versions()  # masrl (git sha) and key libraries, recorded in the run folder
@@ -123,15 +128,11 @@ class Trainer:
         for t, team_reward in zip(turns, team_rewards):
             base = t.reward * weights.get(id(t), 1.0) if per_turn and t.reward is not None else team_reward
             scores.append(base - (0.0 if t.valid else penalty))
-        return turns, keys, torch.tensor(scores, dtype=torch.float32)
+        return turns, keys, shape_scores(self.cfg, turns, torch.tensor(scores, dtype=torch.float32))
 
     def advantages(self, turns, keys, scores) -> torch.Tensor:
         a = self.cfg.algorithm
-        if a.group_by == "slot":  # parallel same-role agents (voting generators...) normalised per slot
-            agent_ids = [f"{t.agent}#{t.info.get('slot', 0)}" for t in turns]
-        else:  # per role: parallel same-role agents pooled
-            agent_ids = [t.agent for t in turns]
-        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=agent_ids,
+        return compute_advantages(scores, group_ids=[k[0] for k in keys], agent_ids=agent_ids(turns, a.group_by),
                                   episode_ids=[k[1] for k in keys], estimator=a.estimator,
                                   turn_index=[t.turn_index for t in turns], eps=a.eps,
                                   unbiased_std=a.unbiased_std, singleton=a.singleton)
@@ -172,8 +173,9 @@ class Trainer:
         """The held-out split and every ``eval.benches`` benchmark (:meth:`TeamRunner.evaluate`, as ``masrl
         eval``). Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's."""
         ecfg = self.cfg.eval
-        results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,
-                                     seed=_step_seed(self.cfg.seed, 0, 99))
+        with self.ahead.pause() if self.ahead else contextlib.nullcontext():  # no batch generated meanwhile
+            results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,
+                                         seed=_step_seed(self.cfg.seed, 0, 99))
         self.history[label] = results["test"]
         return {f"eval/{bench}/{k}": v for bench, summary in results.items() for k, v in summary.items()}
 
@@ -205,17 +207,24 @@ class Trainer:
         self.runtime.sft(self.policies, rows, on_step=on_step)
         progress.close()
 
+    def collect(self, step: int) -> tuple[list[Episode], object]:
+        """Stages 1-2 of RL step ``step`` (0-based): sample the tasks and roll out their groups (refilled under
+        dynamic sampling); with the reward calls' counts."""
+        cfg = self.cfg
+        rng = random.Random(_step_seed(cfg.seed, step, 1))
+        batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
+        tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
+        episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, step, 2), where=f"step {step + 1}")
+        episodes = self.selector.refill(self, episodes, batch, rng, seed=_step_seed(cfg.seed, step, 2), step=step)
+        return episodes, self.team.last_reward_counts
+
     def train_step(self) -> dict[str, float]:
         cfg, t0 = self.cfg, time.perf_counter()
         self.runtime.step = self.step
-        rng = random.Random(_step_seed(cfg.seed, self.step, 1))
-        batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
-        tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)
         tokens_before = self.scheduler.stats.generated_tokens
         judge_metrics(self.source.score)  # the judge's counters start afresh (an evaluation may have used it)
-        try:
-            episodes = self.rollout(tasks, groups, seed=_step_seed(cfg.seed, self.step, 2),
-                                    where=f"step {self.step + 1}")
+        try:  # rollout.max_staleness: this step's batch was generated while earlier steps trained
+            episodes, reward_counts = self.ahead.take(self.step) if self.ahead else self.collect(self.step)
         except RewardError as e:  # the failing step's counts are kept in metrics.jsonl too
             if self.logger is not None:
                 self.logger.log(self.step + 1, e.counts.metrics())
@@ -226,13 +235,17 @@ class Trainer:
         turns, keys, scores = self.score_turns(episodes)
         advantages = self.advantages(turns, keys, scores)
         t1 = time.perf_counter()
-        metrics = self.update(turns, advantages)
+        stale = self.ahead.check(turns) if self.ahead else {}  # the staleness bound, before the update
+        loss_turns, loss_advantages, selected = self.selector.select(turns, keys, scores, advantages)
+        metrics = {**self.update(loss_turns, loss_advantages), **selected, **stale}
+        if self.ahead:
+            self.ahead.finished_update(self.step)
         t_update = time.perf_counter() - t1
         if cfg.algorithm.role_stages is not None:  # which group of agents this step trained
             metrics["train/role_stage"] = float(role_stage(cfg.algorithm, self.step + 1))
         metrics.update(step_metrics(episodes, turns, scores, advantages))
         metrics.update(self.signal.update(self.step + 1, episodes, advantages))
-        metrics.update(self.team.last_reward_counts.metrics())
+        metrics.update(reward_counts.metrics())
         metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
@@ -285,6 +298,7 @@ class Trainer:
                     self.logger.log(0, self.evaluate("sft"), phase="eval")
                 self.save(0)
             self.step = start_step
+            self.ahead = rollouts_ahead(self)
             progress = Progress(self.show_progress, "RL", cfg.trainer.total_steps, completed=start_step)
             while self.step < cfg.trainer.total_steps:
                 metrics = self.train_step()
@@ -298,7 +312,7 @@ class Trainer:
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
                     self.save(self.step)
                 if self.collapse.stop_requested:
-                    self._end_on_collapse()
+                    end_on_collapse(self)
                     break
             progress.close()
             if cfg.eval.before_after and self.source.test:
@@ -309,6 +323,8 @@ class Trainer:
             raise WorkerGroupError(f"{e}; the run can go on from its last checkpoint: "
                                    f"masrl train --resume {self.run_dir}") from e
         finally:
+            if self.ahead:
+                self.ahead.close()
             self.logger.close()
         report = write_report(self)
         never_rewarded = self.signal.final_warning()  # such a run does not end quietly
@@ -336,28 +352,6 @@ class Trainer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _end_on_collapse(self) -> None:
-        """``monitoring.collapse.action`` stop / rollback: RL ends after this step; rollback restores the
-        newest checkpoint saved before the first breach (its weights only: RL does not go on)."""
-        event, action = self.collapse.stop_event, self.cfg.monitoring.collapse.action
-        print(f"[masrl] RL ends at step {self.step} of {self.cfg.trainer.total_steps}: {event.describe()} "
-              f"(monitoring.collapse.action: {action})", file=sys.stderr)
-        if action != "rollback":
-            return
-        first = self.collapse.first_breach()
-        for path in reversed([p for p in ckpt.list_checkpoints(self.run_dir) if int(p.name[5:]) < first]):
-            try:
-                ckpt.load_checkpoint(path, self.policies, load_optimizer=False)
-            except ckpt.CheckpointError as e:
-                print(f"[masrl] rollback: skipping checkpoint: {e}", file=sys.stderr)
-                continue
-            self.rolled_back_to = int(path.name[5:])
-            print(f"[masrl] rolled back to the weights of step {self.rolled_back_to} ({path}); the final "
-                  "evaluation, report and export are of those weights", file=sys.stderr)
-            return
-        print(f"[masrl] rollback: no loadable checkpoint before step {first}; keeping the weights of step "
-              f"{self.step}", file=sys.stderr)
-
     def save(self, step: int) -> Path:
         state = {"history": self.history, "spikes": self.runtime.spike_state(self.spikes.state_dict()),
                  "collapse": self.collapse.state_dict(), "signal": self.signal.state_dict(),
@@ -371,6 +365,47 @@ class Trainer:
         if collapse.action == "rollback":
             keep = max(keep, collapse.patience // max(self.cfg.trainer.save_every, 1) + 2)
         return keep
+
+
+def end_on_collapse(trainer: Trainer) -> None:
+    """``monitoring.collapse.action`` stop / rollback: RL ends after this step; rollback restores the
+    newest checkpoint saved before the first breach (its weights only: RL does not go on)."""
+    event, action = trainer.collapse.stop_event, trainer.cfg.monitoring.collapse.action
+    print(f"[masrl] RL ends at step {trainer.step} of {trainer.cfg.trainer.total_steps}: {event.describe()} "
+          f"(monitoring.collapse.action: {action})", file=sys.stderr)
+    if action != "rollback":
+        return
+    first = trainer.collapse.first_breach()
+    for path in reversed([p for p in ckpt.list_checkpoints(trainer.run_dir) if int(p.name[5:]) < first]):
+        try:
+            ckpt.load_checkpoint(path, trainer.policies, load_optimizer=False)
+        except ckpt.CheckpointError as e:
+            print(f"[masrl] rollback: skipping checkpoint: {e}", file=sys.stderr)
+            continue
+        trainer.rolled_back_to = int(path.name[5:])
+        print(f"[masrl] rolled back to the weights of step {trainer.rolled_back_to} ({path}); the final "
+              "evaluation, report and export are of those weights", file=sys.stderr)
+        return
+    print(f"[masrl] rollback: no loadable checkpoint before step {first}; keeping the weights of step "
+          f"{trainer.step}", file=sys.stderr)
+
+
+def rollouts_ahead(trainer: Trainer) -> RolloutsAhead | None:
+    """``rollout.max_staleness`` > 0: every policy's engine onto its own copy of the weights (replaced at each
+    version boundary), and the producer of the coming steps' batches (:mod:`masrl.rollout.versioned`)."""
+    cfg = trainer.cfg
+    if cfg.rollout.max_staleness == 0:
+        return None
+    if cfg.runtime.kind != "local" or cfg.rollout.engine != "transformers":
+        raise ConfigError(f"rollout.max_staleness: {cfg.rollout.max_staleness} needs runtime.kind: local and "
+                          f"rollout.engine: transformers (got {cfg.runtime.kind}, {cfg.rollout.engine}); "
+                          "set rollout.max_staleness: 0 for Ray worker groups or vLLM")
+    for name, policy in trainer.policies.items():
+        if not isinstance(policy.engine, VersionedEngine):
+            policy.engine = trainer.scheduler.engines[name] = VersionedEngine(policy.engine, policy.model)
+    return RolloutsAhead(trainer.collect, first_step=trainer.step, last_step=cfg.trainer.total_steps,
+                         max_staleness=cfg.rollout.max_staleness, stale=cfg.rollout.stale,
+                         versions=lambda: {n: p.engine.version for n, p in trainer.policies.items()})
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tensorboard", "plots", "report.md", "report.json", "config.yaml",

@@ -27,6 +27,8 @@ from masrl.algorithms.losses import (
     register_loss,
     role_balanced_weights,
 )
+from masrl.algorithms.dynamic_sampling import FILTERS, SIGNAL_GROUPING, register_signal_grouping, signal_mask
+from masrl.algorithms.overlong import soft_overlong_penalty
 from masrl.algorithms.rollout_correction import IS_LEVELS, IS_MODES, truncated_is_weights
 
 __all__ = [
@@ -34,11 +36,13 @@ __all__ = [
     "AGG_MODES",
     "AdvantageEstimator",
     "AdvantageGroups",
+    "FILTERS",
     "IS_LEVELS",
     "IS_MODES",
     "KL_KINDS",
     "LOSSES",
     "POLICY_LOSSES",
+    "SIGNAL_GROUPING",
     "SINGLETON_MODES",
     "SetStats",
     "agg_loss",
@@ -49,6 +53,9 @@ __all__ = [
     "policy_loss",
     "register_advantage",
     "register_loss",
+    "register_signal_grouping",
     "role_balanced_weights",
+    "signal_mask",
+    "soft_overlong_penalty",
     "truncated_is_weights",
 ]

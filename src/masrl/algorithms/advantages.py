@@ -348,8 +348,8 @@ def compute_advantages(
         raise ValueError(f"singleton must be one of {', '.join(SINGLETON_MODES)}; got {singleton!r}")
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite number >= 0; got {eps!r}")
-    scores = _check_scores(scores)
-    groups = _encode_ids(len(scores), scores.device, group_ids=group_ids, agent_ids=agent_ids,
+    scores = check_scores(scores)
+    groups = encode_ids(len(scores), scores.device, group_ids=group_ids, agent_ids=agent_ids,
                          episode_ids=episode_ids, turn_index=turn_index, turn_ids=turn_ids)
     work_dtype = torch.float32 if scores.device.type == "mps" else torch.float64
     advantages = fn(scores.detach().to(work_dtype), groups, eps=float(eps),
@@ -364,7 +364,7 @@ def _lookup(estimator: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(estimator)
 
 
-def _check_scores(scores: Any) -> Tensor:
+def check_scores(scores: Any) -> Tensor:
     if not isinstance(scores, Tensor):
         try:
             scores = torch.as_tensor(scores)
@@ -417,7 +417,7 @@ def _first_duplicate(keys: list) -> tuple[int, Hashable] | None:
     return None
 
 
-def _encode_ids(n: int, device: torch.device, *, group_ids, agent_ids, episode_ids,
+def encode_ids(n: int, device: torch.device, *, group_ids, agent_ids, episode_ids,
                 turn_index, turn_ids) -> AdvantageGroups:
     groups = _as_list(group_ids, "group_ids", n)
     agents = _as_list(agent_ids, "agent_ids", n)

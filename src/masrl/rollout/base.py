@@ -27,6 +27,7 @@ class GenResult:
     response_ids: list[int]
     logprobs: list[float]
     truncated: bool  # hit max_new_tokens without emitting a stop token
+    version: int | None = None  # the weights' version that sampled it (rollout.max_staleness; None: on-policy)
 
 
 class Engine(Protocol):

@@ -72,6 +72,8 @@ def make_call(policies: Mapping, agents: Mapping[str, AgentConfig], scheduler: R
         info["temperature"] = temp
         result = await scheduler.generate(acfg.policy, GenRequest(prompt_ids, temp, acfg.top_p, acfg.max_new_tokens,
                                                                        policy.adapter(agent)))
+        if result.version is not None:  # sampled by a rollout copy of the weights (rollout.max_staleness)
+            info["policy_version"] = result.version
         return Turn(agent=agent, policy=acfg.policy, prompt_ids=prompt_ids, response_ids=result.response_ids,
                     logprobs=result.logprobs, text=policy.decode(result.response_ids),
                     prompt_text=text,

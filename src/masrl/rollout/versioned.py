@@ -1,0 +1,179 @@
+"""Rollouts beside the update (``rollout.max_staleness > 0``): an engine that decodes with its own copy of a
+policy's weights, replaced only at a version boundary, and a producer that generates the batches of later steps
+while the trainer updates, never further ahead than the staleness bound allows.
+
+:class:`VersionedEngine` wraps a policy's in-process engine. ``generate`` holds a lock for one batch, so every
+turn of the batch is sampled by one version of the weights and carries it (``GenResult.version``, then
+``turn.info["policy_version"]``). ``weights_changed`` (the trainer's update, SFT, a restored checkpoint) takes the
+same lock, copies the trainer's weights into the copy and counts a new version: an episode in flight continues
+with the new weights from its next call (a partial rollout), each turn keeping its own version.
+
+:class:`RolloutsAhead` runs ``produce(step)`` for the coming steps in a thread. The bound (``k`` =
+``max_staleness``):
+
+* ``stale: wait``: the batch of step s starts only once the trainer has finished the updates of steps < s - k.
+  Its turns are sampled by weights at most k versions older than those that train on them: a guarantee (no
+  timing involved), checked again when a batch is taken.
+* ``stale: drop``: the batch of step s starts as soon as step s - k - 1's batch was taken, one batch further
+  ahead (the producer idles less); turns more than k versions old when their step trains (those sampled before
+  the update of step s - k - 1 ended) are marked ``info["stale"]`` and left out of the loss.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from masrl.rollout.base import Engine, GenResult
+
+
+class VersionedEngine:
+    """``inner`` (an in-process engine sharing ``training_model``) moved onto its own copy of the weights."""
+
+    shares_training_model = False  # the trainer recomputes old log-probs with its own (current) weights
+    can_batch_continuously = False  # one version per batch: the per-round flush
+
+    def __init__(self, inner: Engine, training_model: torch.nn.Module):
+        import copy
+
+        self.inner = inner
+        self.lock = threading.Lock()
+        self.version = 0
+        inner.model = copy.deepcopy(training_model)
+        inner.weights_changed(inner.model, base_changed=True)
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the inner engine's
+        return getattr(self.inner, name)
+
+    def generate(self, requests) -> list[GenResult]:
+        with self.lock:
+            results = self.inner.generate(requests)
+            for result in results:
+                result.version = self.version
+            return results
+
+    def submit(self, requests):
+        return requests
+
+    def collect(self, handle) -> list[GenResult]:
+        return self.generate(handle)
+
+    def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
+        """The version boundary: the trainer's weights into the copy, between two batches."""
+        with self.lock, torch.no_grad():
+            target = self.inner.model.state_dict()
+            for key, value in model.state_dict().items():
+                target[key].copy_(value)
+            self.version += 1
+            self.inner.weights_changed(self.inner.model, base_changed=base_changed)
+
+
+def staleness(turns: Sequence, versions: Mapping[str, int]) -> list[int | None]:
+    """Versions between the weights that sampled each turn and the current ones (None: not versioned)."""
+    out = []
+    for t in turns:
+        v = t.info.get("policy_version")
+        out.append(None if v is None or t.policy not in versions else versions[t.policy] - v)
+    return out
+
+
+class RolloutsAhead:
+    """``produce(step)`` for steps ``first_step`` .. ``last_step - 1`` in a thread, at most ``max_staleness``
+    steps ahead of the trainer (module docstring). ``versions()``: the current version of each policy."""
+
+    def __init__(self, produce: Callable[[int], Any], *, first_step: int, last_step: int, max_staleness: int,
+                 stale: str, versions: Callable[[], Mapping[str, int]]):
+        if max_staleness < 1 or stale not in ("wait", "drop"):
+            raise ValueError(f"max_staleness must be >= 1 and stale wait or drop; got {max_staleness}, {stale!r}")
+        self.produce, self.k, self.wait, self.versions = produce, max_staleness, stale == "wait", versions
+        self.last_step = last_step
+        self.cond = threading.Condition()
+        self.updated = first_step  # steps whose update the trainer finished
+        self.taken = first_step  # steps whose batch the trainer took
+        self.results: dict[int, tuple[bool, Any]] = {}
+        self.paused = self.busy = self.closed = False
+        self.thread = threading.Thread(target=self._run, args=(first_step,), name="masrl-rollouts-ahead",
+                                       daemon=True)
+        self.thread.start()
+
+    def may_start(self, step: int) -> bool:
+        """The bound: may the batch of ``step`` be generated now?"""
+        return step - (self.updated if self.wait else self.taken) <= self.k
+
+    def _run(self, step: int) -> None:
+        while step < self.last_step:
+            with self.cond:
+                self.cond.wait_for(lambda: self.closed or (not self.paused and self.may_start(step)))
+                if self.closed:
+                    return
+                self.busy = True
+            try:
+                result = (True, self.produce(step))
+            except BaseException as e:  # handed to the trainer by take()
+                result = (False, e)
+            with self.cond:
+                self.results[step], self.busy = result, False
+                self.cond.notify_all()
+            if not result[0]:
+                return
+            step += 1
+
+    def take(self, step: int) -> Any:
+        """The batch of ``step`` (waits for it); a failure of its production is raised here."""
+        with self.cond:
+            self.cond.wait_for(lambda: step in self.results)
+            ok, value = self.results.pop(step)
+            self.taken = step + 1
+            self.cond.notify_all()
+        if not ok:
+            raise value
+        return value
+
+    def check(self, turns: Sequence) -> dict[str, float]:
+        """Before the update of the step whose batch ``turns`` are: mark turns more than k versions old
+        (``drop``) or refuse them (``wait``: the bound guarantees none), and the staleness histogram."""
+        ages = staleness(turns, self.versions())
+        counts = Counter(a for a in ages if a is not None)
+        old = [t for t, a in zip(turns, ages) if a is not None and a > self.k]
+        if old and self.wait:
+            raise RuntimeError(f"{len(old)} turns are more than {self.k} versions old under rollout.stale: wait")
+        for t in old:
+            t.info["stale"] = True
+        total = max(sum(counts.values()), 1)
+        metrics = {f"rollout/staleness_{a}": n / total for a, n in sorted(counts.items())}
+        metrics["rollout/staleness_max"] = float(max(counts, default=0))
+        metrics["rollout/stale_dropped"] = float(len(old))
+        return metrics
+
+    def finished_update(self, step: int) -> None:
+        """The trainer finished the update of ``step``."""
+        with self.cond:
+            self.updated = step + 1
+            self.cond.notify_all()
+
+    def pause(self) -> "_Paused":
+        """``with ahead.pause():`` no batch is being generated inside (an evaluation uses the engines)."""
+        return _Paused(self)
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join()
+
+
+class _Paused:
+    def __init__(self, ahead: RolloutsAhead):
+        self.ahead = ahead
+
+    def __enter__(self) -> None:
+        with self.ahead.cond:
+            self.ahead.paused = True
+            self.ahead.cond.wait_for(lambda: not self.ahead.busy)
+
+    def __exit__(self, *exc) -> None:
+        with self.ahead.cond:
+            self.ahead.paused = False
+            self.ahead.cond.notify_all()

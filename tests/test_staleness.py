@@ -1,0 +1,167 @@
+"""rollout.max_staleness: batches generated beside the update, at most k policy versions old when they train
+(masrl.rollout.versioned; docs/scaling.md, "Off-policy rollouts"). Threads are ordered by conditions and events,
+never by sleeping."""
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from masrl.config import config_from_dict
+from masrl.errors import ConfigError
+from masrl.monitoring.logger import read_metrics
+from masrl.rollout.base import GenResult
+from masrl.rollout.versioned import RolloutsAhead, VersionedEngine, staleness
+from masrl.trainer import Trainer
+
+
+class _Team:
+    """A trainer's side of the bound with a slow update: the update of step t finishes only once the producer has
+    gone as far ahead as the bound lets it (it is then blocked); every turn of a batch is stamped with the
+    version current when it was sampled (a fast rollout)."""
+
+    def __init__(self, k, stale, steps=6):
+        self.version, self.k, self.steps = 0, k, steps
+        self.trained = []  # staleness of every turn that reached the loss
+        self.ahead = RolloutsAhead(self.produce, first_step=0, last_step=steps, max_staleness=k, stale=stale,
+                                   versions=lambda: {"p": self.version})
+
+    def produce(self, step):
+        return [SimpleNamespace(policy="p", info={"policy_version": self.version}, step=step) for _ in range(4)]
+
+    def lead(self, step):
+        """The furthest step the producer may generate while the update of ``step`` runs."""
+        return min(step + self.k + (0 if self.ahead.wait else 1), self.steps - 1)
+
+    def run(self):
+        for step in range(self.steps):
+            turns = self.ahead.take(step)
+            self.ahead.check(turns)
+            self.trained += [a for t, a in zip(turns, staleness(turns, {"p": self.version}))
+                             if not t.info.get("stale")]
+            with self.ahead.cond:  # the slow update: the producer runs ahead until the bound stops it
+                self.ahead.cond.wait_for(lambda: self.lead(step) in self.ahead.results or self.lead(step) == step)
+                assert self.lead(step) + 1 not in self.ahead.results  # and not one batch further
+            self.version += 1  # the version boundary
+            self.ahead.finished_update(step)
+        self.ahead.close()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_wait_no_turn_older_than_k_reaches_the_loss(k):
+    team = _Team(k, "wait")
+    team.run()
+    assert len(team.trained) == 4 * team.steps and max(team.trained) == k  # the bound is reached, never passed
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_drop_runs_further_ahead_and_drops_what_is_too_old(k):
+    team = _Team(k, "drop")
+    dropped = []
+    check = team.ahead.check
+    team.ahead.check = lambda turns: dropped.append(check(turns)["rollout/stale_dropped"])
+    team.run()
+    assert max(team.trained) <= k and sum(dropped) > 0
+    assert len(team.trained) + sum(dropped) == 4 * team.steps
+
+
+def test_wait_refuses_a_turn_past_the_bound():
+    ahead = RolloutsAhead(lambda step: step, first_step=0, last_step=1, max_staleness=1, stale="wait",
+                          versions=lambda: {"p": 5})
+    ahead.take(0)
+    with pytest.raises(RuntimeError, match="more than 1 versions old"):
+        ahead.check([SimpleNamespace(policy="p", info={"policy_version": 3})])
+    metrics = ahead.check([SimpleNamespace(policy="p", info={"policy_version": 4}),
+                           SimpleNamespace(policy="p", info={"policy_version": 5})])
+    assert metrics == {"rollout/staleness_0": 0.5, "rollout/staleness_1": 0.5, "rollout/staleness_max": 1.0,
+                       "rollout/stale_dropped": 0.0}
+    ahead.close()
+
+
+def test_a_failed_production_is_raised_by_take():
+    def produce(step):
+        raise ValueError("reward exploded")
+
+    ahead = RolloutsAhead(produce, first_step=0, last_step=3, max_staleness=1, stale="wait", versions=dict)
+    with pytest.raises(ValueError, match="reward exploded"):
+        ahead.take(0)
+    ahead.close()
+
+
+class _SlowInner:
+    """An in-process engine whose batch reads a weight at its start and at its end, waiting on ``go`` between."""
+
+    def __init__(self, model):
+        self.model, self.go, self.started, self.changes = model, threading.Event(), threading.Event(), 0
+
+    def generate(self, requests):
+        first = float(self.model.weight[0, 0].detach())
+        self.started.set()
+        self.go.wait()
+        return [GenResult([1], [first, float(self.model.weight[0, 0])], False) for _ in requests]
+
+    def weights_changed(self, model, *, base_changed):
+        self.changes += 1
+
+
+def test_versioned_engine_swaps_weights_only_between_batches():
+    training = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        training.weight.fill_(1.0)
+    inner = _SlowInner(training)
+    engine = VersionedEngine(inner, training)
+    assert inner.model is not training and engine.shares_training_model is False
+    out = {}
+    batch = threading.Thread(target=lambda: out.setdefault("first", engine.generate([None])))
+    batch.start()
+    inner.started.wait()  # the batch is decoding with version 0
+    with torch.no_grad():
+        training.weight.fill_(2.0)  # the trainer's update
+    swap = threading.Thread(target=lambda: engine.weights_changed(training, base_changed=True))
+    swap.start()
+    inner.go.set()
+    batch.join(), swap.join()
+    first = out["first"][0]
+    assert first.logprobs == [1.0, 1.0] and first.version == 0  # one version for the whole batch
+    second = engine.generate([None])[0]
+    assert second.logprobs == [2.0, 2.0] and second.version == 1 and engine.version == 1
+    assert float(training.weight[0, 0]) == 2.0 and inner.changes == 2  # at the wrap and at the boundary
+
+
+def _cfg(tiny_cfg, **over):
+    return config_from_dict(tiny_cfg(**{"sft.steps": 4, "eval.before_after": False, "logging.plots": False,
+                                        "logging.tensorboard": False, **over}))
+
+
+def test_training_with_rollouts_ahead(tiny_cfg, monkeypatch):
+    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "trainer.total_steps": 3,
+                            "algorithm.rollout_is.enabled": True})
+    seen = []
+    with Trainer(cfg, progress=False) as trainer:
+        real = trainer.runtime.update
+
+        def recording(policies, rows, **kwargs):
+            versions = {n: p.engine.version for n, p in policies.items()}
+            seen.append(versions)
+            return real(policies, rows, **kwargs)
+
+        monkeypatch.setattr(trainer.runtime, "update", recording)
+        trainer.fit()
+        assert isinstance(trainer.policies["shared"].engine, VersionedEngine)
+        assert trainer.policies["shared"].engine.version == 3  # one version per RL update
+    assert [v["shared"] for v in seen] == [0, 1, 2]
+    train = [r for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    assert len(train) == 3 and all(r["rollout/staleness_max"] <= 1 for r in train)
+    assert all(r["rollout/stale_dropped"] == 0 for r in train)
+    # the trainer recomputes the old log-probs (the engine decodes with a copy) and corrects by rollout_is
+    assert all(any(k.startswith("policy/shared/rollout_is/") for k in r) for r in train)
+
+
+def test_staleness_config_errors(tiny_cfg):
+    with pytest.raises((ConfigError, ValueError), match="continuous_batching: false"):
+        _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "rollout.continuous_batching": True})
+    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "runtime.kind": "ray"})
+    from masrl.trainer import rollouts_ahead
+
+    with pytest.raises(ConfigError, match="runtime.kind: local"):
+        rollouts_ahead(SimpleNamespace(cfg=cfg))
