@@ -198,16 +198,48 @@ def test_an_entry_that_makes_no_model_call_is_an_invalid_counted_episode(tmp_pat
     assert metrics["usercode/program/calls"] == 1.0 and metrics["usercode/program/errors"] == 1.0
 
 
-def test_a_rollout_where_no_program_calls_a_model_stops_with_one_line(tiny_cfg, tmp_path):
+PROGRAM = """
+import os, sys, threading
+import openai
+
+LOCK, SEEN = threading.Lock(), []
+
+
+def run(task, client_kwargs):
+    mode = os.environ["MASRL_TEST_PROGRAM_MODE"]
+    if mode == "lazy":
+        return {"reward": 1.0}  # no model call
+    with LOCK:
+        SEEN.append(task["id"])
+        first = len(SEEN) == 1
+    if first:
+        sys.exit(0)  # the first episode to start leaves
+    client = openai.OpenAI(**client_kwargs)
+    reply = client.chat.completions.create(model="Solver", messages=[{"role": "user", "content": task["question"]}])
+    return reply.choices[0].message.content
+"""
+
+
+def test_a_program_that_exits_fails_one_episode_and_one_that_never_calls_a_model_stops_the_run(tiny_cfg, tmp_path,
+                                                                                                  monkeypatch):
+    pytest.importorskip("openai")
     from masrl.config import config_from_dict
-    from masrl.rollout.runner import EpisodeError
+    from masrl.rollout.runner import EpisodeError, rollout_metrics
     from masrl.trainer import Trainer
 
-    (tmp_path / "lazy.py").write_text("def run(task, client_kwargs):\n    return {'reward': 1.0}\n")
+    (tmp_path / "prog.py").write_text(PROGRAM)
     cfg = config_from_dict(tiny_cfg(**{"workflow": {"name": "external", "params": {
-        "entry": f"{tmp_path / 'lazy.py'}:run", "timeout_s": 30}}, "sft.steps": 0, "trainer.total_steps": 1,
+        "entry": f"{tmp_path / 'prog.py'}:run", "timeout_s": 60}}, "sft.steps": 0, "trainer.total_steps": 1,
         "trainer.batch_size": 2, "trainer.group_size": 2, "eval.before_after": False, "logging.plots": False}))
+    cfg.agents = {"Solver": cfg.agents["Solver"]}
     with Trainer(cfg) as trainer:
+        monkeypatch.setenv("MASRL_TEST_PROGRAM_MODE", "exit_first")
+        episodes = trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)  # the run goes on
+        failed = [e for e in episodes if not e.valid]
+        assert len(episodes) == 2 and len(failed) == 1 and "sys.exit(0)" in failed[0].error
+        assert all(len(e.turns) == 1 for e in episodes if e.valid)
+        assert rollout_metrics(episodes)["usercode/program/errors"] == 1.0
+        monkeypatch.setenv("MASRL_TEST_PROGRAM_MODE", "lazy")
         with pytest.raises(EpisodeError) as err:
             trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
     message = str(err.value)
