@@ -57,7 +57,7 @@ TRAIN_RUNS = [
 ]
 #: runs of user code (a reward function, tools, an OpenAI-API program), run when ``--only`` names them
 USER_CODE_RUNS = [
-    ("user_reward", "examples/dataset_jsonl.yaml", ["seed=0", "logging.report_to=[]"]),
+    ("user_reward", "examples/dataset_jsonl.yaml", ["seed=0", "logging.report_to=[]", "sft.steps=0"]),
     ("tools", "examples/tools_calculator.yaml", ["seed=0"]),
     ("openai_client", "examples/openai_client_team.yaml", ["seed=0"]),
 ]
