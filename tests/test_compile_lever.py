@@ -1,4 +1,5 @@
-"""torch.compile lever: measured, not wired (docs/performance.md#levers, benchmarks/compile_lever.py).
+"""torch.compile on the whole model (benchmarks/compile_lever.py; the wired lever is trainer.compile,
+tests/test_compiled_layers.py).
 
 These pin the exactness of the benchmark's patched paths, so that the numbers it reports compare like
 with like and so that wiring the lever later starts from measured tolerances:

@@ -114,3 +114,40 @@ def test_colocated_vllm_engines_must_fit_on_one_device():
         load_config(path, ["rollout.gpu_memory_utilization=0.4"])
     cfg = load_config(path, ["rollout.gpu_memory_utilization=0.4", "runtime.placement=dedicated"])
     assert cfg.rollout.gpu_memory_utilization == 0.4
+
+
+# file -> the hardware its header names: (GPUs, GiB per GPU). A new example states its hardware here.
+STATED_HARDWARE = {"math_drmas_qwen3_4b.yaml": (4, 80), "search_drmas_qwen25_3b.yaml": (4, 80),
+                   "search_drmas_hetero_7b_3b.yaml": (8, 80), "math_drmas_qwen3_8b_fsdp.yaml": (8, 80),
+                   "search_drmas_qwen25_7b_fsdp.yaml": (8, 80)}
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=lambda p: p.name)
+def test_every_shipped_gpu_example_fits_its_stated_hardware(path):
+    """``masrl plan`` of each example (its own prompt length: max_model_len less the response budget)
+    fits the GPUs it names, on as many as it names."""
+    from masrl.plan import GiB, plan
+
+    gpus, gib = STATED_HARDWARE[path.name]
+    cfg = load_config(path)
+    assert cfg.runtime.workers == gpus
+    response = max(a.max_new_tokens for a in cfg.agents.values())
+    prompt = (cfg.rollout.max_model_len - response) if cfg.rollout.max_model_len else 512
+    report = plan(cfg, device_gib=gib, prompt_tokens=prompt)
+    assert report["fits"], f"{path.name}: {report['need'] / GiB:.1f} GiB per device on {gpus} x {gib} GiB"
+
+
+def test_plan_counts_the_lm_head_chunk_and_turn_taking_engines():
+    """The two terms that made the Qwen3-4B example look 106 GiB: full-vocabulary float32 logits for every
+    response token (the trainer computes logprob_chunk_tokens at a time), and a vLLM pool added to an update
+    (colocated engines sleep while a policy updates)."""
+    from masrl.plan import GiB, plan, plan_policy
+
+    path = ROOT / "examples" / "gpu" / "math_drmas_qwen3_4b.yaml"
+    chunked = plan_policy(load_config(path), "solver").terms["activations"]
+    full = plan_policy(load_config(path, ["trainer.logprob_chunk_tokens=0"]), "solver").terms["activations"]
+    assert full - chunked > 30 * GiB  # 3 x 21,845 response tokens x 151,936 x 4 bytes vs 1,024 tokens
+    asleep = plan(load_config(path), device_gib=80)
+    awake = plan(load_config(path, ["rollout.enable_sleep_mode=false"]), device_gib=80)
+    assert asleep["fits"] and not awake["fits"]
+    assert any(k.endswith("vllm_awake") for k in awake["per_device"])

@@ -68,12 +68,15 @@ def test_plan_fsdp_halves_the_persistent_terms(tiny_cfg):
 
 
 def test_plan_verdicts_for_the_paper_settings(capsys):
-    """Qwen3-8B math with fsdp fits on 8 x 80 GiB; as replicas it does not, and the plan says why."""
+    """Qwen3-8B math with fsdp fits on 8 x 80 GiB; as replicas both policies' state on every GPU does not,
+    and the plan says why (with offload the two take turns: one 8B replica's bf16 state, 61 GiB, fits)."""
     path = str(EXAMPLES / "math_drmas_qwen3_8b_fsdp.yaml")
     assert main(["plan", path, "--gpu-gib", "80"]) == 0
     out = capsys.readouterr().out
     assert "fits on 8 x 80 GiB" in out and "Qwen/Qwen3-8B 8.19B params, fsdp over 8 rank(s)" in out
-    assert main(["plan", path, "runtime.strategy=replica", "--gpu-gib", "80"]) == 1
+    assert main(["plan", path, "runtime.strategy=replica", "runtime.offload=true", "--gpu-gib", "80"]) == 0
+    capsys.readouterr()
+    assert main(["plan", path, "runtime.strategy=replica", "runtime.offload=false", "--gpu-gib", "80"]) == 1
     out = capsys.readouterr().out
     assert "does not fit on 8 x 80 GiB (largest term: solver/optimizer 30.51 GiB)" in out
     report = plan(load_config(EXAMPLES / "search_drmas_qwen25_7b_fsdp.yaml", []), device_gib=80)
@@ -105,11 +108,71 @@ def test_gpu_check_script_skips_every_check_without_cuda():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [["SKIP", f"{name}:"] for name in
-                                                    ("engine_logprobs_vs_trainer", "rl_step_bf16", "fsdp_one_rank",
-                                                     "peak_memory_vs_plan", "mixed_lora", "lora_team_rl_step_bf16",
+                                                    ("engine_logprobs_vs_trainer", "decode_bf16", "rl_steps_bf16",
+                                                     "fsdp_one_rank", "per_role_lora_logprobs", "peak_memory_vs_plan",
+                                                     "mixed_lora", "lora_team_rl_step_bf16",
                                                      "engine_speed_smollm2_shape")]
     # a subset by name; a name that is no check is refused with the list
     out = subprocess.run(["bash", str(script), "fsdp_one_rank"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and [line.split()[1] for line in out.stdout.splitlines()] == ["fsdp_one_rank:"]
     out = subprocess.run(["bash", str(script), "fsdp"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 2 and "no check named fsdp" in out.stderr and "mixed_lora" in out.stderr
+
+
+def _dry_run(*names):
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    out = subprocess.run(["bash", str(script), "--dry-run", *names], capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    return [line for line in out.stdout.splitlines() if not line.startswith("total ")]
+
+
+def test_gpu_check_dry_run_on_cpu():
+    """The GPU check's own functions on CPU with a 2-layer Qwen3: bf16 greedy decoding against transformers,
+    FSDP2 on one rank, and each role's sampled log-probs equal to the trainer's under its adapter."""
+    lines = _dry_run("decode_bf16", "fsdp_one_rank", "per_role_lora_logprobs")
+    assert [line.split()[:2] for line in lines] == [["PASS", "decode_bf16"], ["PASS", "fsdp_one_rank"],
+                                                    ["PASS", "per_role_lora_logprobs"]]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_every_check():
+    """Every check but the Voting team's two RL steps (minutes to half an hour on two shared cores; run it by
+    name: gpu_check.sh --dry-run lora_team_rl_step_bf16)."""
+    from conftest import load_benchmark
+
+    names = [n for n, _ in load_benchmark("gpu_check.py").CHECKS if n != "lora_team_rl_step_bf16"]
+    lines = _dry_run(*names)
+    assert [line.split()[:2] for line in lines] == [["PASS", n] for n in names], lines
+
+
+def test_colocated_workers_put_their_engines_to_sleep_when_the_rollout_ends():
+    """What the plan's update phase assumes: a colocated worker's vLLM engine (sleep mode) sleeps at the
+    rollout's end, and only there (after an update its synced weights stay for the next rollout)."""
+    from types import SimpleNamespace
+
+    from masrl.config import RolloutConfig
+    from masrl.runtime.worker import PolicyWorker
+
+    class Engine:
+        can_sleep, slept = True, []
+
+        def sleep(self, level):
+            self.slept.append(level)
+
+        def clear_prefix_cache(self):
+            pass
+
+    worker = object.__new__(PolicyWorker)
+    engine = Engine()
+    worker.policy = SimpleNamespace(engine=engine)
+    worker.rollout = RolloutConfig(sleep_level=1)
+    worker.offload_enabled, worker.on_device = True, False
+    worker.end_rollout()
+    assert engine.slept == [1]
+    worker.offload()  # after an update: the engine keeps its synced weights
+    assert engine.slept == [1]
+    worker.offload_enabled = False  # not colocated with another policy: its engine stays awake
+    worker.end_rollout()
+    assert engine.slept == [1]

@@ -410,6 +410,13 @@ class TrainerConfig(_Strict):
         "backward recomputes each chunk), never materialising [tokens, vocabulary] logits; equal to the plain "
         "path within float32 rounding, not bit-identical. 0: full logits (the plain path; the default under "
         "runtime.strategy fsdp, which does not support chunks). docs/performance.md"))
+    compile: Literal["auto", "on", "off"] = Field("auto", description=(
+        "the update's decoder layers as compiled graphs (torch.compile with inductor: forward and backward; the "
+        "first micro-batch shape static, then one shape-generic graph; cached across runs under the masrl cache "
+        "folder). auto: on a CPU with native bf16 and a C++ compiler, for policies without LoRA or gradient "
+        "checkpointing, in runs of at least masrl.models.compiled_layers.AUTO_MIN_STEPS RL steps (the measured "
+        "break-even); on: wherever the compiler and the policy allow; off: eager. One line says what runs and "
+        "why. docs/performance.md"))
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, gt=0, description="checkpoints kept (older ones deleted)")
     log_every: int = Field(1, gt=0, description="log metrics every N steps")

@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from masrl.config import load_config
 from masrl.errors import UserInputError
+from masrl.serve_team import load_run as _load
+from masrl.serve_team import serve_until
 
 
 class ServeBatcher:
@@ -71,15 +72,6 @@ class _StandingTeam:
         return await self._call(agent, prompt)
 
 
-def _load(path: Path, overrides: list[str]):
-    if (path / "export.json").is_file():
-        return load_config(path / "config.yaml", overrides), None
-    if (path / "config.yaml").is_file():
-        return load_config(path / "config.yaml", overrides), path
-    raise UserInputError(f"masrl serve {path}: not a run folder (config.yaml + checkpoints/) or a masrl export "
-                         "(export.json + config.yaml)")
-
-
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -93,6 +85,10 @@ def run_serve(args) -> int:
     cfg, checkpoint = _load(Path(args.path), args.overrides)
     with TeamRunner(cfg, progress=False) as runner:
         where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
+        if getattr(args, "team", False):  # the whole team as one model (masrl.serve_team)
+            from masrl.serve_team import run_team
+
+            return run_team(args, runner, where)
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
         batcher = ServeBatcher({n: p.engine for n, p in runner.policies.items()}, args.batch_window_ms / 1000)
@@ -104,10 +100,7 @@ def run_serve(args) -> int:
         gateway.max_new_tokens = {a: c.max_new_tokens for a, c in cfg.agents.items()}
         print(f"masrl serve: {where} -> {gateway.url}/v1 (model = an agent: {', '.join(cfg.agents)})", flush=True)
         try:
-            while args.max_seconds is None or time.monotonic() < args.max_seconds:
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
+            serve_until(args.max_seconds)
         finally:
             gateway.shutdown()
             loop.call_soon_threadsafe(loop.stop)
@@ -131,6 +124,11 @@ def register(sub) -> None:
                    help="seconds per call (default 600)")
     p.add_argument("--max-seconds", type=bounded(float, 0.0, 1e7), default=None,
                    help="stop after this many seconds (default: serve until interrupted)")
+    p.add_argument("--team", action="store_true",
+                   help="serve the whole team as one model: each request is one episode of the workflow (the last "
+                        "user message is the task, the final answer the reply; docs/harnesses.md)")
+    p.add_argument("--debug-turns", action="store_true",
+                   help="with --team: each reply also carries the agents' turns (masrl.turns)")
     p.set_defaults(func=_cmd_serve, overrides=[])
 
 

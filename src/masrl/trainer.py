@@ -444,6 +444,11 @@ def step_metrics(episodes: Sequence[Episode], turns: Sequence[Turn], scores: tor
     out = {"team/reward": statistics.fmean(e.reward for e in episodes),
            "team/accuracy": statistics.fmean(float(e.correct) for e in episodes),
            "team/turns_per_episode": statistics.fmean(len(e.turns) for e in episodes)}
+    env_scores: dict[str, list[float]] = defaultdict(list)  # an environment task's named scores (rubric functions)
+    for e in episodes:
+        for name, value in (e.info.get("env_metrics") or {}).items():
+            env_scores[name].append(float(value))
+    out.update({f"env/{name}": statistics.fmean(values) for name, values in env_scores.items()})
     by_agent: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(turns):
         by_agent[t.agent].append(i)

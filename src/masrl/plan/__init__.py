@@ -9,11 +9,17 @@ Formulas (docs/scaling.md, "Memory plan"), per policy and per device, in bytes:
       (LoRA, frozen base: -2h, -h without an adapter on gate/up, -i without one on down: layer_elements)
       with checkpointing:    T·L·h·a + T·(8h + 2k + 3.5i)·a + attention + logits
       attention = T·S·H·4 (the CPU math kernel keeps the probabilities; 0 for flash kernels on CUDA)
-      logits    = 3·T_r·V·4            (T_r: response tokens in the micro-batch)
+      logits    = 3·min(T_r, C)·V·4    (T_r: response tokens in the micro-batch; C =
+                                        trainer.logprob_chunk_tokens, the head's tokens at a time; 0: T_r)
   kv cache  = 2·L·k·rows·S·b           (rows = min(max_rollout_batch, batch_size·group_size))
   vllm      = rollout.gpu_memory_utilization · device memory (a separate engine's pool)
   fsdp: persistent terms (weights, grads, optimizer) /N, plus the unsharded root and two layers
   (one computing, one prefetched) in the compute dtype.
+Colocated policies with ``offload`` take turns: the device holds the larger of two phases,
+  rollout = every colocated vLLM engine's pool (the trainers' state waits in CPU memory), and
+  update  = one policy's weights + grads + optimizer + activations, plus the weights of the other
+            policies' engines (asleep during updates with rollout.enable_sleep_mode, their weights
+            back on the device once synced); without sleep mode their whole pools.
 with h hidden size, k = kv heads·head dim, i intermediate size, L layers, V vocabulary,
 H attention heads, S = prompt_tokens + the longest max_new_tokens of the policy's agents.
 """
@@ -69,11 +75,12 @@ def layer_elements(shape: ModelShape, lora_targets: list[str] | None = None) -> 
 
 def activation_bytes(shape: ModelShape, tokens: int, seq: int, response_tokens: int, act_bytes: int,
                      checkpointing: bool, attention_probs: bool = True,
-                     lora_targets: list[str] | None = None) -> float:
-    """Saved activations of one micro-batch's forward (what backward keeps), in bytes."""
+                     lora_targets: list[str] | None = None, logit_chunk: int = 0) -> float:
+    """Saved activations of one micro-batch's forward (what backward keeps), in bytes. ``logit_chunk``:
+    ``trainer.logprob_chunk_tokens`` (the LM head runs on that many response tokens at a time; 0: all)."""
     per_token_layer = layer_elements(shape, lora_targets) * act_bytes
     attention = tokens * seq * shape.heads * 4 if attention_probs else 0
-    logits = 3 * response_tokens * shape.vocab * 4
+    logits = 3 * (min(response_tokens, logit_chunk) if logit_chunk else response_tokens) * shape.vocab * 4
     if checkpointing:
         return tokens * shape.layers * shape.hidden * act_bytes + tokens * per_token_layer + attention + logits
     return tokens * shape.layers * per_token_layer + shape.layers * attention + logits
@@ -107,9 +114,11 @@ def plan_policy(cfg, name: str, prompt_tokens: int = 512, cuda: bool = True,
     ckpt = bool(pcfg.gradient_checkpointing)
     if pcfg.trainable:
         targets = list(lora.target_modules) if lora else None
-        terms["activations"] = activation_bytes(shape, tokens, seq, response_tokens, act_b, ckpt, not cuda, targets)
+        chunk = cfg.trainer.logprob_chunk_tokens
+        terms["activations"] = activation_bytes(shape, tokens, seq, response_tokens, act_b, ckpt, not cuda, targets,
+                                                chunk)
         terms["activations_no_ckpt" if ckpt else "activations_ckpt"] = activation_bytes(
-            shape, tokens, seq, response_tokens, act_b, not ckpt, not cuda, targets)
+            shape, tokens, seq, response_tokens, act_b, not ckpt, not cuda, targets, chunk)
     rows = min(cfg.trainer.max_rollout_batch, cfg.trainer.batch_size * cfg.trainer.group_size)
     if cfg.rollout.engine == "vllm":
         terms["vllm"] = 0.0  # filled in by plan() (a fraction of the device)
@@ -157,6 +166,24 @@ def check_plan_inputs(cfg, prompt_tokens: int, device_gib: float) -> None:
             raise ConfigError(f"masrl plan: {key} = {shown(value)} is out of range; give a number in 0..{high:,}")
 
 
+def _turn_taking_peak(cfg, policies: dict[str, PolicyPlan], colocated: list[str]) -> dict[str, float]:
+    """Per-device terms of the binding phase when colocated policies offload between phases."""
+    rollout = {f"{n}/vllm": policies[n].terms["vllm"] for n in colocated if "vllm" in policies[n].terms}
+    sleeps = cfg.rollout.enable_sleep_mode and cfg.rollout.sleep_level > 0
+    phases = [rollout] if rollout else []
+    for n in colocated:
+        phase = {f"{n}/{k}": v for k, v in counted(policies[n]).items() if k != "vllm"}
+        for other in colocated:
+            if other != n and "vllm" in policies[other].terms:  # its engine: asleep (weights synced) or awake
+                p = policies[other]
+                phase[f"{other}/vllm_{'weights' if sleeps else 'awake'}"] = (
+                    p.shape.params * _BYTES[cfg.policies[other].dtype] if sleeps else p.terms["vllm"])
+        if "vllm" in policies[n].terms and not sleeps:
+            phase[f"{n}/vllm"] = policies[n].terms["vllm"]
+        phases.append(phase)
+    return max(phases, key=lambda ph: sum(ph.values()))
+
+
 def plan(cfg, devices: int | None = None, device_gib: float = 80.0, prompt_tokens: int = 512,
          model_configs: Sequence[str] = ()) -> dict:
     """Per policy its terms, per device the sum under the placement, and the verdict."""
@@ -179,10 +206,8 @@ def plan(cfg, devices: int | None = None, device_gib: float = 80.0, prompt_token
         for key, value in counted(policies[n]).items():
             label = f"{n}/{key}"
             per_device[label] = value
-    if offload:  # one policy's working set on the device at a time: the largest
-        totals = {n: sum(counted(policies[n]).values()) for n in colocated}
-        keep = max(totals, key=totals.get)
-        per_device = {k: v for k, v in per_device.items() if k.startswith(f"{keep}/")}
+    if offload:  # colocated policies take turns: the larger of the rollout and the update phases
+        per_device = _turn_taking_peak(cfg, policies, colocated)
     need = sum(per_device.values())
     for n in dedicated:
         need = max(need, sum(counted(policies[n]).values()))

@@ -289,7 +289,7 @@ class RayRuntime:
     def phase_end(self) -> None:
         for group in self.groups.values():
             if group.placement.offload:
-                group.all("offload")
+                group.all("end_rollout")
 
     # ------------------------------------------------------------------ state
     def spike_state(self, driver_state: dict) -> dict:

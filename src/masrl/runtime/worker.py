@@ -84,6 +84,14 @@ class PolicyWorker:
             _move_optimizer_state(self.policy.optimizer, self.device)
         self.on_device = True
 
+    def end_rollout(self) -> None:
+        """The rollout phase is over: weights and optimizer state to CPU, and a vLLM engine with sleep mode
+        sleeps, so that no colocated engine holds its pool while another policy updates (``masrl plan``
+        counts on it; after this policy's own update the synced weights are back on the device)."""
+        if self.offload_enabled:
+            before_update(self.policy, self.rollout)
+        self.offload()
+
     def offload(self) -> None:
         """Weights and optimizer state to CPU (colocated policies take turns on the devices)."""
         if not self.offload_enabled or not self.on_device:

@@ -151,6 +151,22 @@ def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return dataset_source(cfg, sft_teacher)
 
 
+@register_task("verifiers")
+def _verifiers(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """A verifiers v0 environment (masrl.tasks.environments.verifiers_env); workflow: environment plays it."""
+    from masrl.tasks.environments.verifiers_env import verifiers_source
+
+    return verifiers_source(cfg, sft_teacher)
+
+
+@register_task("tool_env")
+def _tool_env(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """A class per episode whose public methods are tools (masrl.tasks.environments.tool_env)."""
+    from masrl.tasks.environments.tool_env import tool_env_source
+
+    return tool_env_source(cfg, sft_teacher)
+
+
 def source_loader(cfg: TaskConfig) -> TaskBuilder:
     """The builder of task ``cfg.name`` (no data is read): a registered task, or a math benchmark / QA dataset
     named by ``task.params.train``; the registry's error listing the known tasks otherwise."""

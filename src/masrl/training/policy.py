@@ -170,6 +170,7 @@ class Policy(PolicyText):
     agents: list[str] = field(default_factory=list)
     adapter_of: dict[str, str] = field(default_factory=dict)  # agent -> LoRA adapter (per-agent adapters)
     base_trained: bool = False  # SFT trained the base under the adapters: checkpoints keep it too
+    compile_layers: bool | None = None  # trainer.compile resolved at the first update (None: not yet)
 
     @property
     def max_positions(self) -> int:

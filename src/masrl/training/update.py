@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import random
 from collections import defaultdict
@@ -24,11 +25,14 @@ from masrl.algorithms import (agg_loss, entropy_from_logits, kl_penalty, policy_
                               truncated_is_weights)
 from masrl.algorithms.losses import entropy_from_logsumexp
 from masrl.config import AlgorithmConfig, TrainerConfig
+from masrl.models.compiled_layers import compile_decision, compiled_layers
 from masrl.models.cpu_attention import cpu_attention
 from masrl.models.precision import resolve_autocast
 from masrl.training.distributed import DataParallel
 from masrl.training.logprobs import response_logprobs
 from masrl.training.policy import Policy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,6 +228,7 @@ def update_policy_raw(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig
     Stages: per minibatch, :func:`_accumulate_gradients` (micro-batches by :func:`_backward_chunk`), then
     :func:`_optimizer_step` (finite check, spike guard, clipping, the step and the gradient metrics)."""
     assert policy.optimizer is not None, f"policy {policy.name} is not trainable"
+    resolve_compile(policy, trainer)
     u = _UpdateRun.start(policy, rows, algo, trainer, step=step, guard=guard, track_kl=track_kl, dp=dp)
     rng = random.Random(seed * 1_000_003 + step)
     if u.recompute and not u.single_pass:  # the pre-update policy's log-probs, before the first step
@@ -480,8 +485,22 @@ def trainer_forward(policy: Policy, chunk: Sequence[Row], backward_inside: bool 
     """What every trainer forward of ``chunk`` runs under: masrl's CPU attention (float32 for short sequences under
     autocast, masrl.models.cpu_attention) and the rows' adapter routing. ``backward_inside``: the caller also runs
     backward inside (gradient checkpointing recomputes with the same attention and routing)."""
-    with cpu_attention(policy.model), adapter_routing(policy, chunk, backward_inside=backward_inside):
+    with cpu_attention(policy.model), adapter_routing(policy, chunk, backward_inside=backward_inside), \
+            compiled_layers(policy.model, bool(policy.compile_layers)):
         yield
+
+
+def resolve_compile(policy: Policy, trainer: TrainerConfig) -> None:
+    """``trainer.compile`` for this policy, decided once (at its first update) and said in one line."""
+    if policy.compile_layers is not None:
+        return
+    device = next(policy.model.parameters()).device.type
+    policy.compile_layers, line = compile_decision(
+        trainer.compile, device=device, total_steps=trainer.total_steps, lora=policy.cfg.lora is not None,
+        checkpointing=bool(policy.cfg.gradient_checkpointing),
+        sharded=any(hasattr(p, "full_tensor") for p in policy.model.parameters()))  # FSDP2's DTensors
+    loud = not policy.compile_layers and (trainer.compile == "on" or "C++" in line)  # asked for, or no compiler
+    log.log(logging.WARNING if loud else logging.INFO, "policy %s: %s", policy.name, line)
 
 
 def adapter_routing(policy: Policy, chunk: Sequence[Row], backward_inside: bool = False):

@@ -1,0 +1,114 @@
+"""``trainer.compile``: the update's decoder layers as compiled graphs (torch.compile, inductor, C++/OpenMP on CPU).
+
+Each decoder layer's forward and backward run as one graph: inductor compiles the layer's forward, and
+AOTAutograd its backward. The first micro-batch shape compiles a static graph; the first other shape compiles one
+shape-generic graph (torch's automatic dynamic shapes), so micro-batches of every length reuse it instead of
+compiling each length anew (a training step's micro-batches rarely repeat a length). All layers of a model
+share the code and the compiled graph (their weights are graph
+inputs), so a 30-layer model compiles once per shape, not 30 times. Only the trainer's forwards go through it
+(:func:`compiled_layers` around them); the engine keeps its own decode step.
+
+Compiled graphs persist across runs in inductor's FX graph cache under masrl's cache folder
+(``$MASRL_CACHE_DIR/inductor``, :func:`masrl.paths.cache_dir`) unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
+
+``auto`` compiles when every condition holds: the model is on a CPU with native bf16 (where a compiled update was
+measured faster than eager; on an AVX2-only CPU in float32 the compiled layers measured 1.01-1.05x eager's CPU time,
+so they never repay their compile time there), a C++ compiler is present (``$CXX``, else ``g++``, ``clang++`` or
+``c++`` on ``PATH``, as inductor looks for one), the policy trains without LoRA adapters and without gradient
+checkpointing, and the run has at least :data:`AUTO_MIN_STEPS` RL steps (docs/performance.md, "Compiled decoder
+layers"). ``on`` compiles wherever the compiler and the policy allow; otherwise, and
+for ``off``, eager, with one line saying why.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# RL steps from which `auto` compiles: the break-even of a cold inductor cache measured for the compiled tiny
+# quickstart update on a Zen 4 (0.92x steady, 70 warm - 170 cold steps; benchmarks/RESULTS.md, "torch.compile")
+AUTO_MIN_STEPS = 170
+_COMPILED: dict[type, object] = {}  # decoder layer class -> its compiled forward (shared by every instance)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would use: ``$CXX`` when set (even a missing one: inductor would fail on it),
+    else the first of g++, clang++, c++ on ``PATH``; None when there is none."""
+    given = os.environ.get("CXX")
+    if given:
+        return shutil.which(given)
+    return next((found for name in ("g++", "clang++", "c++") if (found := shutil.which(name))), None)
+
+
+def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
+                     checkpointing: bool, native_bf16: bool | None = None,
+                     sharded: bool = False) -> tuple[bool, str]:
+    """(compile?, the one line that says what runs and why). ``native_bf16``: the CPU's (None: read it)."""
+    if setting == "off":
+        return False, "trainer.compile: off, eager decoder layers"
+    if native_bf16 is None:
+        from masrl.models.precision import cpu_has_native_bf16
+
+        native_bf16 = cpu_has_native_bf16()
+    blockers = []
+    if device != "cpu":
+        blockers.append(f"the model is on {device} (compiled layers are a CPU lever)")
+    if cxx_compiler() is None:
+        blockers.append("no C++ compiler found ($CXX, g++, clang++, c++)")
+    if lora:
+        blockers.append("LoRA adapters are routed per row (eager PEFT layers)")
+    if checkpointing:
+        blockers.append("gradient checkpointing recomputes layers eagerly")
+    if sharded:
+        blockers.append("FSDP2 shards the layers (not compiled with them)")
+    if setting == "auto" and device == "cpu" and not native_bf16:
+        blockers.append("on a CPU without native bf16 compiled layers measured no faster than eager")
+    if setting == "auto" and total_steps < AUTO_MIN_STEPS:
+        blockers.append(f"{total_steps} RL steps do not repay the compile time (auto compiles from "
+                        f"{AUTO_MIN_STEPS})")
+    if blockers:
+        return False, f"trainer.compile: {setting}, eager decoder layers: " + "; ".join(blockers)
+    return True, f"trainer.compile: {setting}, decoder layers compiled with inductor (cache {inductor_cache()})"
+
+
+def inductor_cache() -> str:
+    """Inductor's cache folder: ``$TORCHINDUCTOR_CACHE_DIR``, else set to masrl's cache folder / inductor."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from masrl.paths import cache_dir
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (``model.model.layers``), or [] when it has none."""
+    inner = getattr(getattr(model, "model", None), "layers", None)
+    return list(inner) if isinstance(inner, torch.nn.ModuleList) else []
+
+
+def _compiled_forward(layer: torch.nn.Module):
+    cls = type(layer)
+    if cls not in _COMPILED:
+        inductor_cache()
+        _COMPILED[cls] = torch.compile(cls.forward)
+    return _COMPILED[cls]
+
+
+@contextlib.contextmanager
+def compiled_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Within: each decoder layer of ``model`` runs its compiled forward (and so its compiled backward)."""
+    layers = decoder_layers(model) if enabled else []
+    for layer in layers:
+        fn = _compiled_forward(layer)
+        layer.forward = fn.__get__(layer)  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)

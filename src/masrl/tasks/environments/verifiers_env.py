@@ -1,0 +1,152 @@
+"""``task: {name: verifiers}``: a verifiers (Prime Intellect) v0 environment as a masrl task.
+
+    task:
+      name: verifiers
+      params:
+        env: my_env                         # an installed environment id (verifiers.load_environment), or
+        # env: examples/verifiers_gsm8k.py:load_environment   # a function returning a vf.Environment
+        env_args: {num_train_examples: 64}  # keyword arguments of load_environment
+    workflow:
+      name: environment                     # the episode is the environment's own rollout (below)
+    agents:
+      Solver: {policy: team}                # the `model` the environment sends
+
+The environment's dataset rows become tasks (``question``: the last user message of the row's prompt;
+``answer``; the whole row, with ``prompt``, ``answer``, ``info`` and ``example_id``, kept in ``task.meta["row"]``);
+its eval dataset is the held-out split (the train rows when it has none). Each episode runs the environment's own
+``run_rollout`` (single-turn, multi-turn and tool environments alike) with an ``AsyncOpenAI`` client on masrl's
+gateway and ``model`` = the agent, so every model call is a recorded turn; the rubric's reward is the episode's
+reward and each rubric function's score is kept in ``episode.info["env_metrics"]`` (logged as ``env/<name>``); an
+episode is correct (accuracy, pass@k) when its reward reaches the environment's ``pass_threshold`` (0.5 by default).
+A rollout that ends with the environment's own error (``state["error"]``) fails its episode with that reason.
+
+Built against verifiers 0.3.1 (the release that installs beside openai 3: 0.4 requires openai < 3). Its v1 API
+(tasksets, multi-agent ``Env``) is not adapted here. Environments that need remote sandboxes (Prime, Modal,
+Docker) are out of scope: they run only where those services are reachable.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from masrl.config import TaskConfig
+from masrl.errors import ConfigError
+from masrl.tasks.environments import require
+from masrl.tasks.source import TaskSource
+from masrl.types import Task
+
+_KNOWN = {"env", "env_args", "sampling_args"}
+
+
+def load_environment(spec: str, env_args: dict) -> Any:
+    """The ``vf.Environment`` of ``spec``: ``module:function`` / ``file.py:function`` (called with ``env_args``),
+    else an environment id for ``verifiers.load_environment``."""
+    vf = require("verifiers", "verifiers", "task verifiers")
+    if ":" in spec:
+        from masrl.tasks.user_code import import_object
+
+        make = import_object(spec, "task.params.env")
+        if not callable(make):
+            raise ConfigError(f"task.params.env {spec!r} is not callable (a function returning a vf.Environment)")
+        env = make(**env_args)
+    else:
+        try:
+            env = vf.load_environment(spec, **env_args)
+        except ValueError as e:  # not installed
+            raise ConfigError(f"task.params.env {spec!r}: {e}") from None
+    if not isinstance(env, vf.Environment):
+        raise ConfigError(f"task.params.env {spec!r} returned {type(env).__name__}, not a verifiers Environment")
+    return env
+
+
+def _question(prompt: Any) -> str:
+    """The text a person would call the question: the last user message's text (the prompt itself if a string)."""
+    if isinstance(prompt, str):
+        return prompt
+    for message in reversed(prompt or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list):
+                return " ".join(p.get("text", "") for p in content if isinstance(p, dict)).strip()
+            return str(content or "")
+    return ""
+
+
+def rows_to_tasks(dataset: Any, name: str, limit: int | None = None) -> list[Task]:
+    """Tasks from an environment's (formatted) dataset: the row kept whole in ``meta["row"]``."""
+    tasks = []
+    for i, row in enumerate(dataset):
+        if limit is not None and i >= limit:
+            break
+        row = dict(row)
+        tasks.append(Task(id=f"{name}/{row.get('example_id', i)}", question=_question(row.get("prompt")),
+                          answer=row.get("answer", ""), meta={"data_source": name, "row": row}))
+    return tasks
+
+
+def _rollout_input(task: Task) -> dict:
+    row = task.meta["row"]
+    return {k: row[k] for k in ("prompt", "example_id", "answer", "info", "task") if row.get(k) is not None}
+
+
+def _answer(completion: Any) -> str | None:
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion or []):
+        get = message.get if isinstance(message, dict) else lambda key: getattr(message, key, None)
+        if get("role") == "assistant":
+            content = get("content")
+            return content if isinstance(content, str) else str(content or "")
+    return None
+
+
+class VerifiersEpisode:
+    """One episode: the environment's ``run_rollout`` with a client on the episode's gateway session."""
+
+    def __init__(self, env: Any, sampling_args: dict):
+        self.env, self.sampling_args = env, dict(sampling_args)
+
+    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
+        import openai
+        import verifiers as vf
+
+        async with openai.AsyncOpenAI(max_retries=0, timeout=None, **client_kwargs) as raw:
+            client = vf.OpenAIChatCompletionsClient(raw)
+            output = await self.env.run_rollout(_rollout_input(task), client, agent, dict(self.sampling_args))
+        error = output.get("error")
+        if error:
+            raise RuntimeError(f"the environment's rollout ended with an error: {str(error)[:300]}")
+        metrics = {str(k): float(v) for k, v in (output.get("metrics") or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        reward = float(output.get("reward") or 0.0)
+        threshold = float(getattr(self.env, "pass_threshold", 0.5))  # verifiers' pass@k threshold
+        return {"reward": reward, "correct": reward >= threshold, "answer": _answer(output.get("completion")),
+                "metrics": metrics, "info": {"stop_condition": output.get("stop_condition"),
+                                             "is_truncated": bool(output.get("is_truncated"))}}
+
+
+def _score(task: Task, answer: str | None) -> dict:
+    raise ConfigError(f"task verifiers: the environment's rubric scores its episodes; run it with workflow "
+                      f"environment (task {task.id})")
+
+
+def verifiers_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    params = cfg.params
+    unknown = sorted(set(params) - _KNOWN)
+    if unknown:
+        raise ConfigError(f"task.params for verifiers: unknown keys {unknown}; known: {sorted(_KNOWN)}")
+    spec = params.get("env")
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError("task verifiers: set task.params.env to an environment id or 'module:function'")
+    env_args = params.get("env_args") or {}
+    if not isinstance(env_args, dict):
+        raise ConfigError(f"task.params.env_args must be a mapping of load_environment's arguments, got {env_args!r}")
+    require("openai", "verifiers", "task verifiers")  # the episodes' client
+    env = load_environment(spec, env_args)
+    name = spec.rpartition(":")[0].rsplit("/", 1)[-1].removesuffix(".py") or spec
+    train = rows_to_tasks(env.get_dataset(), name, cfg.train_limit)
+    try:
+        test = rows_to_tasks(env.get_eval_dataset(), name, cfg.test_limit)
+    except ValueError:  # no eval dataset
+        test = list(train)
+    episode = VerifiersEpisode(env, params.get("sampling_args") or {})
+    return TaskSource("verifiers", train, test, _score, None, {"env_episode": episode})
