@@ -421,6 +421,7 @@ ALLOWED = {  # file: why what it starts is not user code
     "src/masrl/retrieval/": "the retrieval server and its client (masrl's own server)",
     "src/masrl/gateway/": "the gateway's HTTP server thread (masrl's own server)",
     "src/masrl/serve.py": "masrl serve: the gateway's server and the team's loop",
+    "src/masrl/serve_team.py": "masrl serve --team: its worker thread and HTTP server (masrl's own)",
     "src/masrl/rollout/": "the rollout engines and the scheduler's event loop (masrl's own generation)",
     "src/masrl/runtime/": "Ray workers and the local runtime (masrl's own training processes)",
     "src/masrl/training/": "distributed training launch (torchrun / FSDP workers of masrl's own)",
