@@ -6,6 +6,8 @@ short runs before and after it and comparing every value they log, timing fields
 * the quickstart (``examples/quickstart.yaml``) with ``seed=0`` and ``seed=1``;
 * one study example per tiny-model workflow family (``voting_shared``, ``eval_opt_shared``,
   ``orch_workers_shared``);
+* when ``--only`` names them, runs of user code: a reward function (``examples/dataset_jsonl.yaml``), tools
+  (``examples/tools_calculator.yaml``) and an OpenAI-API program (``examples/openai_client_team.yaml``);
 * the export round trip of the quickstart's seed-0 run: ``masrl export``, ``masrl eval`` of the export's
   ``config.yaml``, and ``masrl eval --checkpoint`` of the run folder.
 
@@ -52,6 +54,12 @@ TRAIN_RUNS = [
     ("voting", "examples/voting_shared.yaml", ["seed=0"]),
     ("eval_opt", "examples/eval_opt_shared.yaml", ["seed=0"]),
     ("orch_workers", "examples/orch_workers_shared.yaml", ["seed=0"]),
+]
+#: runs of user code (a reward function, tools, an OpenAI-API program), run when ``--only`` names them
+USER_CODE_RUNS = [
+    ("user_reward", "examples/dataset_jsonl.yaml", ["seed=0", "logging.report_to=[]", "sft.steps=0"]),
+    ("tools", "examples/tools_calculator.yaml", ["seed=0"]),
+    ("openai_client", "examples/openai_client_team.yaml", ["seed=0"]),
 ]
 EVAL_ARGS = ["--bench", "test", "--limit", "8", "--n", "2", "--k", "1,2"]
 EVAL_OVERRIDES = ["trainer.threads=1", "logging.progress=false"]
@@ -107,7 +115,7 @@ def run_all(checkout: Path | None, out: Path, only: set[str] | None) -> dict[str
     "error": ...}}``."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
-    for name, config, extra in TRAIN_RUNS:
+    for name, config, extra in TRAIN_RUNS + [r for r in USER_CODE_RUNS if only and r[0] in only]:
         if only and name not in only and not (name == ROUND_TRIP and only & {"export-eval", "checkpoint-eval"}):
             continue
         run_dir = out / name
@@ -243,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare-only", action="store_true",
                     help="run nothing: compare the outputs already in --work (of an earlier run of this script)")
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all): "
-                    + ", ".join([n for n, _, _ in TRAIN_RUNS] + ["export-eval", "checkpoint-eval"]))
+                    + ", ".join([n for n, _, _ in TRAIN_RUNS] + ["export-eval", "checkpoint-eval"])
+                    + "; and, only when named: " + ", ".join(n for n, _, _ in USER_CODE_RUNS))
     a = ap.parse_args(argv)
     only = {s.strip() for s in a.only.split(",") if s.strip()} if a.only else None
     if a.compare_only and not a.work:

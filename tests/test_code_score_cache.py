@@ -130,7 +130,7 @@ def test_task_configs_take_score_cache():
 
 
 def test_guarded_reward_counts_cached_calls_in_metrics():
-    from masrl.tasks.reward_guard import GuardedScore
+    from masrl.usercode.guard import GuardedScore
 
     guarded = GuardedScore(code_synth_score("fraction", timeout_s=1.0))
     program = _fenced("def f(xs):\n    return len(xs)")

@@ -10,7 +10,7 @@ import torch
 from masrl.algorithms import SIGNAL_GROUPING, compute_advantages, signal_mask
 from masrl.config import config_from_dict
 from masrl.monitoring.logger import read_metrics
-from masrl.tasks.reward_guard import RewardCounts
+from masrl.usercode.guard import RewardCounts
 from masrl.trainer import Trainer
 from masrl.training.batch_select import BatchSelector
 from masrl.types import Episode, Task, Turn

@@ -38,7 +38,7 @@ def test_external_example_programs_load_and_use_no_masrl(path, params, monkeypat
     callable, and it is an ordinary program: no masrl import anywhere in it."""
     import ast
 
-    from masrl.tasks.user_code import import_object
+    from masrl.usercode.imports import import_object
 
     monkeypatch.chdir(path.parents[1])
     spec = params["entry"]

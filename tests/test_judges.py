@@ -629,7 +629,7 @@ def test_a_judged_run_reports_the_judge_in_report_md(tmp_path):
 def test_the_trainer_judges_a_rollout_in_one_batch_and_never_the_sft_demonstrations(tmp_path):
     # the trainer wraps every score in the reward contract (GuardedScore): the wrapper keeps score_batch
     from masrl.config import load_config
-    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+    from masrl.usercode.guard import GuardedScore, RewardLedger
     from masrl.trainer import Trainer
     from masrl.training.sft import collect_demonstrations
     from masrl.workflows.batch_score import scores_in_batches
@@ -673,7 +673,7 @@ def test_the_trainer_judges_a_rollout_in_one_batch_and_never_the_sft_demonstrati
 
 
 def test_guarded_score_batch_keeps_the_reward_contract():
-    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+    from masrl.usercode.guard import GuardedScore, RewardLedger
 
     judge, _ = make_judge(lambda p: "yes", verdict="yes_no")
     ledger = RewardLedger()

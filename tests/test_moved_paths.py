@@ -22,6 +22,9 @@ MODULES = [  # (old module, a name in it, new module)
     ("masrl.evaluation.runner", "summarize_episodes", "masrl.evaluation.summary"),
     ("masrl.retrieval.guard", None, "masrl.http.guard"),
     ("masrl.tasks.retrieval.guard", None, "masrl.http.guard"),
+    ("masrl.tasks.reward_guard", None, "masrl.usercode.guard"),
+    ("masrl.tasks.reward_process", None, "masrl.usercode.process"),
+    ("masrl.tasks.user_code", None, "masrl.usercode.imports"),
 ] + [(f"masrl.tasks.retrieval.{p.stem}", None, f"masrl.retrieval.{p.stem}")
      for p in sorted(SHIMS.glob("*.py")) if p.stem not in ("__init__", "synthetic_kb", "guard")]
 
@@ -76,10 +79,10 @@ def test_an_unknown_name_is_still_an_attribute_error():
             module.no_such_name  # noqa: B018
 
 
-OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|code\.sandbox|code\._(child|cgroup|cleanup))"
+OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|reward_guard\b|reward_process\b|user_code\b|code\.sandbox|code\._(child|cgroup|cleanup))"
                        r"|masrl\.retrieval\.guard\b|retrieval/guard\.py"
                        r"|masrl\.evaluation\.runner\b|evaluation/runner\.py"
-                       r"|tasks/(retrieval/|rows\.py|lines\.py|code/(sandbox|_child|_cgroup|_cleanup)\.py)"
+                       r"|tasks/(retrieval/|rows\.py|lines\.py|reward_guard\.py|reward_process\.py|user_code\.py|code/(sandbox|_child|_cgroup|_cleanup)\.py)"
                        r"|from masrl\.tasks\.code import[^\n]*\b(run_python|Sandbox|Limits|SandboxError|SandboxResult"
                        r"|Isolation|default_sandbox|sandbox_capabilities)\b"
                        r"|from masrl\.paths import[^\n]*write_text_atomic|from masrl\.config import[^\n]*read_yaml_file")
@@ -107,6 +110,7 @@ def test_masrl_itself_uses_only_the_new_paths():
                 continue
             if rel.startswith("src/masrl/tasks/retrieval/") or rel in (
                     "src/masrl/tasks/rows.py", "src/masrl/tasks/lines.py", "src/masrl/tasks/code/sandbox.py",
+                    "src/masrl/tasks/reward_guard.py", "src/masrl/tasks/reward_process.py", "src/masrl/tasks/user_code.py",
                     "src/masrl/evaluation/runner.py", "src/masrl/retrieval/guard.py"):
                 continue  # the deprecated modules themselves
             try:

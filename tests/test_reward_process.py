@@ -1,4 +1,4 @@
-"""A user reward in a process of its own (task.reward_isolation: process / auto; masrl.tasks.reward_process):
+"""A user reward in a process of its own (task.reward_isolation: process / auto; masrl.usercode.process):
 what a thread cannot bound — a call holding the interpreter lock, a call that ends its process — is one failed
 call, and the run goes on or stops with one line, never hangs or ends silently."""
 import json
@@ -15,8 +15,8 @@ import yaml
 
 from masrl.cli import main
 from masrl.errors import ConfigError
-from masrl.tasks.reward_guard import GuardedScore
-from masrl.tasks.reward_process import MAX_TIMEOUTS_IN_A_ROW
+from masrl.usercode.guard import GuardedScore
+from masrl.usercode.process import MAX_TIMEOUTS_IN_A_ROW
 from masrl.tasks.rewards import register_reward, resolve_reward, REWARDS
 from masrl.types import Episode, Task, Turn
 

@@ -77,11 +77,28 @@ def test_any_tool_result_becomes_a_string_observation(value):
     assert result.message()["content"] == result.content
 
 
-def test_bytes_and_broken_objects_are_shown_as_text():
+def test_bytes_are_shown_as_text():
     box = ToolBox([_returning(b"\xff\xfebytes")])
     assert box.run(ToolCall("result", {})).content == "\ufffd\ufffdbytes"  # not a repr "b'...'"
-    box = ToolBox([_returning({"k": _BrokenStr(), "n": 1})])
-    assert box.run(ToolCall("result", {})).content == '{"k": "<_BrokenStr object that cannot be printed>", "n": 1}'
+
+
+@pytest.mark.parametrize("value", [_BrokenStr(), {"k": _BrokenStr(), "n": 1}, [1, _BrokenStr()], _Unprintable()],
+                         ids=["object", "in_a_dict", "in_a_list", "no_repr"])
+def test_a_result_whose_str_raises_is_a_tool_error_not_an_ok_placeholder(value):
+    box = ToolBox([_returning(value)])
+    result = box.run(ToolCall("result", {}))
+    assert result.status == "error", result
+    assert "cannot be shown as text" in result.content
+    assert box.counts.errors == 1 and box.counts.calls == 1
+
+
+def test_a_tool_that_calls_sys_exit_is_an_error_observation():
+    def leave() -> str:
+        """Exit."""
+        raise SystemExit(0)
+
+    result = ToolBox([Tool(leave)]).run(ToolCall("leave", {}))
+    assert result.status == "error" and "sys.exit(0)" in result.content
 
 
 def test_a_tool_whose_exception_cannot_be_printed_is_an_error_observation():

@@ -31,7 +31,7 @@ def release(tmp_path):
 
 
 def _wait_for_abandoned_calls(timeout_s=10.0):
-    from masrl.tasks.reward_guard import abandoned_calls
+    from masrl.usercode.guard import abandoned_calls
 
     deadline = time.monotonic() + timeout_s
     while abandoned_calls() and time.monotonic() < deadline:
@@ -88,7 +88,7 @@ def reward(task, episode):
 
 @pytest.mark.parametrize("isolation", ["process", "thread"])
 def test_a_hung_reward_call_returns_at_its_deadline_and_cannot_touch_the_turns(tmp_path, release, isolation):
-    from masrl.tasks.reward_guard import GuardedScore
+    from masrl.usercode.guard import GuardedScore
 
     score = GuardedScore(resolve_reward(_reward_file(tmp_path, HANG.format(flag=str(release))), {}, timeout_s=0.5,
                                         isolation=isolation))
@@ -291,7 +291,7 @@ def test_a_reward_that_cannot_load_is_one_line_at_load(tmp_path, tiny_cfg, capsy
 
 
 def test_a_builtin_score_is_counted_and_its_first_failure_logged_once(caplog):
-    from masrl.tasks.reward_guard import GuardedScore, RewardLedger
+    from masrl.usercode.guard import GuardedScore, RewardLedger
 
     ledger = RewardLedger()
     score = GuardedScore(lambda task, answer: {"reward": 1 / 0}, ledger)

@@ -25,7 +25,7 @@ from masrl.rollout.runner import make_call, max_token_chars, repeat_tasks, run_e
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.runtime import make_runtime
 from masrl.tasks.registry import TaskSource, load_bench_tasks, load_task_source
-from masrl.tasks.reward_guard import GuardedScore, RewardCounts, RewardLedger, check_failures
+from masrl.usercode.guard import GuardedScore, RewardCounts, RewardLedger, check_failures
 from masrl.training.checkpoint import load_eval_checkpoint
 from masrl.training.policy import Policy
 from masrl.types import Episode, ScoreFn, Task, Turn

@@ -40,7 +40,6 @@ from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonito
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
 from masrl.rollout.versioned import RolloutsAhead, VersionedEngine
-from masrl.tasks.reward_guard import GuardedScore, RewardError, check_failures
 from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError
@@ -50,6 +49,7 @@ from masrl.training.conversation import merge_extending_rows
 from masrl.training.sft import collect_demonstrations
 from masrl.training.update import Row
 from masrl.types import Episode, Turn
+from masrl.usercode.guard import GuardedScore, RewardError, check_failures
 from masrl.versions import library_versions, versions_comment
 
 

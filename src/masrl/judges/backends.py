@@ -20,6 +20,8 @@ from masrl.models.loading import load_model_and_tokenizer
 from masrl.rollout.base import GenRequest
 from masrl.rollout.factory import make_engine
 
+NO_REPLY = "no reply within"  # the start of a timed-out call's error (counted in usercode/judge/timeouts)
+
 
 @dataclass
 class Reply:

@@ -42,7 +42,8 @@ class RemoteOptions(_Strict):
     model: str = Field(description="the model name the endpoint serves")
     api_key_env: Optional[str] = Field("OPENAI_API_KEY", description=(
         "environment variable holding the key (never written to the run folder); null: no key"))
-    timeout_s: float = Field(30.0, gt=0, description="deadline of one call (connect + reply)")
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one call: connect, send and the whole "
+                                                       "reply (a reply that trickles in is cut off at it)")
     retries: int = Field(2, ge=0, description="retries of a call that timed out or got a 429/5xx/connection error")
     backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubled at each retry")
     max_calls_per_step: Optional[int] = Field(None, ge=1, description="calls allowed per step; the rest are errors")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
-from masrl.judges.backends import Reply
+from masrl.judges.backends import NO_REPLY, Reply
 from masrl.judges.config import DEFAULT_TEMPLATES, JudgeOptions, check_template
 from masrl.judges.stats import JudgeStats, judged, unjudged
 from masrl.judges.verdicts import pairwise_preference, parse_choice, parse_score, parse_yes_no, yes_share
@@ -93,7 +93,7 @@ class JudgeReward:
             for prompt, reply in zip(chunk, ask(chunk)):
                 self.stats.calls += 1
                 if reply.error is not None:
-                    self.stats.error(reply.error)
+                    self.stats.error(reply.error, timeout=reply.error.startswith(NO_REPLY))
                 self._cache[prompt] = reply
         results = [self._result(task, answer, [self._cache[p] for p in ps], ties=self._ties(task, answer, opp))
                    for (task, answer), ps, opp in zip(pairs, asked, opponents)]

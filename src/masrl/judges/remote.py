@@ -1,7 +1,8 @@
 """A judge behind an OpenAI-compatible ``POST {base_url}/chat/completions`` endpoint (httpx).
 
-Each call has a deadline (``timeout_s``) and is retried with exponential backoff on a timeout, a
-connection error, HTTP 429 or 5xx; other HTTP errors and replies without ``choices[0].message.content``
+Each call has a deadline on the whole call (``timeout_s``: connect, send, and the whole reply, however slowly it
+comes; run through ``masrl.usercode.calls.call_in_thread``, kind ``judge``) and is retried with exponential
+backoff on a timeout, a connection error, HTTP 429 or 5xx; other HTTP errors and replies without ``choices[0].message.content``
 are errors at once. With verdict ``yes_prob`` each call asks for one token with ``logprobs`` and
 ``top_logprobs: 20`` and reads the probabilities of yes and no among them (a reply without logprobs is an
 error: the endpoint must support them, as vLLM and the OpenAI API do). ``max_calls_per_step`` caps the calls of one step (the rest are errors). The key is
@@ -10,6 +11,7 @@ headers: it is never logged, never in an error message, never in the run folder.
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -17,9 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from masrl.errors import ConfigError
-from masrl.judges.backends import Reply
+from masrl.judges.backends import NO_REPLY, Reply
 from masrl.judges.config import RemoteOptions
 from masrl.judges.verdicts import top_logprob_masses
+from masrl.usercode.calls import UserCodeTimeout, call_in_thread
+
+MAX_REPLY_BYTES = 16 << 20  # a judge's reply larger than this is an error (a reply is a few kB)
 
 _RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
@@ -89,32 +94,63 @@ class RemoteJudge:
         return Reply(None, error)
 
     def _attempt(self, body: dict, probabilities: bool = False) -> tuple[Reply | None, str, bool]:
-        """``(reply, error, worth retrying)``."""
-        httpx = self._httpx
+        """``(reply, error, worth retrying)``: one request, with a deadline on the whole of it."""
+        deadline = time.monotonic() + self.opts.timeout_s
         try:
-            response = self._client.post(self.url, json=body)
-        except httpx.TimeoutException:
-            return None, f"no reply within {self.opts.timeout_s:g} s", True
-        except httpx.HTTPError as e:
+            status, raw = call_in_thread(self._post, (body, deadline), self.opts.timeout_s, kind="judge",
+                                         what=f"judge {self.url}")
+        except (UserCodeTimeout, _Late):
+            return None, f"{NO_REPLY} {self.opts.timeout_s:g} s", True
+        except self._httpx.TimeoutException:
+            return None, f"{NO_REPLY} {self.opts.timeout_s:g} s", True
+        except self._httpx.HTTPError as e:
             return None, f"{type(e).__name__}: {str(e)[:200]}", True
-        if response.status_code != 200:
-            return None, f"HTTP {response.status_code}: {response.text[:200]!r}", \
-                response.status_code in _RETRY_STATUS
+        except _TooLarge:
+            return None, f"a reply of more than {MAX_REPLY_BYTES} bytes", False
+        text = raw.decode("utf-8", "replace")
+        if status != 200:
+            return None, f"HTTP {status}: {text[:200]!r}", status in _RETRY_STATUS
         try:
-            content = response.json()["choices"][0]["message"]["content"]
+            data = json.loads(raw)
+            content = data["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
-            return None, f"not a chat completion: {response.text[:200]!r}", False
+            return None, f"not a chat completion: {text[:200]!r}", False
         if not isinstance(content, str):
-            return None, f"not a chat completion: {response.text[:200]!r}", False
+            return None, f"not a chat completion: {text[:200]!r}", False
         if not probabilities:
             return Reply(content), "", False
         try:
-            top = response.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
-            p_yes, p_no = top_logprob_masses(top)
-        except (KeyError, IndexError, TypeError, ValueError):
+            top = data["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        except (KeyError, IndexError, TypeError):
             return None, ("no logprobs in the reply (verdict yes_prob needs an endpoint that returns "
-                          f"top_logprobs): {response.text[:200]!r}"), False
+                          f"top_logprobs): {text[:200]!r}"), False
+        try:
+            p_yes, p_no = top_logprob_masses(top)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            return None, f"unusable top_logprobs in the reply ({e}): {text[:200]!r}", False
         return Reply(content, p_yes=p_yes, p_no=p_no), "", False
+
+    def _post(self, body: dict, deadline: float) -> tuple[int, bytes]:
+        """``(status, body bytes)`` of one POST; ``_Late`` once ``deadline`` passes while the reply still
+        comes (so that a call given up by its caller ends soon, however slowly the server sends)."""
+        chunks, size = [], 0
+        with self._client.stream("POST", self.url, json=body) as response:
+            for chunk in response.iter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_REPLY_BYTES:
+                    raise _TooLarge()
+                if time.monotonic() > deadline:
+                    raise _Late()
+            return response.status_code, b"".join(chunks)
 
     def close(self) -> None:
         self._client.close()
+
+
+class _Late(Exception):
+    """The reply was still coming at the call's deadline."""
+
+
+class _TooLarge(Exception):
+    """The reply is larger than ``MAX_REPLY_BYTES``."""

@@ -3,9 +3,9 @@
 A Hugging Face ``AutoModelForSequenceClassification`` with one output: each (question, answer) goes
 through its tokenizer, as a user + assistant conversation when the tokenizer has a chat template (else
 as a text pair), and the logit is the score. ``normalize``: ``sigmoid`` (default) maps the logit to
-(0, 1); ``none`` keeps it; ``minmax`` maps the answers scored together (one step's batch) to [0, 1] by
-(logit - min) / (max - min), 0.5 when they are all equal. Frozen: no gradients, never trained. Scored
-in batches of ``batch_size`` (right-padded, with an attention mask: a batch scores as one by one).
+(0, 1) without overflow (a logit of -1000 scores ~0); ``none`` keeps it; ``minmax`` maps the answers scored
+together (one step's batch) to [0, 1] by (logit - min) / (max - min), 0.5 when they are all equal. Frozen: no
+gradients, never trained. Scored in batches of ``batch_size`` (right-padded, with an attention mask: a batch scores as one by one).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from masrl.judges.stats import JudgeStats, judged, unjudged
 from masrl.models.hub import ModelLoadError
 from masrl.models.loading import DTYPES
 from masrl.types import Task
+from masrl.usercode.numbers import sigmoid
 from masrl.workflows.base import render
 
 
@@ -57,7 +58,7 @@ class RewardModelReward:
     def __init__(self, opts: RewardModelOptions, model, tokenizer, check: Callable | None = None):
         self.opts, self.model, self.tokenizer, self.check = opts, model, tokenizer, check
         self.template = check_template(opts.template, "reward_model", "model") if opts.template else None
-        self.stats = JudgeStats(f"reward model {opts.path!r}")
+        self.stats = JudgeStats(f"reward model {opts.path!r}", kind="reward_model")
         self.__name__ = "reward_model"
 
     def __call__(self, task: Task, answer: str | None) -> dict:
@@ -90,7 +91,7 @@ class RewardModelReward:
 
     def normalize(self, logits: list[float]) -> list[float]:
         if self.opts.normalize == "sigmoid":
-            return [1.0 / (1.0 + math.exp(-x)) for x in logits]
+            return [sigmoid(x) if math.isfinite(x) else x for x in logits]  # -1000 -> ~0; NaN stays an error
         if self.opts.normalize == "minmax" and logits:
             lo, hi = min(logits), max(logits)
             return [0.5 if hi == lo else (x - lo) / (hi - lo) for x in logits]

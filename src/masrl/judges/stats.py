@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from masrl.errors import UserInputError
 from masrl.evaluation.metrics import auc, judge_agreement, ranks
+from masrl.usercode.ledger import check_share, usercode_metrics
 
 
 class JudgeWarning(UserWarning):
@@ -52,8 +53,10 @@ class JudgeStats:
     """What the judge did since the last ``pop`` (one training step)."""
 
     endpoint: str
+    kind: str = "judge"  # the user-code kind its calls are counted as: judge | reward_model
     calls: int = 0
     errors: int = 0
+    timeouts: int = 0  # of the errors: calls that got no reply within their deadline
     unparsed: int = 0
     seconds: float = 0.0
     first_error: str | None = None
@@ -67,8 +70,9 @@ class JudgeStats:
         self.unparsed += 1
         self.first_unparsed = reply if self.first_unparsed is None else self.first_unparsed
 
-    def error(self, message: str) -> None:
+    def error(self, message: str, timeout: bool = False) -> None:
         self.errors += 1
+        self.timeouts += timeout
         self.first_error = self.first_error or message
 
     def sample(self, reward: float, answer: str | None, judged_correct: bool, check: bool | None) -> None:
@@ -80,15 +84,16 @@ class JudgeStats:
 
     def pop(self) -> dict[str, float]:
         """The step's metrics, then reset; ``JudgeFailedError`` when every call of the step failed."""
-        if self.calls and self.errors >= self.calls:
-            raise JudgeFailedError(f"every judge call of the step failed ({self.errors} of {self.calls}) at "
-                                   f"{self.endpoint}; first error: {self.first_error}")
+        check_share(f"every judge call of the step failed: the judge at {self.endpoint}", self.calls,
+                    self.errors - self.timeouts, self.timeouts, self.first_error, 1.0, "the step",
+                    "check the endpoint (or the judge's model)", JudgeFailedError)
         if self.unparsed and not self.rewards:
             warnings.warn(f"{self.endpoint}: no judge reply of the step had a verdict ({self.unparsed} answers scored 0, "
                           f"reason judge_unparsed); first reply: {self.first_unparsed[:200]!r}; check the judge's "
                           "template, verdict and max_new_tokens", JudgeWarning, stacklevel=2)
         out = {"judge/calls": float(self.calls), "judge/errors": float(self.errors),
-               "judge/unparsed": float(self.unparsed), "perf/judge_seconds": self.seconds}
+               "judge/unparsed": float(self.unparsed), "perf/judge_seconds": self.seconds,
+               **usercode_metrics(self.kind, self.calls, self.errors - self.timeouts, self.timeouts)}
         if self.rewards:
             out["judge/score"] = sum(self.rewards) / len(self.rewards)
         for name, fn in (("judge/length_corr", pearson), ("judge/length_spearman", spearman)):
@@ -103,7 +108,7 @@ class JudgeStats:
         value = auc([r for r, _ in self.ranked], [c for _, c in self.ranked])
         if value is not None:
             out["judge/heldout_auc"] = value
-        self.__init__(self.endpoint)
+        self.__init__(self.endpoint, self.kind)
         return out
 
 

@@ -7,9 +7,10 @@ number outside the scale, neither yes nor no, neither A nor B): the answer then 
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Iterable
+
+from masrl.usercode.numbers import probability_of_logprob
 
 YES_WORDS = ("yes", "Yes", "YES")
 NO_WORDS = ("no", "No", "NO")
@@ -103,11 +104,13 @@ def yes_share(p_yes: float, p_no: float, min_mass: float) -> float | None:
 
 def top_logprob_masses(top: list[dict]) -> tuple[float, float]:
     """``(P(yes), P(no))`` from an OpenAI ``top_logprobs`` list (``[{"token": ..., "logprob": ...}, ...]``): the
-    probabilities of the tokens that are yes/Yes/YES or no/No/NO once stripped of spaces, summed."""
+    probabilities of the tokens that are yes/Yes/YES or no/No/NO once stripped of spaces, summed. A ``logprob``
+    that is not a finite number at most 0 (a logprob of 1000) is a ``ValueError`` naming the token, never an
+    overflow."""
     p_yes = p_no = 0.0
     for entry in top:
         token = str(entry.get("token", "")).strip()
-        p = math.exp(float(entry["logprob"]))
+        p = probability_of_logprob(entry["logprob"], f"the logprob of token {token[:20]!r}")
         if token in YES_WORDS:
             p_yes += p
         elif token in NO_WORDS:

@@ -23,6 +23,7 @@ from masrl.tools.chat_format import same_vocabulary
 from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts, abandoned_tool_threads
 from masrl.tools.text import safe_str, valid_text
 from masrl.types import Episode, Task, Turn
+from masrl.usercode.ledger import usercode_metrics
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 from masrl.workflows.batch_score import score_pending, scores_in_batches
 
@@ -165,9 +166,14 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
 
 
 def failed_episode(task: Task, team: Team, error: BaseException) -> Episode:
-    """The invalid episode of a workflow that raised ``error``: reward 0, wrong, no turns (none is trained)."""
-    return Episode(task=task, turns=[], reward=0.0, answer=None,
-                   info={"correct": False, "reason": "episode_error", "turns_before_error": len(team.turns)},
+    """The invalid episode of a workflow that raised ``error``: reward 0, wrong, no turns (none is trained).
+    ``info["reason"]``: the error's own ``reason`` (``no_model_call``: an agent program that called no model), else
+    ``episode_error``; ``info["program"]``: ``error`` / ``timeout`` when an agent program failed."""
+    info = {"correct": False, "reason": str(getattr(error, "reason", "episode_error")),
+            "turns_before_error": len(team.turns)}
+    if getattr(error, "program_outcome", None):
+        info["program"] = error.program_outcome
+    return Episode(task=task, turns=[], reward=0.0, answer=None, info=info,
                    error=f"{safe_str(type(error).__name__)}: {safe_str(error, 500)}")
 
 
@@ -184,6 +190,10 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
         log.error("%s raised; the episode is invalid (reward 0, not trained), the other episodes go on; later "
                   "failures are counted in rollout/episode_errors without a traceback", where, exc_info=error)
     scheduler.stats.episode_errors += len(failures)
+    if len(failures) == len(episodes) and all(e.info.get("reason") == "no_model_call" for e, _ in failures):
+        raise EpisodeError(f"no episode of the rollout made a model call ({len(failures)} of {len(episodes)} counted "
+                           f"in rollout/episodes_without_calls), so there is nothing to train on; the first: "
+                           f"{first.error} in {where}")
     if len(failures) == len(episodes):
         raise EpisodeError(f"every episode of the rollout failed ({len(failures)} of {len(episodes)}), so there is "
                            f"nothing to train on; the first: {first.error} in {where}; fix the workflow "
@@ -193,13 +203,20 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Per-rollout counts: ``rollout/episode_errors`` (invalid episodes), ``tool/<count>`` summed over the
-    episodes' tool calls (``ToolCounts``) and ``tool/abandoned_threads`` (tool
-    threads still running past their deadline)."""
+    """Per-rollout counts: ``rollout/episode_errors`` (invalid episodes), ``rollout/episodes_without_calls``
+    (agent programs that called no model), ``tool/<count>`` summed over the episodes' tool calls
+    (``ToolCounts``) and ``tool/abandoned_threads`` (tool threads still running past
+    their deadline); the same counts as ``usercode/tool/*`` and, for agent programs, ``usercode/program/*``."""
     tools: Counter = Counter()
     for e in episodes:
         tools.update(e.tool_counts)
-    out = {"rollout/episode_errors": float(sum(not e.valid for e in episodes))}
+    out = {"rollout/episode_errors": float(sum(not e.valid for e in episodes)),
+           "rollout/episodes_without_calls": float(sum(e.info.get("reason") == "no_model_call" for e in episodes))}
     out.update({f"tool/{f.name}": float(tools[f.name]) for f in fields(ToolCounts)})
     out["tool/abandoned_threads"] = float(abandoned_tool_threads())
+    out.update(usercode_metrics("tool", tools["calls"], tools["errors"], tools["timeouts"]))
+    programs = Counter(e.info.get("program") or ("ok" if "external_calls" in e.info else None) for e in episodes)
+    if programs["ok"] or programs["error"] or programs["timeout"]:
+        out.update(usercode_metrics("program", programs["ok"] + programs["error"] + programs["timeout"],
+                                    programs["error"], programs["timeout"]))
     return out

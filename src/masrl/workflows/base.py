@@ -23,8 +23,8 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from masrl.errors import ConfigError
 from masrl.registry import Registry
-from masrl.tasks.reward_guard import GuardedScore
-from masrl.tasks.user_code import import_failure
+from masrl.usercode.guard import GuardedScore
+from masrl.usercode.imports import import_failure
 from masrl.tools.chat_format import ChatPrompt
 from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts
 from masrl.tools.text import valid_text
@@ -125,7 +125,7 @@ def render(template: str, **fields: Any) -> str:
 
 
 def never_raises(score: ScoreFn) -> ScoreFn:
-    """``score`` that cannot take a training step down (``masrl.tasks.reward_guard.GuardedScore``): an
+    """``score`` that cannot take a training step down (``masrl.usercode.guard.GuardedScore``): an
     exception, a result without a numeric ``reward`` or a non-finite one becomes reward 0 with
     ``reason="score_error"`` (a user reward past its deadline: ``"reward_timeout"``), counted; the first
     failure is logged with its traceback. A score that is guarded already (the trainer's, whose counts it

@@ -24,7 +24,6 @@ loop (``stop="call_limit"``) and the calls left over are not run (counted as ``d
 """
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -81,7 +80,7 @@ async def run_chat(team: "Team", agent: str, messages: list[dict], tools: Sequen
         team.tool_counts.dropped += parsed.dropped + max(0, len(attempts) - room)
         ran = []
         for attempt in attempts[:room]:
-            result = await asyncio.to_thread(box.run, attempt)
+            result = await box.arun(attempt)
             team.tool_calls += 1
             team.tool_counts.add(result)
             ran.append(result)

@@ -13,7 +13,6 @@ reward is the episode's reward, and its named scores (a verifiers rubric's funct
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from contextvars import ContextVar
@@ -23,6 +22,7 @@ from masrl.errors import ConfigError
 from masrl.tasks.environments import agent_param
 from masrl.tasks.environments.tool_env import ToolGame
 from masrl.types import Episode, Task
+from masrl.usercode.calls import call_async
 from masrl.workflows.base import Team, get_workflow, register_workflow
 from masrl.workflows.common import check_params
 
@@ -113,22 +113,28 @@ class ToolPlayer:
                     break
                 for call in calls:
                     arguments = json.loads(call.function.arguments or "{}")
-                    result = await asyncio.to_thread(box.run, ToolCall(call.function.name, arguments))
+                    result = await box.arun(ToolCall(call.function.name, arguments))
                     messages.append({"role": "tool", "tool_call_id": call.id, "name": result.name or "",
                                      "content": result.content})
-                if (await asyncio.to_thread(self.game.outcome, env))[1]:
+                if (await self._env(self.game.outcome, env))[1]:
                     break
         return answer
 
+    async def _env(self, fn, *args):
+        """The environment's own code off the rollout's loop, through the user-code service (a thread of its own;
+        what it raises, SystemExit included, fails the episode); no deadline of its own yet."""
+        what = f"environment {getattr(fn, '__qualname__', fn)}"
+        return await call_async(fn, args, None, kind="environment", what=what)
+
     async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
-        env, first = await asyncio.to_thread(self.game.start, dict(task.meta.get("row") or {}))
+        env, first = await self._env(self.game.start, dict(task.meta.get("row") or {}))
         try:
-            box = await asyncio.to_thread(self.toolbox, env)
+            box = await self._env(self.toolbox, env)
             messages = [{"role": "user", "content": task.question + (f"\n\n{first}" if first else "")}]
             answer = await self._converse(env, box, messages, client_kwargs, agent)
-            reward, done = await asyncio.to_thread(self.game.outcome, env)
+            reward, done = await self._env(self.game.outcome, env)
         finally:
-            await asyncio.to_thread(self.game.close, env)
+            await self._env(self.game.close, env)
         counts = box.counts.as_dict()
         return {"reward": reward, "answer": answer,
                 "metrics": {"tool_calls": float(counts["calls"]), "tool_errors": float(counts["errors"]),

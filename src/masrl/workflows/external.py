@@ -18,34 +18,49 @@ The result: a string (or ``{"answer": ...}``) is the episode's answer, scored by
 ``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A dict result may
 name the completions whose replies were malformed, ``"invalid_calls": [response.id, ...]``: those turns are invalid
 (the format penalty), as a built-in workflow's ``turn.valid = False``. A program that
-raises, exits non-zero, runs past ``timeout_s`` (the subprocess is killed; a hung ``entry`` thread is left
-behind, its session closed so that its calls are refused) or returns anything else fails the episode with
-``ExternalAgentError`` naming the reason; the rollout isolates the episode and counts it.
+raises (``SystemExit`` included), exits non-zero, runs past ``timeout_s`` (the subprocess and its children are
+killed; a hung ``entry`` thread is left behind, its session closed so that its calls are refused), makes no model
+call or returns anything else fails the episode with ``ExternalAgentError`` naming the reason; the rollout
+isolates the episode and counts it. Both run through ``masrl.usercode`` (docs/reliability.md, "User code").
 """
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import math
 import os
 import shlex
-import signal
 import threading
 from typing import Any
 
 from masrl.errors import ConfigError
 from masrl.types import Episode, Task
+from masrl.usercode.calls import UserCodeTimeout, call_async
+from masrl.usercode.command import MAX_OUTPUT, run_command
+from masrl.usercode.imports import import_object
 from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.common import check_params
 
-MAX_OUTPUT = 1 << 20  # bytes of a command's output read (its result is on the last line)
 _GATEWAY: dict[tuple, Any] = {}
 _LOCK = threading.Lock()
 
 
 class ExternalAgentError(RuntimeError):
     """The episode's program failed (what and why); the episode is invalid, the step goes on."""
+
+    program_outcome = "error"  # counted in usercode/program/errors
+
+
+class ProgramTimeout(ExternalAgentError):
+    """The episode's program ran past ``timeout_s`` (counted in ``usercode/program/timeouts``)."""
+
+    program_outcome = "timeout"
+
+
+class NoModelCallError(ExternalAgentError):
+    """The episode's program made no model call: nothing of it can be trained, so the episode is invalid
+    (counted in ``rollout/episodes_without_calls``; a rollout where no episode made one stops the run)."""
+
+    reason = "no_model_call"
 
 
 def gateway(host: str, port: int, timeout_s: float):
@@ -80,88 +95,49 @@ def _task_payload(task: Task) -> dict:
 
 
 async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:
-    from masrl.tasks.user_code import import_object
-
+    """The ``entry`` function through the user-code service: in a thread of its own (an ``async def`` on an event
+    loop of its own, in its own thread, shared by the episodes), with a deadline on the whole call; whatever it
+    raises, ``SystemExit`` included, fails this episode only."""
     fn = import_object(spec, "workflow.params.entry")
     if not callable(fn):
         raise ConfigError(f"workflow.params.entry {spec!r} is not callable")
-    payload = _task_payload(task)
     try:
-        if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(payload, dict(client_kwargs)), timeout)
-        return await asyncio.wait_for(_in_own_thread(fn, payload, dict(client_kwargs)), timeout)
-    except asyncio.TimeoutError:
-        raise ExternalAgentError(f"{spec} did not return within {timeout:g} s") from None
+        return await call_async(fn, (_task_payload(task), dict(client_kwargs)), timeout, kind="program", what=spec)
+    except UserCodeTimeout:
+        raise ProgramTimeout(f"{spec} did not return within {timeout:g} s") from None
     except ConfigError:
         raise
     except Exception as e:  # the program's own error: this episode fails, with its reason
         raise ExternalAgentError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
 
 
-async def _in_own_thread(fn, *args) -> Any:
-    """``fn(*args)`` in a thread of its own: every episode of a rollout runs at once (the default executor's
-    cpu + 4 workers would leave the others queued, and the scheduler waits for every running episode to call)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result, error):
-        if not future.done():
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)
-
-    def target():
-        try:
-            outcome = (fn(*args), None)
-        except BaseException as e:  # noqa: BLE001 - handed to the episode, which fails with it
-            outcome = (None, e)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:  # the rollout's loop is closed: the episode was given up (timeout)
-            pass
-
-    threading.Thread(target=target, name="masrl-external-entry", daemon=True).start()
-    return await future
-
-
 async def _run_command(command: str, task: Task, session: Any, timeout: float, env: dict) -> Any:
+    """The ``command`` through the user-code service (``masrl.usercode.command.run_command``): its own
+    process group, killed with every child at the end of the episode; done when the program exits; the last
+    ``MAX_OUTPUT`` bytes of its output kept."""
     argv = shlex.split(command)
     if not argv:
         raise ConfigError("workflow.params.command is empty")
     child_env = {**os.environ, **{str(k): str(v) for k, v in env.items()}, "OPENAI_BASE_URL": session.base_url,
                  "OPENAI_API_KEY": session.key, "MASRL_EPISODE_KEY": session.key}
     try:
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE, env=child_env,
-                                                    start_new_session=True)
+        run = await run_command(argv, json.dumps(_task_payload(task)).encode() + b"\n", child_env, timeout,
+                                max_output=MAX_OUTPUT)
     except OSError as e:
         raise ConfigError(f"workflow.params.command {command!r} cannot start ({e})") from None
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(json.dumps(_task_payload(task)).encode() + b"\n"), timeout)
-    except asyncio.TimeoutError:
-        _kill(proc)
-        await proc.wait()
-        raise ExternalAgentError(f"command {argv[0]} did not finish within {timeout:g} s (killed)") from None
-    if proc.returncode != 0:
-        tail = err[-500:].decode("utf-8", "replace").strip().splitlines()
-        raise ExternalAgentError(f"command {argv[0]} exited with {proc.returncode}"
+    if run.timed_out:
+        raise ProgramTimeout(f"command {argv[0]} did not finish within {timeout:g} s (killed)")
+    if run.returncode != 0:
+        tail = run.stderr[-500:].decode("utf-8", "replace").strip().splitlines()
+        raise ExternalAgentError(f"command {argv[0]} exited with {run.returncode}"
                                  + (f": {tail[-1]}" if tail else ""))
-    lines = [line for line in out[-MAX_OUTPUT:].decode("utf-8", "replace").splitlines() if line.strip()]
+    lines = [line for line in run.stdout.decode("utf-8", "replace").splitlines() if line.strip()]
     if not lines:
         raise ExternalAgentError(f"command {argv[0]} printed no result (its last line must be JSON)")
     try:
         return json.loads(lines[-1])
     except ValueError:
         raise ExternalAgentError(f"command {argv[0]}: its last line is not JSON: {lines[-1][:200]!r}") from None
-
-
-def _kill(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _mark_invalid(result: Any, responses: dict, where: str) -> None:
@@ -206,7 +182,8 @@ def _finish(team: Team, result: Any, where: str, responses: dict | None = None) 
 
 @register_workflow("external", agents=(), prompts={},
                    params={"entry": None, "command": None, "timeout_s": 300.0, "host": "127.0.0.1", "port": 0,
-                           "env": {}})
+                           "env": {}},
+                   check=_params)  # the same check at start (masrl train, masrl config show), before any model
 async def external(task: Task, team: Team) -> Episode:
     """External program: an OpenAI-API agent program per episode, served by masrl's gateway (agents: the
     config's; see the module docstring)."""
@@ -222,4 +199,8 @@ async def external(task: Task, team: Team) -> Episode:
             where = f"command {p['command']!r}"
     finally:
         gw.close(session)
+    if not team.turns:
+        raise NoModelCallError(f"{where} made no model call (no request reached masrl's gateway): the episode has "
+                               "nothing to train; the program must send its chat completions to the base_url it is "
+                               "given, with an agent's name as `model`")
     return _finish(team, result, where, session.responses)

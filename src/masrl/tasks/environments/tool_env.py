@@ -147,7 +147,7 @@ def _observation_text(obs: Any) -> str | None:
 
 def _rows(spec: Any, what: str) -> list[dict]:
     """A list of dicts from ``module:function`` / ``file.py:function`` or a JSON Lines file."""
-    from masrl.tasks.user_code import import_object
+    from masrl.usercode.imports import import_object
 
     if isinstance(spec, str) and ":" in spec and not Path(spec).is_file():
         make = import_object(spec, what)
@@ -185,7 +185,7 @@ def _score(task: Task, answer: str | None) -> dict:
 
 
 def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
-    from masrl.tasks.user_code import import_object
+    from masrl.usercode.imports import import_object
 
     from masrl.tasks.environments import require
 

@@ -42,7 +42,7 @@ def load_environment(spec: str, env_args: dict) -> Any:
     else an environment id for ``verifiers.load_environment``."""
     vf = require("verifiers", "verifiers", "task verifiers")
     if ":" in spec:
-        from masrl.tasks.user_code import import_object
+        from masrl.usercode.imports import import_object
 
         make = import_object(spec, "task.params.env")
         if not callable(make):

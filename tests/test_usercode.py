@@ -1,0 +1,492 @@
+"""The user-code service (masrl.usercode): one contract for rewards, tools, judges, reward models and agent programs.
+
+A deadline on the whole call (an async def that blocks, a judge that trickles its reply), BaseException contained
+(sys.exit in an agent program), subprocesses in their own process group (children killed, done when the program
+exits, output bounded), safe numbers (a logprob of 1000, a logit of -1000), the count of agent programs that made no
+model call, and the rule that nothing else in src/ starts a thread, a process or an event loop for user code."""
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import sys
+import textwrap
+import threading
+import time
+import tracemalloc
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from masrl.types import Task, Turn
+from masrl.workflows.base import Team, WorkflowSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = Task(id="t", question="q", answer="")
+
+
+# ----------------------------------------------------------------------------- calls in a thread
+
+@pytest.mark.parametrize("error, needle", [(SystemExit(0), "called sys.exit(0)"),
+                                           (KeyboardInterrupt(), "KeyboardInterrupt")])
+def test_a_base_exception_in_user_code_is_a_failed_call_not_the_end_of_the_run(error, needle):
+    from masrl.usercode.calls import UserCodeExit, call_async, call_in_thread
+
+    def leave():
+        raise error
+
+    with pytest.raises(UserCodeExit, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        call_in_thread(leave, (), 5, kind="test", what="leave")
+    with pytest.raises(UserCodeExit, match="leave"):
+        asyncio.run(call_async(leave, (), 5, kind="test", what="leave"))
+
+
+def test_a_blocking_async_def_neither_freezes_the_callers_loop_nor_escapes_its_deadline():
+    from masrl.usercode.calls import UserCodeTimeout, abandoned, call_async
+
+    async def blocks():
+        time.sleep(1.5)  # a sync client inside an async def
+        return "late"
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.02)
+                ticks += 1
+
+        ticker = asyncio.ensure_future(tick())
+        start = time.monotonic()
+        with pytest.raises(UserCodeTimeout, match="within 0.3 s"):
+            await call_async(blocks, (), 0.3, kind="test_block", what="blocks")
+        elapsed = time.monotonic() - start
+        ticker.cancel()
+        return elapsed, ticks
+
+    elapsed, ticks = asyncio.run(main())
+    assert elapsed < 1.0 and ticks >= 5  # the deadline fired, and masrl's loop kept running meanwhile
+    assert abandoned("test_block") == 1
+
+
+def test_the_async_calls_of_one_code_share_its_loop_until_one_runs_past_its_deadline():
+    from masrl.usercode.calls import UserCodeExit, UserCodeTimeout, call_async
+
+    loops = []
+
+    async def code(x):
+        loops.append(asyncio.get_running_loop())
+        if x == "exit":
+            raise SystemExit(0)
+        if x == "block":
+            time.sleep(1.0)
+        await asyncio.sleep(0.01)
+        return x
+
+    async def main():
+        def one(x, timeout_s=5.0):
+            return call_async(code, (x,), timeout_s, kind="test_share", what="code")
+
+        first = await asyncio.gather(*(one(i) for i in range(3)))
+        with pytest.raises(UserCodeExit, match=r"sys\.exit\(0\)"):
+            await one("exit")  # contained: the loop goes on serving
+        with pytest.raises(UserCodeTimeout):
+            await one("block", 0.2)
+        return first, await one("after"), asyncio.get_running_loop()
+
+    first, after, callers = asyncio.run(main())
+    assert first == [0, 1, 2] and after == "after"
+    assert len({id(loop) for loop in loops[:5]}) == 1 and loops[0] is not callers  # one loop, not masrl's
+    assert loops[5] is not loops[0]  # the blocked loop was retired: a new one serves the next call
+
+
+def test_an_async_def_past_its_deadline_is_cancelled_on_its_own_loop():
+    from masrl.usercode.calls import UserCodeTimeout, abandoned, call_in_thread
+
+    ended = threading.Event()
+
+    async def waits():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+
+    with pytest.raises(UserCodeTimeout):
+        call_in_thread(waits, (), 0.2, kind="test_cancel", what="waits")
+    assert ended.wait(5) and _eventually(lambda: abandoned("test_cancel") == 0)
+
+
+def _eventually(check, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ----------------------------------------------------------------------------- agent programs: entry
+
+class _Scripted:
+    """A team.call backend that counts the calls."""
+
+    def __init__(self):
+        self.n = 0
+
+    async def __call__(self, agent, prompt):
+        self.n += 1
+        return Turn(agent=agent, policy="p", prompt_ids=[1, 2], response_ids=[3, self.n], logprobs=[-0.5, -0.5],
+                    text=f"reply {self.n}", prompt_text=str(prompt))
+
+
+def _team(params):
+    from masrl.workflows.external import external
+
+    spec = WorkflowSpec("external", external, ("Solver",), {}, params={"entry": None, "command": None,
+                                                                        "timeout_s": 300.0, "host": "127.0.0.1",
+                                                                        "port": 0, "env": {}})
+    return Team(TASK, spec, _Scripted(), lambda t, a: {"reward": 1.0, "correct": True}, params=params)
+
+
+def _external(params):
+    from masrl.workflows.external import external
+
+    team = _team(params)
+    return asyncio.run(external(TASK, team))
+
+
+def test_an_entry_that_calls_sys_exit_fails_its_episode_only(tmp_path):
+    from masrl.workflows.external import ExternalAgentError
+
+    (tmp_path / "leaves.py").write_text("import sys\n\ndef run(task, client_kwargs):\n    sys.exit(0)\n")
+    with pytest.raises(ExternalAgentError, match=r"sys\.exit\(0\)"):
+        _external({"entry": f"{tmp_path / 'leaves.py'}:run", "timeout_s": 10})
+
+
+def test_an_async_entry_that_blocks_times_out_at_its_deadline(tmp_path):
+    from masrl.workflows.external import ExternalAgentError
+
+    (tmp_path / "blocks.py").write_text(textwrap.dedent('''
+        import time
+
+        async def run(task, client_kwargs):
+            time.sleep(4)  # a blocking call inside an async def
+            return "late"
+    '''))
+    start = time.monotonic()
+    with pytest.raises(ExternalAgentError, match="did not return within 0.5 s") as err:
+        _external({"entry": f"{tmp_path / 'blocks.py'}:run", "timeout_s": 0.5})
+    assert time.monotonic() - start < 3.0 and err.value.program_outcome == "timeout"
+
+
+def test_an_entry_that_makes_no_model_call_is_an_invalid_counted_episode(tmp_path):
+    from masrl.rollout.runner import failed_episode, rollout_metrics
+    from masrl.workflows.external import ExternalAgentError
+
+    (tmp_path / "lazy.py").write_text("def run(task, client_kwargs):\n    return {'reward': 1.0}\n")
+    team = _team({"entry": f"{tmp_path / 'lazy.py'}:run", "timeout_s": 10})
+    with pytest.raises(ExternalAgentError, match="made no model call") as err:
+        _external({"entry": f"{tmp_path / 'lazy.py'}:run", "timeout_s": 10})
+    episode = failed_episode(TASK, team, err.value)
+    assert not episode.valid and episode.info["reason"] == "no_model_call"
+    metrics = rollout_metrics([episode])
+    assert metrics["rollout/episodes_without_calls"] == 1.0 and metrics["rollout/episode_errors"] == 1.0
+    assert metrics["usercode/program/calls"] == 1.0 and metrics["usercode/program/errors"] == 1.0
+
+
+PROGRAM = """
+import os, sys, threading
+import openai
+
+LOCK, SEEN = threading.Lock(), []
+
+
+def run(task, client_kwargs):
+    mode = os.environ["MASRL_TEST_PROGRAM_MODE"]
+    if mode == "lazy":
+        return {"reward": 1.0}  # no model call
+    with LOCK:
+        SEEN.append(task["id"])
+        first = len(SEEN) == 1
+    if first:
+        sys.exit(0)  # the first episode to start leaves
+    client = openai.OpenAI(**client_kwargs)
+    reply = client.chat.completions.create(model="Solver", messages=[{"role": "user", "content": task["question"]}])
+    return reply.choices[0].message.content
+"""
+
+
+def test_a_program_that_exits_fails_one_episode_and_one_that_never_calls_a_model_stops_the_run(tiny_cfg, tmp_path,
+                                                                                                  monkeypatch):
+    pytest.importorskip("openai")
+    from masrl.config import config_from_dict
+    from masrl.rollout.runner import EpisodeError, rollout_metrics
+    from masrl.trainer import Trainer
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    cfg = config_from_dict(tiny_cfg(**{"workflow": {"name": "external", "params": {
+        "entry": f"{tmp_path / 'prog.py'}:run", "timeout_s": 60}}, "sft.steps": 0, "trainer.total_steps": 1,
+        "trainer.batch_size": 2, "trainer.group_size": 2, "eval.before_after": False, "logging.plots": False}))
+    cfg.agents = {"Solver": cfg.agents["Solver"]}
+    with Trainer(cfg) as trainer:
+        monkeypatch.setenv("MASRL_TEST_PROGRAM_MODE", "exit_first")
+        episodes = trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)  # the run goes on
+        failed = [e for e in episodes if not e.valid]
+        assert len(episodes) == 2 and len(failed) == 1 and "sys.exit(0)" in failed[0].error
+        assert all(len(e.turns) == 1 for e in episodes if e.valid)
+        assert rollout_metrics(episodes)["usercode/program/errors"] == 1.0
+        monkeypatch.setenv("MASRL_TEST_PROGRAM_MODE", "lazy")
+        with pytest.raises(EpisodeError) as err:
+            trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
+    message = str(err.value)
+    assert "no episode of the rollout made a model call (2 of 2" in message and "\n" not in message
+
+
+# ----------------------------------------------------------------------------- agent programs: command
+
+class _Session:
+    base_url, key = "http://127.0.0.1:9/v1", "k"
+
+
+def _command(tmp_path, body, timeout_s=5.0):
+    from masrl.workflows.external import _run_command
+
+    (tmp_path / "p.py").write_text(textwrap.dedent(body))
+    return asyncio.run(_run_command(f"{sys.executable} {tmp_path / 'p.py'}", TASK, _Session(), timeout_s, {}))
+
+
+def _dead(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "\nState:\tZ" in status  # a zombie has ended (its parent has not reaped it yet)
+
+
+def test_a_commands_background_child_is_killed_at_the_end_of_its_episode(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    result = _command(tmp_path, f'''
+        import json, subprocess
+        child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        print(json.dumps({{"answer": "done"}}))
+    ''')
+    assert result == {"answer": "done"}
+    assert _eventually(lambda: _dead(int(pid_file.read_text())), 5.0)
+
+
+def test_a_command_that_exits_while_its_child_holds_stdout_completes_at_its_exit(tmp_path):
+    start = time.monotonic()
+    result = _command(tmp_path, '''
+        import json, subprocess, sys
+        subprocess.Popen(["sleep", "30"])  # inherits stdout and stderr: the pipes stay open after this exits
+        print(json.dumps({"answer": "done"}))
+        sys.stdout.flush()
+    ''', timeout_s=3.0)
+    assert result == {"answer": "done"} and time.monotonic() - start < 2.5
+
+
+def test_a_commands_output_is_read_with_a_bound(tmp_path):
+    from masrl.usercode.command import MAX_OUTPUT
+
+    tracemalloc.start()
+    try:
+        result = _command(tmp_path, '''
+            import json, sys
+            block = b"x" * (1 << 20) + b"\\n"
+            for _ in range(24):
+                sys.stdout.buffer.write(block)
+            print(json.dumps({"answer": "end"}))
+        ''', timeout_s=30.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result == {"answer": "end"}
+    assert peak < 6 * MAX_OUTPUT  # 24 MiB printed; only the tail was kept
+
+
+def test_run_command_keeps_the_tail_and_counts_every_byte():
+    from masrl.usercode.command import run_command
+
+    code = "import sys; sys.stdout.write('a' * 3000 + 'END')"
+    result = asyncio.run(run_command([sys.executable, "-c", code], b"", dict(os.environ), 10, max_output=100))
+    assert result.returncode == 0 and result.stdout.endswith(b"END") and len(result.stdout) == 100
+    assert result.stdout_bytes == 3003
+
+
+# ----------------------------------------------------------------------------- judges
+
+class _Trickle(BaseHTTPRequestHandler):
+    """A chat-completions endpoint that sends its reply one byte every 0.1 s (about 8 s in all)."""
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        data = json.dumps({"choices": [{"message": {"content": "yes"}}]}).encode()
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for i in range(len(data)):
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_remote_judge_that_trickles_its_reply_times_out_at_the_deadline(monkeypatch):
+    pytest.importorskip("httpx")
+    from masrl import judges
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        judge = judges.build_judge({"remote": {"base_url": f"http://127.0.0.1:{httpd.server_address[1]}/v1",
+                                               "model": "j", "api_key_env": None, "timeout_s": 1, "retries": 0}}, {})
+        start = time.monotonic()
+        result = judge(TASK, "4")
+        elapsed = time.monotonic() - start
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert result["reason"] == "judge_error" and "no reply within 1 s" in result["detail"]
+    assert elapsed < 2.0
+
+
+def test_judge_and_reward_counts_are_also_usercode_metrics():
+    from masrl.judges.stats import JudgeStats
+    from masrl.usercode.guard import RewardCounts
+
+    stats = JudgeStats("endpoint", kind="reward_model")
+    stats.calls, stats.rewards = 3, [1.0]
+    stats.error("no reply within 1 s", timeout=True)
+    stats.error("HTTP 400")
+    out = stats.pop()
+    assert (out["judge/calls"], out["judge/errors"]) == (3.0, 2.0)
+    assert (out["usercode/reward_model/calls"], out["usercode/reward_model/errors"],
+            out["usercode/reward_model/timeouts"]) == (3.0, 1.0, 1.0)
+    assert stats.kind == "reward_model" and stats.calls == 0  # reset, same kind
+    counts = RewardCounts(calls=4, errors=1, timeouts=2).metrics()
+    assert (counts["reward/errors"], counts["usercode/reward/errors"], counts["usercode/reward/timeouts"]) == \
+        (1.0, 1.0, 2.0)
+
+
+def test_a_logprob_of_1000_is_a_clear_error_not_an_overflow():
+    from masrl.judges.verdicts import top_logprob_masses
+
+    with pytest.raises(ValueError, match="logprob of token 'yes' is 1000; a log-probability is at most 0"):
+        top_logprob_masses([{"token": "yes", "logprob": 1000}])
+    assert top_logprob_masses([{"token": "yes", "logprob": -1e6}, {"token": "no", "logprob": 0.0}]) == (0.0, 1.0)
+
+
+def test_a_reward_model_logit_of_minus_1000_scores_about_0():
+    from masrl.judges.reward_model import RewardModelReward
+
+    rm = SimpleNamespace(opts=SimpleNamespace(normalize="sigmoid"))
+    low, high, mid = RewardModelReward.normalize(rm, [-1000.0, 1000.0, 0.0])
+    assert low == pytest.approx(0.0, abs=1e-300) and high == 1.0 and mid == 0.5
+
+
+def test_safe_numbers():
+    from masrl.usercode.numbers import finite, safe_exp, sigmoid
+
+    assert safe_exp(1e9) > 1e300 and sigmoid(-1e9) == 0.0 and sigmoid(1e9) == 1.0
+    for bad in (float("nan"), float("inf"), True, "1", 10 ** 400):
+        with pytest.raises(ValueError, match="the value"):
+            finite(bad, "the value")
+
+
+# ----------------------------------------------------------------------------- one runner of user code
+
+STARTERS = {  # what starts a thread, a process or an event loop
+    ("threading", "Thread"), ("threading", "Timer"), ("subprocess", "Popen"), ("subprocess", "run"),
+    ("subprocess", "call"), ("subprocess", "check_call"), ("subprocess", "check_output"),
+    ("asyncio", "new_event_loop"), ("asyncio", "run"), ("asyncio", "create_subprocess_exec"),
+    ("asyncio", "create_subprocess_shell"), ("asyncio", "to_thread"), ("futures", "ThreadPoolExecutor"),
+    ("futures", "ProcessPoolExecutor"), ("multiprocessing", "Process"), ("multiprocessing", "Pool"),
+    ("os", "fork"), ("os", "system"), ("os", "popen"), ("os", "spawnv"), ("os", "execv"), ("os", "execvp"),
+}
+ALLOWED = {  # file: why what it starts is not user code
+    "src/masrl/usercode/": "the user-code service itself",
+    "src/masrl/sandbox/": "model-written programs, under the sandbox's own limits (a service of its own)",
+    "src/masrl/retrieval/": "the retrieval server and its client (masrl's own server)",
+    "src/masrl/gateway/": "the gateway's HTTP server thread (masrl's own server)",
+    "src/masrl/serve.py": "masrl serve: the gateway's server and the team's loop",
+    "src/masrl/serve_team.py": "masrl serve --team: its worker thread and HTTP server (masrl's own)",
+    "src/masrl/rollout/": "the rollout engines and the scheduler's event loop (masrl's own generation)",
+    "src/masrl/runtime/": "Ray workers and the local runtime (masrl's own training processes)",
+    "src/masrl/training/": "distributed training launch (torchrun / FSDP workers of masrl's own)",
+    "src/masrl/judges/remote.py": "concurrent HTTP requests to a judge endpoint; each request's deadline is "
+                                  "kept by masrl.usercode.call_in_thread",
+    "src/masrl/io/": "atomic writes and background removals (masrl's own files)",
+    "src/masrl/monitoring/": "metric sinks and progress (masrl's own logging)",
+    "src/masrl/sweep/": "masrl sweep runs masrl train as subprocesses (masrl's own command)",
+    "src/masrl/team_runner.py": "the team's event loop (masrl's own rollout)",
+    "src/masrl/evaluate.py": "masrl eval's event loop (masrl's own rollout)",
+    "src/masrl/models/": "model downloads and loading (masrl's own)",
+    "src/masrl/versions.py": "git and library versions of a run (masrl's own command)",
+    "src/masrl/tasks/code/": "the code task runs programs in masrl.sandbox",
+    "src/masrl/tasks/synthetic_kb.py": "a task's data built by masrl",
+    "src/masrl/workflows/search.py": "a query to masrl's own retriever (masrl.retrieval), off the rollout's loop",
+    "src/masrl/workflows/testing.py": "the loop of a scripted test episode (masrl's own test helper)",
+}
+
+
+def _starts(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for each call in ``path`` that starts a thread, a process or an event loop: ``module.name(...)``
+    (the module by its last dotted part) or ``name(...)`` imported ``from module import name``, and any
+    ``.run_in_executor(...)``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {alias.asname or alias.name: (node.module.split(".")[-1], alias.name)
+                for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Attribute):
+            key = (ast.unparse(node.func.value).split(".")[-1], node.func.attr)
+            if node.func.attr == "run_in_executor":
+                key = ("loop", "run_in_executor")
+        elif isinstance(node.func, ast.Name) and node.func.id in imported:
+            key = imported[node.func.id]
+        else:
+            continue
+        if key in STARTERS or key == ("loop", "run_in_executor"):
+            found.append((node.lineno, ".".join(key)))
+    return sorted(found)
+
+
+def test_only_the_usercode_service_starts_threads_processes_or_loops_for_user_code():
+    offenders = []
+    for path in sorted((ROOT / "src" / "masrl").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if any(rel.startswith(prefix) for prefix in ALLOWED):
+            continue
+        offenders += [f"{rel}:{line}: {what}" for line, what in _starts(path)]
+    assert offenders == [], ("start user code through masrl.usercode (or justify the file in ALLOWED): "
+                             + "; ".join(offenders))
+
+
+def test_the_scan_sees_each_way_of_starting_something(tmp_path):
+    sample = tmp_path / "s.py"
+    sample.write_text(textwrap.dedent('''
+        import asyncio, subprocess, threading
+        from concurrent.futures import ThreadPoolExecutor
+        from threading import Thread
+        threading.Thread(target=print).start()
+        Thread(target=print)
+        subprocess.Popen(["true"])
+        asyncio.run(None)
+        asyncio.new_event_loop()
+        ThreadPoolExecutor(2)
+    '''))
+    assert [line for line, _ in _starts(sample)] == [5, 6, 7, 8, 9, 10]
