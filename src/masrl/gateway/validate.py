@@ -21,7 +21,7 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "echo", "best_of"}
 MESSAGE_FIELDS = {"system": {"role", "content", "name"}, "developer": {"role", "content", "name"},
                   "user": {"role", "content", "name"},
                   "assistant": {"role", "content", "name", "tool_calls", "refusal", "function_call", "audio"},
-                  "tool": {"role", "content", "tool_call_id"}}
+                  "tool": {"role", "content", "tool_call_id", "name"}}  # name: the tool's, as vLLM, TRL and verifiers send
 
 
 def json_object(body: bytes) -> dict:

@@ -117,7 +117,9 @@ async def run_search(retriever, query: str, topk: int) -> list[Passage]:
     return list(results[0]) if results else []
 
 
-def _check_params(p: dict) -> None:
+def _check_params(p: dict, need_retriever: bool = True) -> None:
+    """The workflow's params; at start (``need_retriever=False``) a missing retriever is not refused: the task
+    may supply it (``synthetic_kb``, the search QA tasks), and each episode checks it again."""
     for key in ("untagged_verdict", "untagged_last_turn"):
         if p[key] not in VERDICTS:
             raise ConfigError(f"search_verifier_router: {key} must be 'yes' or 'no', got {p[key]!r}")
@@ -126,13 +128,13 @@ def _check_params(p: dict) -> None:
             raise ConfigError(f"search_verifier_router: {key} must be an integer >= 1, got {p[key]!r}")
     if not isinstance(p["history_length"], int) or p["history_length"] < 0:
         raise ConfigError(f"search_verifier_router: history_length must be an integer >= 0, got {p['history_length']!r}")
-    if p["retriever"] is None:
+    if need_retriever and p["retriever"] is None:
         raise ConfigError("search_verifier_router needs params['retriever']: an object with "
                           "search(queries, topk), a corpus path, 'synthetic_kb', a URL, or {'type': ..., ...}")
 
 
 @register_workflow("search_verifier_router", agents=("Verifier", "Search", "Answer"), prompts=SEARCH_PROMPTS,
-                   params=SEARCH_PARAMS, check=lambda team: _check_params({**SEARCH_PARAMS, **team.params}))
+                   params=SEARCH_PARAMS, check=lambda team: _check_params({**SEARCH_PARAMS, **team.params}, need_retriever=False))
 async def search_verifier_router(task: Task, team: Team) -> Episode:
     """Dr. MAS search: Verifier routes to Search (<search>) or Answer (<answer>), up to max_turns."""
     p = {**SEARCH_PARAMS, **team.params}
