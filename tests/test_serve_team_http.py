@@ -1,15 +1,14 @@
 """``masrl serve RUN --team`` on masrl's HTTP service (docs/harnesses.md): one request = one episode, ``usage``
 over every agent, ``--api-key``; and the HTTP conduct the gateway has (tests/test_gateway_http.py): JSON 405 / 404
 for every method and route, a chunked body answered once, client hang-ups with nothing on stderr, a malformed
-body a JSON 400 naming the field, a port in use one line naming ``--port`` before the team is loaded. The team is
-a scripted runner (no model): what is tested is the server."""
+body a JSON 400 naming the field (a port in use: tests/test_gateway_http.py). The team is a scripted runner (no
+model): what is tested is the server."""
 from __future__ import annotations
 
 import http.client
 import json
 import logging
 import socket
-import struct
 import threading
 import time
 from argparse import Namespace
@@ -19,6 +18,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the team server runs on the server extra: pip install masrl[server]")
 
+from conftest import hang_up, route_answer, two_requests  # noqa: E402
 from masrl import serve_team  # noqa: E402
 from masrl.types import Episode, Turn  # noqa: E402
 
@@ -106,12 +106,8 @@ def test_one_request_is_one_episode_with_every_agents_tokens():
     ("POST", "/v1/models", 405, "GET"), ("GET", "/nowhere", 404, None), ("POST", "/v1/embeddings", 404, None),
     ("PUT", "/v2/x", 404, None)])
 def test_every_method_and_route_is_answered_in_json(team, method, path, status, allow):
-    conn = http.client.HTTPConnection(*team, timeout=10)
-    conn.request(method, path, body=b"{}" if method in ("POST", "PUT", "PATCH") else None)
-    response = conn.getresponse()
-    body = response.read()
-    conn.close()
-    assert response.status == status
+    code, response, body = route_answer(team, method, path)
+    assert code == status
     assert response.getheader("content-type") == "application/json"
     assert response.getheader("allow") == allow
     error = json.loads(body)["error"]
@@ -119,40 +115,15 @@ def test_every_method_and_route_is_answered_in_json(team, method, path, status, 
     assert "POST /v1/chat/completions" in error["message"]
 
 
-def _read_response(sock) -> tuple[int, bytes]:
-    """One HTTP/1.1 response with a Content-Length from ``sock``: (status, body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed after {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    length = next(int(v) for k, _, v in (line.partition(":") for line in lines[1:]) if k.lower() == "content-length")
-    while len(body) < length:
-        body += sock.recv(65536)
-    return int(lines[0].split()[1]), body
-
-
 def test_a_chunked_body_is_decoded_and_answered_once(team):
     body = json.dumps({"model": "my-team", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}).encode()
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
-    sock = socket.create_connection(team, timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
-    first = _read_response(sock)
-    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-    second = _read_response(sock)
-    sock.settimeout(0.5)
-    try:
-        stray = sock.recv(65536)
-    except socket.timeout:
-        stray = b""
-    sock.close()
+    first, second, stray = two_requests(
+        team, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
     assert first[0] == 200, first
-    assert json.loads(first[1])["choices"][0]["message"]["content"] == "hi @ 0"
-    assert second[0] == 200 and json.loads(second[1])["data"][0]["id"] == "my-team"
+    assert json.loads(first[2])["choices"][0]["message"]["content"] == "hi @ 0"
+    assert second[0] == 200 and json.loads(second[2])["data"][0]["id"] == "my-team"
     assert stray == b""
 
 
@@ -172,15 +143,6 @@ def test_a_malformed_body_is_a_json_400_naming_the_field(team, body, param):
         assert "JSON" in reply["error"]["message"]
 
 
-def _hang_up(address, request: bytes, reset: bool) -> None:
-    sock = socket.create_connection(address, timeout=5)
-    if reset:  # close with a RST: the server's next read or write fails
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    if request:
-        sock.sendall(request)
-    sock.close()
-
-
 def test_client_hang_ups_put_no_traceback_on_stderr(capfd, caplog):
     """Clients that go away (at once, halfway through the head or the body, or after a whole request before its
     episode ends; closed or reset) put nothing on stderr and no log record above debug; the server goes on."""
@@ -193,7 +155,7 @@ def test_client_hang_ups_put_no_traceback_on_stderr(capfd, caplog):
     for _ in range(4):
         for request in (b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nCont", whole[:-10], whole):
             for reset in (False, True):
-                _hang_up(address, request, reset)
+                hang_up(address, request, reset)
     time.sleep(0.8)
     assert _post(address, "/v1/chat/completions", body)[0] == 200  # still serving
     assert sum(runner.batches) >= 5  # the whole requests whose clients closed, and the last one
@@ -201,26 +163,3 @@ def test_client_hang_ups_put_no_traceback_on_stderr(capfd, caplog):
     assert "Traceback" not in err and "Error" not in err, err[-3000:]
     loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno > logging.DEBUG or r.exc_info]
     assert loud == []
-
-
-def test_a_port_in_use_is_one_line_naming_the_flag_before_loading(tiny_cfg, tmp_path, capsys):
-    """``masrl serve --team --port N`` with N taken: exit 2 and one line that names ``--port``, said before the
-    team is loaded."""
-    import yaml
-
-    from masrl.cli import main
-
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(yaml.safe_dump(tiny_cfg()))
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen(1)
-    try:
-        start = time.monotonic()
-        assert main(["serve", str(run), "--team", "--port", str(busy.getsockname()[1])]) == 2
-    finally:
-        busy.close()
-    err = capsys.readouterr().err.strip()
-    assert "set --port to a free port" in err and len(err.splitlines()) == 1, err
-    assert time.monotonic() - start < 10

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import queue
 import sys
 import time
@@ -33,11 +32,10 @@ from typing import Any
 
 from masrl.config import load_config
 from masrl.errors import UserInputError
-from masrl.gateway.errors import CODES, GatewayError, error_body
+from masrl.gateway.errors import GatewayError, answer, error_body
 from masrl.gateway.validate import json_object
 from masrl.types import Episode, Task
 
-log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
 MAX_BATCH = 64
 CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
@@ -169,33 +167,17 @@ class TeamServer:
 
     async def serve(self, request: Any, route: str) -> Any:
         """The answer to one request on ``route`` (a JSON response; every failure one JSON error)."""
-        from starlette.requests import ClientDisconnect
-        from starlette.responses import JSONResponse
 
-        from masrl.http.server import BodyError, read_body
-
-        headers = None
-        try:
+        async def respond(read) -> dict:
             if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
                 raise GatewayError(401, "wrong API key for this masrl serve --team endpoint", "invalid_api_key",
                                    kind="authentication_error")
             if route == MODELS:
-                return JSONResponse({"object": "list", "data": [
-                    {"id": self.name, "object": "model", "created": 0, "owned_by": "masrl"}]})
-            body = await read_body(request, MAX_BODY, self.body_timeout_s)
-            status, payload = 200, await self.reply(json_object(body), chat=route == CHAT)
-        except BodyError as e:  # the rest of the body is unread: close the connection after answering
-            status, payload = e.status, GatewayError(e.status, e.message, CODES.get(e.status)).body()
-            headers = {"Connection": "close"}
-        except ClientDisconnect:  # nobody to answer
-            log.debug("a client hung up while sending its request")
-            return JSONResponse({}, status_code=400)
-        except GatewayError as e:
-            status, payload = e.status, e.body()
-        except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-            status, payload = 500, GatewayError(500, f"{type(e).__name__}: {str(e)[:500]}", "internal_error",
-                                                kind="server_error").body()
-        return JSONResponse(payload, status_code=status, headers=headers)
+                return {"object": "list", "data": [
+                    {"id": self.name, "object": "model", "created": 0, "owned_by": "masrl"}]}
+            return await self.reply(json_object(await read()), chat=route == CHAT)
+
+        return await answer(request, respond, max_body_bytes=MAX_BODY, body_timeout_s=self.body_timeout_s)
 
 
 def _unscored(task: Task, answer: str | None) -> dict:

@@ -1,5 +1,6 @@
 """The HTTP service masrl's servers run on (the gateway, docs/gateway.md; ``masrl serve --team``,
-docs/harnesses.md; the retrieval server, docs/search.md): FastAPI behind uvicorn's h11 protocol, in a thread of the server's own.
+docs/harnesses.md; the retrieval server, docs/search.md): FastAPI behind uvicorn's h11 protocol, in a thread of
+the server's own.
 
 - ``masrl.http.guard``: the connection guard under the app (a deadline on the whole request head,
   connection limits, malformed HTTP answered in the server's JSON error shape, hang-ups logged at debug level);
