@@ -1,5 +1,7 @@
 import importlib.util
 import os
+import socket
+import struct
 import sys
 from pathlib import Path
 
@@ -120,3 +122,59 @@ def cached_sandbox(mode: str, *, max_workers: int = 2, own_tmp: bool = False, **
     if isinstance(sb, Exception):
         pytest.skip(f"isolation {mode!r} not available here: {str(sb)[:200]}")
     return sb
+
+
+# ---- raw HTTP from a test client (the gateway's and masrl serve --team's conduct)
+
+def read_response(sock) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response with a Content-Length from ``sock``: (status, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed after {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def hang_up(address, request: bytes, reset: bool) -> None:
+    """Connect to ``address``, send ``request`` (maybe nothing) and go away: closed, or reset when ``reset``."""
+    sock = socket.create_connection(address, timeout=5)
+    if reset:  # close with a RST: the server's next read or write fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    if request:
+        sock.sendall(request)
+    sock.close()
+
+
+def route_answer(address, method: str, path: str) -> tuple[int, object, bytes]:
+    """``method path`` (a body ``{}`` where the method takes one): (status, the response, its body)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(*address, timeout=10)
+    conn.request(method, path, body=b"{}" if method in ("POST", "PUT", "PATCH") else None)
+    response = conn.getresponse()
+    body = response.read()
+    conn.close()
+    return response.status, response, body
+
+
+def two_requests(address, first: bytes, second: bytes):
+    """``first`` then ``second`` on one connection: (first's answer, second's, whatever else came within 0.5 s)."""
+    sock = socket.create_connection(address, timeout=10)
+    sock.sendall(first)
+    answers = [read_response(sock)]
+    sock.sendall(second)
+    answers.append(read_response(sock))
+    sock.settimeout(0.5)
+    try:
+        stray = sock.recv(65536)
+    except socket.timeout:
+        stray = b""
+    sock.close()
+    return answers[0], answers[1], stray

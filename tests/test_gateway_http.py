@@ -8,13 +8,13 @@ import asyncio
 import http.client
 import json
 import socket
-import struct
 import time
 
 import pytest
 
 pytest.importorskip("fastapi", reason="the gateway runs on the server extra: pip install masrl[server]")
 
+from conftest import hang_up, route_answer, two_requests  # noqa: E402
 from masrl.errors import UserInputError  # noqa: E402
 from masrl.gateway import Gateway  # noqa: E402
 from masrl.types import Task, Turn  # noqa: E402
@@ -49,22 +49,6 @@ def _drive(gateway, team, client_fn):
             gateway.close(session)
 
     return asyncio.run(main())
-
-
-def _read_response(sock) -> tuple[int, dict, bytes]:
-    """One HTTP/1.1 response with a Content-Length from ``sock``: (status, headers, body)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed after {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers.get("content-length", 0)):
-        body += sock.recv(65536)
-    return int(lines[0].split()[1]), headers, body
 
 
 def _address(gw) -> tuple[str, int]:
@@ -118,12 +102,8 @@ def test_a_trickled_request_head_is_closed_at_the_deadline():
     ("POST", "/v1/models", 405, "GET"), ("DELETE", "/e/k/v1/models", 405, "GET"),
     ("GET", "/nowhere", 404, None), ("POST", "/v1/embeddings", 404, None), ("PUT", "/e/k/v2/x", 404, None)])
 def test_every_method_and_route_is_answered_in_json(gateway, method, path, status, allow):
-    conn = http.client.HTTPConnection(*_address(gateway), timeout=10)
-    conn.request(method, path, body=b"{}" if method in ("POST", "PUT", "PATCH") else None)
-    response = conn.getresponse()
-    body = response.read()
-    conn.close()
-    assert response.status == status
+    code, response, body = route_answer(_address(gateway), method, path)
+    assert code == status
     assert response.getheader("content-type") == "application/json"
     assert response.getheader("allow") == allow
     if method != "HEAD":  # a HEAD answer has no body
@@ -141,19 +121,9 @@ def test_a_chunked_body_is_decoded_and_answered_once(gateway):
         body = json.dumps({"model": "Planner", "messages": [{"role": "user", "content": "hi"}]}).encode()
         chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
         path = session.base_url.split("//", 1)[1].split("/", 1)[1]
-        sock = socket.create_connection(_address(gateway), timeout=10)
-        sock.sendall(f"POST /{path}/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Transfer-Encoding: chunked\r\n\r\n".encode() + chunks + b"0\r\n\r\n")
-        first = _read_response(sock)
-        sock.sendall(f"GET /{path}/models HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-        second = _read_response(sock)
-        sock.settimeout(0.5)
-        try:
-            stray = sock.recv(65536)
-        except socket.timeout:
-            stray = b""
-        sock.close()
-        return first, second, stray
+        return two_requests(_address(gateway), f"POST /{path}/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                            f"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+                            + chunks + b"0\r\n\r\n", f"GET /{path}/models HTTP/1.1\r\nHost: x\r\n\r\n".encode())
 
     first, second, stray = _drive(gateway, _team(backend), client)
     assert first[0] == 200, first
@@ -169,15 +139,6 @@ class _Slow:
     async def call(self, agent, prompt):
         await asyncio.sleep(0.3)  # the answer comes after the client has gone
         return Turn(agent=agent, policy="p", prompt_ids=[1], response_ids=[2], logprobs=[-1.0], text="ok")
-
-
-def _hang_up(address, request: bytes, reset: bool) -> None:
-    sock = socket.create_connection(address, timeout=5)
-    if reset:  # close with a RST: the server's next read or write fails
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    if request:
-        sock.sendall(request)
-    sock.close()
 
 
 def test_client_hang_ups_put_no_traceback_on_stderr(capfd, caplog):
@@ -202,7 +163,7 @@ def test_client_hang_ups_put_no_traceback_on_stderr(capfd, caplog):
         for _ in range(8):
             for request in requests:
                 for reset in (False, True):
-                    _hang_up(_address(gw), request, reset)
+                    hang_up(_address(gw), request, reset)
         time.sleep(0.8)  # the answers to the whole requests are written after their clients left
         conn = http.client.HTTPConnection(*_address(gw), timeout=10)
         conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
@@ -323,9 +284,10 @@ def test_every_message_field_is_checked_before_anything_is_rendered(gateway):
     assert backend.prompts[0].messages[1]["tool_calls"][0]["function"]["name"] == "add"
 
 
-def test_masrl_serve_on_a_port_in_use_names_the_flag_before_loading(tiny_cfg, tmp_path, capsys):
-    """``masrl serve --port N`` with N taken: exit 2 and one line that names ``--port`` (the flag the user gave,
-    not the workflow's setting), said before any model is loaded."""
+@pytest.mark.parametrize("team", [[], ["--team"]], ids=["agents", "team"])
+def test_masrl_serve_on_a_port_in_use_names_the_flag_before_loading(tiny_cfg, tmp_path, capsys, team):
+    """``masrl serve [--team] --port N`` with N taken: exit 2 and one line that names ``--port`` (the flag the user
+    gave, not the workflow's setting), said before any model is loaded."""
     import yaml
 
     from masrl.cli import main
@@ -338,7 +300,7 @@ def test_masrl_serve_on_a_port_in_use_names_the_flag_before_loading(tiny_cfg, tm
     busy.listen(1)
     try:
         start = time.monotonic()
-        assert main(["serve", str(run), "--port", str(busy.getsockname()[1])]) == 2
+        assert main(["serve", str(run), *team, "--port", str(busy.getsockname()[1])]) == 2
     finally:
         busy.close()
     err = capsys.readouterr().err.strip()

@@ -3,6 +3,7 @@
 `masrl eval` on the same rows at temperature 0, reply for reply. Skipped without the harness extra
 (pip install masrl[harness]) or the shared GSM8K rows."""
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -106,6 +107,10 @@ def test_inspect_ai_agrees_with_masrl_eval(served, tmp_path, monkeypatch):
 
     url, cfg, samples = served
     monkeypatch.setenv("OPENAI_API_KEY", "unused")
+    # Inspect adds a handler to the root logger for the rest of the process, which raises every debug record of a
+    # logger named *http* (masrl.http's hang-ups) to its own level 15: it goes with this test
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
     logs = inspect_eval(masrl_gsm8k(limit=ROWS), model=f"openai/{cfg.name}", model_base_url=url, temperature=0,
                         log_dir=str(tmp_path), display="none")
     log = logs[0]

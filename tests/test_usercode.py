@@ -420,9 +420,9 @@ ALLOWED = {  # file: why what it starts is not user code
     "src/masrl/sandbox/": "model-written programs, under the sandbox's own limits (a service of its own)",
     "src/masrl/retrieval/": "the retrieval server and its client (masrl's own server)",
     "src/masrl/gateway/": "the gateway's HTTP server thread (masrl's own server)",
-    "src/masrl/http/": "the uvicorn loop's thread of masrl's own HTTP servers (the gateway, the retrieval server)",
+    "src/masrl/http/": "the uvicorn loop's thread of masrl's own HTTP servers (the gateway, masrl serve --team, "
+                       "the retrieval server)",
     "src/masrl/serve.py": "masrl serve: the gateway's server and the team's loop",
-    "src/masrl/serve_team.py": "masrl serve --team: its worker thread and HTTP server (masrl's own)",
     "src/masrl/rollout/": "the rollout engines and the scheduler's event loop (masrl's own generation)",
     "src/masrl/runtime/": "Ray workers and the local runtime (masrl's own training processes)",
     "src/masrl/training/": "distributed training launch (torchrun / FSDP workers of masrl's own)",

@@ -85,11 +85,15 @@ def run_serve(args) -> int:
 
     cfg, checkpoint = _load(Path(args.path), args.overrides)
     if getattr(args, "team", False):  # the whole team as one model (masrl.serve_team)
-        from masrl.serve_team import run_team
+        from masrl.serve_team import bind, run_team
 
-        with TeamRunner(cfg, progress=False) as runner:
-            where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
-            return run_team(args, runner, where)
+        sock = bind(args)  # listen before loading the models: an address that cannot be used is said at once
+        try:
+            with TeamRunner(cfg, progress=False) as runner:
+                where = runner.load_checkpoint(checkpoint) if checkpoint is not None else Path(args.path)
+                return run_team(args, runner, where, sock)
+        finally:
+            sock.close()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="masrl-serve-loop", daemon=True).start()
     ready: Future = Future()  # the team's call, once its models are loaded: calls that come earlier wait for it

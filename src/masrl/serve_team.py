@@ -12,26 +12,34 @@ the agents sample as the config's ``eval.temperature`` (or each agent's own) say
 ``--batch-window-ms`` of each other run as one rollout (their agent calls batched per policy). With
 ``--debug-turns`` a reply also carries ``masrl: {turns: [{agent, prompt, text, valid}], reward}``. Other request
 fields (``max_tokens``, ``stop``, ``seed``, ...) are accepted and not applied: the agents' settings hold.
+
+The server is the shared HTTP service (``masrl.http``), as the gateway's: FastAPI on uvicorn in a thread of its own,
+behind the connection guard (a deadline on the whole request head and on the body, connection limits, chunked
+bodies, every error in OpenAI's JSON shape, hang-ups at debug level). It listens before the team is loaded; the
+episodes run in the thread that loaded it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import Future
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from masrl.config import load_config
 from masrl.errors import UserInputError
+from masrl.gateway.errors import GatewayError, answer, error_body
+from masrl.gateway.validate import json_object
 from masrl.types import Episode, Task
 
 MAX_BODY = 4 * 1024 * 1024
 MAX_BATCH = 64
+CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+API = f"masrl serve --team serves POST {CHAT}, POST {COMPLETIONS} and GET {MODELS}"
 
 
 def load_run(path: Path, overrides: list[str]):
@@ -44,15 +52,6 @@ def load_run(path: Path, overrides: list[str]):
                          "(export.json + config.yaml)")
 
 
-class RequestError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": None}}
-
-
 def question_of(body: dict, chat: bool) -> str:
     """The task's question: the last user message's text (chat) or the prompt (completions)."""
     if not chat:
@@ -60,11 +59,12 @@ def question_of(body: dict, chat: bool) -> str:
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt.strip():
-            raise RequestError(400, "prompt must be one non-empty string (one question = one episode)", "prompt")
+            raise GatewayError(400, "prompt must be one non-empty string (one question = one episode)",
+                               param="prompt")
         return prompt
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise RequestError(400, "messages must be a list", "messages")
+        raise GatewayError(400, "messages must be a list", param="messages")
     for message in reversed(messages):
         if isinstance(message, dict) and message.get("role") == "user":
             content = message.get("content")
@@ -72,34 +72,52 @@ def question_of(body: dict, chat: bool) -> str:
                 content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
             if isinstance(content, str) and content.strip():
                 return content
-    raise RequestError(400, "messages hold no user message with text (its text is the team's task)", "messages")
+    raise GatewayError(400, "messages hold no user message with text (its text is the team's task)",
+                       param="messages")
 
 
 class TeamServer:
-    """Episodes on request: a worker thread runs the pending questions as one rollout per ``window_s``."""
+    """Episodes on request. The HTTP server's requests queue their questions; the thread that calls ``work_until``
+    (``run_team``: the main thread, where the team was loaded) runs the pending questions as one rollout per
+    ``window_s``, one rollout at a time."""
 
-    def __init__(self, runner, name: str, window_s: float = 0.005, debug_turns: bool = False):
+    def __init__(self, runner, name: str, window_s: float = 0.005, debug_turns: bool = False,
+                 api_key: str | None = None, body_timeout_s: float = 30.0):
         self.runner, self.name, self.window_s, self.debug_turns = runner, name, window_s, debug_turns
+        self.api_key, self.body_timeout_s = api_key, body_timeout_s
         self.pending: queue.Queue = queue.Queue()
         self.episodes = 0
-        threading.Thread(target=self._work, name="masrl-serve-team", daemon=True).start()
 
-    def episode(self, question: str, temperature: float | None) -> Episode:
+    def submit(self, question: str, temperature: float | None) -> Future:
+        """The future of ``question``'s episode, run by the next batch."""
         future: Future = Future()
         self.pending.put((question, temperature, future))
-        return future.result()
+        return future
 
-    def _work(self) -> None:
-        while True:
-            batch = [self.pending.get()]
-            deadline = time.monotonic() + self.window_s
-            while len(batch) < MAX_BATCH:
+    def work_until(self, deadline: float | None) -> None:
+        """Run the pending questions, batch by batch, until ``deadline`` (``time.monotonic()``; None: never) or an
+        interrupt (Ctrl-C)."""
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                wait = 0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0.0))
                 try:
-                    batch.append(self.pending.get(timeout=max(deadline - time.monotonic(), 0.0)))
+                    batch = [self.pending.get(timeout=wait)]
                 except queue.Empty:
-                    break
-            for temperature in dict.fromkeys(t for _, t, _ in batch):
-                self._run([b for b in batch if b[1] == temperature], temperature)
+                    continue
+                self._gather(batch)
+                for temperature in dict.fromkeys(t for _, t, _ in batch):
+                    self._run([b for b in batch if b[1] == temperature], temperature)
+        except KeyboardInterrupt:
+            pass
+
+    def _gather(self, batch: list) -> None:
+        """Add to ``batch`` what arrives within ``window_s`` of its first question."""
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < MAX_BATCH:
+            try:
+                batch.append(self.pending.get(timeout=max(deadline - time.monotonic(), 0.0)))
+            except queue.Empty:
+                break
 
     def _run(self, batch: list, temperature: float | None) -> None:
         tasks = [Task(id=f"request-{self.episodes + i}", question=q, answer=None) for i, (q, _, _) in enumerate(batch)]
@@ -116,17 +134,22 @@ class TeamServer:
         for (_, _, future), episode in zip(batch, episodes):
             future.set_result(episode)
 
-    def reply(self, body: dict, chat: bool) -> dict:
+    async def reply(self, body: dict, chat: bool) -> dict:
+        """The response to one request's ``body``: its episode's answer (raises ``GatewayError``)."""
         question = question_of(body, chat)
         temperature = body.get("temperature")
         if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
                                         or temperature < 0):
-            raise RequestError(400, f"temperature must be a number >= 0, got {temperature!r}", "temperature")
+            raise GatewayError(400, f"temperature must be a number >= 0, got {temperature!r}", param="temperature")
         if body.get("stream"):
-            raise RequestError(400, "stream: true is not served (one reply per episode)", "stream")
-        episode = self.episode(question, None if temperature is None else float(temperature))
+            raise GatewayError(400, "stream: true is not served (one reply per episode)", param="stream")
+        future = self.submit(question, None if temperature is None else float(temperature))
+        episode: Episode = await asyncio.wrap_future(future)
         if episode.error:
-            raise RequestError(500, f"the episode failed: {episode.error}")
+            raise GatewayError(500, f"the episode failed: {episode.error}", kind="server_error")
+        return self._response(episode, chat)
+
+    def _response(self, episode: Episode, chat: bool) -> dict:
         text = episode.answer or ""
         prompt_tokens = sum(len(t.prompt_ids) for t in episode.turns)
         completion_tokens = sum(len(t.response_ids) for t in episode.turns)
@@ -142,6 +165,20 @@ class TeamServer:
                                       for t in episode.turns], "info": _plain(episode.info)}
         return out
 
+    async def serve(self, request: Any, route: str) -> Any:
+        """The answer to one request on ``route`` (a JSON response; every failure one JSON error)."""
+
+        async def respond(read) -> dict:
+            if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+                raise GatewayError(401, "wrong API key for this masrl serve --team endpoint", "invalid_api_key",
+                                   kind="authentication_error")
+            if route == MODELS:
+                return {"object": "list", "data": [
+                    {"id": self.name, "object": "model", "created": 0, "owned_by": "masrl"}]}
+            return await self.reply(json_object(await read()), chat=route == CHAT)
+
+        return await answer(request, respond, max_body_bytes=MAX_BODY, body_timeout_s=self.body_timeout_s)
+
 
 def _unscored(task: Task, answer: str | None) -> dict:
     """A served question has no gold answer: the harness scores the reply."""
@@ -152,58 +189,39 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _handler(server: TeamServer, api_key: str | None):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+def create_app(server: TeamServer):
+    """The team server's FastAPI app: its three routes, and every other answer in OpenAI's error shape (a JSON 404
+    for an unknown path, a JSON 405 with ``Allow`` for a method a route does not serve)."""
+    from masrl.http.app import add_route, json_app
 
-        def log_message(self, fmt, *args):
-            pass
+    app = json_app("masrl serve --team", error_body, API)
+    for route, method in ((CHAT, "POST"), (COMPLETIONS, "POST"), (MODELS, "GET")):
+        add_route(app, route, _endpoint(server, route), method)
+    return app
 
-        def _answer(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
-        def _authorized(self) -> bool:
-            if api_key is None or self.headers.get("Authorization", "") == f"Bearer {api_key}":
-                return True
-            self._answer(401, RequestError(401, "invalid api key").body())
-            return False
+def _endpoint(server: TeamServer, route: str):
+    async def endpoint(request):
+        return await server.serve(request, route)
 
-        def do_GET(self):  # noqa: N802 - http.server's naming
-            if not self._authorized():
-                return
-            if self.path.rstrip("/") == "/v1/models":
-                return self._answer(200, {"object": "list", "data": [
-                    {"id": server.name, "object": "model", "created": 0, "owned_by": "masrl"}]})
-            self._answer(404, RequestError(404, f"no route {self.path}").body())
+    return endpoint
 
-        def do_POST(self):  # noqa: N802
-            if not self._authorized():
-                return
-            route = self.path.rstrip("/")
-            try:
-                if route not in ("/v1/chat/completions", "/v1/completions"):
-                    raise RequestError(404, f"no route {self.path}")
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY:
-                    raise RequestError(413, "request body over 4 MiB")
-                try:
-                    body = json.loads(self.rfile.read(length) or b"{}")
-                except ValueError:
-                    raise RequestError(400, "the body is not JSON") from None
-                if not isinstance(body, dict):
-                    raise RequestError(400, "the body must be a JSON object")
-                self._answer(200, server.reply(body, chat=route == "/v1/chat/completions"))
-            except RequestError as e:
-                self._answer(e.status, e.body())
-            except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-                self._answer(500, RequestError(500, f"{type(e).__name__}: {str(e)[:500]}").body())
 
-    return Handler
+def http_limits():
+    """What one connection and one request to the team server may take (docs/harnesses.md)."""
+    from masrl.http.server import HttpLimits
+
+    return HttpLimits(header_timeout_s=30.0, body_timeout_s=30.0, max_body_bytes=MAX_BODY)
+
+
+def bind(args):
+    """The team server's listening socket on ``--host``/``--port``, taken before the team is loaded: an address
+    that cannot be used is one ``UserInputError`` naming the flag, at once."""
+    try:
+        from masrl.http.server import listen
+    except ImportError as e:
+        raise UserInputError(f"masrl serve --team needs fastapi and uvicorn ({e}): pip install masrl[server]") from None
+    return listen(args.host, args.port, backlog=http_limits().backlog, host_setting="--host", port_setting="--port")
 
 
 def serve_until(deadline: float | None) -> None:
@@ -215,19 +233,22 @@ def serve_until(deadline: float | None) -> None:
         pass
 
 
-def run_team(args, runner, where) -> int:
-    """Serve ``runner``'s team until ``args.max_seconds`` (or an interrupt)."""
+def run_team(args, runner, where, sock) -> int:
+    """Serve ``runner``'s team on the socket ``bind(args)`` gave until ``args.max_seconds`` (or an interrupt); the
+    episodes run in the calling thread."""
+    from masrl.http.server import ServerThread
+
     name = runner.cfg.name
-    server = TeamServer(runner, name, args.batch_window_ms / 1000, debug_turns=args.debug_turns)
-    httpd = ThreadingHTTPServer((args.host, args.port), _handler(server, args.api_key))
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, name="masrl-serve-team-http", daemon=True).start()
-    host, port = httpd.server_address[:2]
-    print(f"masrl serve --team: {where} -> http://{host}:{port}/v1 (model = {name}: one request = one episode of "
+    limits = http_limits()
+    server = TeamServer(runner, name, args.batch_window_ms / 1000, debug_turns=args.debug_turns,
+                        api_key=args.api_key, body_timeout_s=limits.body_timeout_s)
+    http = ServerThread(create_app(server), sock, limits, name="masrl-serve-team", error_body=error_body,
+                        api=API).start()
+    print(f"masrl serve --team: {where} -> {http.url}/v1 (model = {name}: one request = one episode of "
           f"{runner.cfg.workflow.name})", flush=True)
     try:
-        serve_until(args.max_seconds)
+        server.work_until(args.max_seconds)
     finally:
-        httpd.shutdown()
+        http.stop()
     print(f"masrl serve --team: stopped after {server.episodes} episodes", file=sys.stderr)
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import threading
 import time
@@ -38,12 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from masrl.gateway import validate
-from masrl.gateway.errors import CODES, GatewayError
+from masrl.gateway.errors import GatewayError, answer
 from masrl.tools import parse_tool_calls
 from masrl.tools.chat_format import ChatPrefix, ChatPrompt
 from masrl.types import Turn
 
-log = logging.getLogger(__name__)
 MAX_BODY = 4 * 1024 * 1024
 MAX_N = validate.MAX_N
 
@@ -189,33 +187,18 @@ class Gateway:
     # ---- request handling (on the server's loop) ----------------------------------------------------------
     async def serve(self, request: Any, route: str, key: str | None) -> Any:
         """The answer to one request on ``route`` (a JSON response; every failure one JSON error)."""
-        from starlette.requests import ClientDisconnect
-        from starlette.responses import JSONResponse
 
-        from masrl.http.server import BodyError, read_body
-
-        headers = None
-        try:
+        async def respond(read) -> dict:
+            nonlocal key
             if key is None:
                 auth = request.headers.get("authorization", "")
                 key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
             session = self.session(key)
             if route == "/v1/models":
-                return JSONResponse(_models(session))
-            body = await read_body(request, MAX_BODY, self.limits.body_timeout_s)
-            status, payload = 200, await self.handle(session, route, body)
-        except BodyError as e:  # the rest of the body is unread: close the connection after answering
-            status, payload = e.status, GatewayError(e.status, e.message, CODES.get(e.status)).body()
-            headers = {"Connection": "close"}
-        except ClientDisconnect:  # nobody to answer
-            log.debug("a client hung up while sending its request")
-            return JSONResponse({}, status_code=400)
-        except GatewayError as e:
-            status, payload = e.status, e.body()
-        except Exception as e:  # noqa: BLE001 - a failed call is one JSON error, never a dropped connection
-            status, payload = 500, GatewayError(500, f"{type(e).__name__}: {str(e)[:500]}", "internal_error",
-                                                kind="server_error").body()
-        return JSONResponse(payload, status_code=status, headers=headers)
+                return _models(session)
+            return await self.handle(session, route, await read())
+
+        return await answer(request, respond, max_body_bytes=MAX_BODY, body_timeout_s=self.limits.body_timeout_s)
 
     async def handle(self, session: EpisodeSession, route: str, body: bytes) -> dict:
         """The response to a chat or completions request of ``session`` (raises ``GatewayError``)."""

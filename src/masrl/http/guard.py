@@ -1,4 +1,4 @@
-"""Connection limits below a server's app, in uvicorn's h11 protocol (the gateway and the retrieval server).
+"""Connection limits below a server's app, in uvicorn's h11 protocol (masrl.http's servers).
 
 uvicorn has no timeout on the request head, and its ``limit_concurrency`` counts every open
 connection -- so a few hundred connections that each send half a request line and wait turn every
