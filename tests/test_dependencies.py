@@ -12,7 +12,7 @@ SRC = ROOT / "src" / "masrl"
 OPTIONAL = {"gguf": "smollm", "fastapi": "server", "uvicorn": "server", "httpx": "server", "pandas": None,
             "accelerate": None, "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio", "datasets": "hf"}
 TOP_LEVEL_OK = {"retrieval/server.py",  # the server module itself; its one entry point checks first
-                "http/guard.py", "http/server.py",  # the HTTP service, imported only by the servers
+                "http/guard.py", "http/server.py", "http/app.py",  # the HTTP service, imported only by the servers
                 "gateway/app.py"}  # the gateway's app: Gateway() imports it, and names the extra when it cannot
 
 
