@@ -55,7 +55,8 @@ def abandoned(kind: str) -> int:
         return len(threads)
 
 
-def _abandon(kind: str, thread: threading.Thread) -> None:
+def abandon(kind: str, thread: threading.Thread) -> None:
+    """Count ``thread`` among the calls of ``kind`` running past their deadline (``abandoned``)."""
     with _LOCK:
         _ABANDONED.setdefault(kind, []).append(thread)
 
@@ -130,7 +131,7 @@ def call_in_thread(fn: Callable, args: tuple, timeout_s: float, *, kind: str, wh
     call.thread.start()
     if not done.wait(timeout_s):
         call.cancel()
-        _abandon(kind, call.thread)
+        abandon(kind, call.thread)
         raise _timeout(what, timeout_s)
     if box["error"] is not None:
         raise box["error"]
@@ -170,7 +171,7 @@ class _Loop:
     def retire(self) -> None:
         """No new calls: stop once the calls still running have ended (counted as abandoned until then)."""
         self.retired = True
-        _abandon(self.kind, self.thread)
+        abandon(self.kind, self.thread)
         try:
             self.loop.call_soon_threadsafe(lambda: self.running or self.loop.stop())
         except RuntimeError:  # already closed
@@ -233,9 +234,9 @@ async def call_async(fn: Callable, args: tuple, timeout_s: float | None, *, kind
         return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
         call.cancel()
-        _abandon(kind, call.thread)
+        abandon(kind, call.thread)
         raise _timeout(what, timeout_s) from None
     except asyncio.CancelledError:  # the caller gave the call up (its episode was cancelled)
         call.cancel()
-        _abandon(kind, call.thread)
+        abandon(kind, call.thread)
         raise

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from masrl.usercode.calls import contained
+from masrl.usercode.calls import abandon, abandoned, contained
 from masrl.usercode.ledger import UserCodeError, check_share, failure_line, usercode_metrics
 from masrl.usercode.numbers import finite
 
@@ -104,14 +104,12 @@ class _Worker:
 
 _LOCK = threading.Lock()
 _WORKERS: dict[str, _Worker] = {}
-_ABANDONED: list[threading.Thread] = []
 
 
 def abandoned_calls() -> int:
-    """User reward calls (threads) still running past their deadline, in this process."""
-    with _LOCK:
-        _ABANDONED[:] = [t for t in _ABANDONED if t.is_alive()]
-        return len(_ABANDONED)
+    """User reward calls (threads) still running past their deadline, in this process (the service's count of
+    kind ``reward``)."""
+    return abandoned("reward")
 
 
 def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -> Any:
@@ -129,7 +127,7 @@ def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -
     if not job.done.wait(timeout_s):
         with _LOCK:
             worker.retire()
-            _ABANDONED.append(worker.thread)
+            abandon("reward", worker.thread)
             _WORKERS.pop(name, None)
         raise RewardTimeout(f"reward {name} ran past its deadline of {timeout_s:g} s (task.reward_timeout_s); "
                             "its call was abandoned")
