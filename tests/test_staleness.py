@@ -11,8 +11,10 @@ from masrl.config import config_from_dict
 from masrl.errors import ConfigError
 from masrl.monitoring.logger import read_metrics
 from masrl.rollout.base import GenResult
-from masrl.rollout.versioned import RolloutsAhead, VersionedEngine, staleness
+from masrl.rollout.versioned import RolloutsAhead, VersionedEngine, copy_unshared, staleness, versioned
 from masrl.trainer import Trainer
+
+from conftest import train_with_slow_update
 
 
 class _Team:
@@ -157,11 +159,66 @@ def test_training_with_rollouts_ahead(tiny_cfg, monkeypatch):
     assert all(any(k.startswith("policy/shared/rollout_is/") for k in r) for r in train)
 
 
+@pytest.mark.parametrize("stale", ["wait", "drop"])
+def test_a_slow_update_never_trains_on_a_turn_older_than_k(tiny_cfg, stale):
+    """The real trainer (local runtime): the producer runs as far ahead as the bound lets it before each update."""
+    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "rollout.stale": stale, "trainer.total_steps": 3,
+                            "sft.steps": 0, "trainer.batch_size": 1, "trainer.group_size": 2})
+    ages, dropped, versions = train_with_slow_update(cfg)
+    assert ages and None not in ages
+    if stale == "wait":  # the bound is reached (the batch of step 2 was sampled before the update of step 1)
+        assert max(ages) == 1 and sum(dropped) == 0 and versions == {"shared": 3}
+    else:  # one batch further ahead: step 2's turns are 2 versions old when they would train, and left out
+        assert max(ages) <= 1 and dropped[-1] > 0
+        assert versions == {"shared": 2}  # nothing left to train on at step 2: no update, no new version
+
+
+def test_rollout_copy_shares_the_frozen_base_and_copies_the_trainable_part():
+    training = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    training[0].requires_grad_(False)  # the frozen base; training[1] is the trainable part (an adapter)
+    engine = VersionedEngine(_SlowInner(training), training)
+    engine.inner.go.set()
+    copy = engine.inner.model
+    assert copy[0].weight is training[0].weight and copy[1].weight is not training[1].weight
+    with torch.no_grad():
+        training[1].weight.add_(1.0)
+    before = copy[1].weight.clone()
+    assert copy_unshared(training, copy) == (8 + 2) * 4  # only the trainable weight and bias
+    assert torch.equal(copy[1].weight, training[1].weight) and not torch.equal(before, copy[1].weight)
+
+
+class _OwnWeights:
+    """An engine with its own weights (vLLM): it takes new ones through its weight-sync call only."""
+
+    shares_training_model = False
+
+    def __init__(self):
+        self.synced = []
+
+    def generate(self, requests):
+        return [GenResult([1], [0.0], False) for _ in requests]
+
+    def weights_changed(self, model, *, base_changed):
+        self.synced.append((float(model.weight[0, 0]), base_changed))
+
+
+def test_an_engine_with_its_own_weights_is_versioned_without_a_copy():
+    training = torch.nn.Linear(2, 2)
+    inner = _OwnWeights()
+    engine = versioned(inner, training)
+    assert engine.inner is inner and not engine.copies and versioned(engine, training) is engine
+    assert engine.generate([None])[0].version == 0 and inner.synced == []
+    with torch.no_grad():
+        training.weight.fill_(3.0)
+    engine.weights_changed(training, base_changed=False)
+    assert inner.synced == [(3.0, False)] and engine.generate([None])[0].version == 1
+
+
 def test_staleness_config_errors(tiny_cfg):
     with pytest.raises((ConfigError, ValueError), match="continuous_batching: false"):
         _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "rollout.continuous_batching": True})
-    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "runtime.kind": "ray"})
+    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "runtime.kind": "ray", "runtime.strategy": "fsdp"})
     from masrl.trainer import rollouts_ahead
 
-    with pytest.raises(ConfigError, match="runtime.kind: local"):
+    with pytest.raises(ConfigError, match="runtime.strategy: replica"):
         rollouts_ahead(SimpleNamespace(cfg=cfg))
