@@ -11,7 +11,8 @@ from masrl.config import config_from_dict
 from masrl.errors import ConfigError
 from masrl.monitoring.logger import read_metrics
 from masrl.rollout.base import GenResult
-from masrl.rollout.versioned import RolloutsAhead, VersionedEngine, copy_unshared, staleness, versioned
+from masrl.rollout.versioned import (RolloutsAhead, VersionedEngine, copy_unshared, rollout_copy, staleness,
+                                   versioned)
 from masrl.trainer import Trainer
 
 from conftest import train_with_slow_update
@@ -185,6 +186,18 @@ def test_rollout_copy_shares_the_frozen_base_and_copies_the_trainable_part():
     before = copy[1].weight.clone()
     assert copy_unshared(training, copy) == (8 + 2) * 4  # only the trainable weight and bias
     assert torch.equal(copy[1].weight, training[1].weight) and not torch.equal(before, copy[1].weight)
+
+
+def test_rollout_copy_of_a_team_with_one_adapter_per_role(tiny):
+    from masrl.models.lora import attach_adapters
+
+    model = attach_adapters(tiny[0], ["Solver", "Verifier"], r=4, alpha=8, dropout=0.0, target_modules=None)
+    copy = rollout_copy(model)
+    shared = {n for (n, p), q in zip(model.named_parameters(), copy.parameters()) if p is q}
+    assert shared and all("lora_" not in n for n in shared)  # the base is shared, every adapter copied
+    assert all(p.requires_grad for n, p in model.named_parameters() if n not in shared)
+    adapters = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    assert copy_unshared(model, copy) == adapters  # a version boundary copies the adapters only
 
 
 class _OwnWeights:

@@ -87,8 +87,9 @@ def versioned(engine: Engine, model: torch.nn.Module) -> VersionedEngine:
 
 def rollout_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` that shares its frozen parameters (no second copy of a LoRA base) and owns the
-    trainable ones and every buffer."""
-    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    trainable ones, every LoRA adapter (frozen or not: PEFT switches adapters' ``requires_grad``) and every
+    buffer."""
+    frozen = {id(p): p for name, p in model.named_parameters() if not p.requires_grad and "lora_" not in name}
     return copy.deepcopy(model, memo=frozen)
 
 
