@@ -9,7 +9,9 @@ same lock, brings the new weights to the engine and counts a new version: an epi
 the new weights from its next call (a partial rollout), each turn keeping its own version. An in-process engine
 (which decodes with the trainer's own model) is moved onto a copy of the model that shares every frozen
 parameter (the base under LoRA adapters) and copies only the trainable ones; an engine with its own weights
-(vLLM) keeps them and receives the new ones through its own weight sync.
+(vLLM) keeps them and receives the new ones through its own weight sync. Each runtime wraps its engines
+(``version_rollouts``): the local runtime in this process, the Ray runtime in every rank of a worker group, whose
+actor then generates in one thread while it updates in another.
 
 ``RolloutsAhead`` runs ``produce(step)`` for the coming steps in a thread. The bound (``k`` =
 ``max_staleness``):
