@@ -10,7 +10,7 @@ import torch
 from masrl.config import config_from_dict
 from masrl.errors import ConfigError
 from masrl.monitoring.logger import read_metrics
-from masrl.rollout.base import GenResult
+from masrl.rollout.base import GenRequest, GenResult
 from masrl.rollout.versioned import (RolloutsAhead, VersionedEngine, copy_unshared, rollout_copy, staleness,
                                    versioned)
 from masrl.trainer import Trainer
@@ -228,10 +228,60 @@ def test_an_engine_with_its_own_weights_is_versioned_without_a_copy():
 
 
 def test_staleness_config_errors(tiny_cfg):
-    with pytest.raises((ConfigError, ValueError), match="continuous_batching: false"):
-        _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "rollout.continuous_batching": True})
     cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "runtime.kind": "ray", "runtime.strategy": "fsdp"})
     from masrl.trainer import rollouts_ahead
 
     with pytest.raises(ConfigError, match="runtime.strategy: replica"):
         rollouts_ahead(SimpleNamespace(cfg=cfg))
+
+
+def test_a_continuous_batch_takes_new_weights_between_two_decode_steps(tiny):
+    """rollout.continuous_batching: rows decoding at the version boundary go on with the new weights (prefilled
+    again with them, no keys/values of the old ones kept); each token is the greedy choice, and its behaviour
+    log-prob, of the version that sampled it; the row is stamped with the older version."""
+    import copy
+
+    from masrl.rollout.engine import TransformersEngine
+
+    model, tok = tiny
+    old = copy.deepcopy(model)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.5)
+
+    def engine_on(m):  # no stop token: every row decodes its whole budget
+        return TransformersEngine(m, eos_token_ids=[10**6], pad_token_id=tok.pad_token_id, seed=0)
+
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("Q 12+13\nS ", "Q 7*3-2\nS ")]
+    budget, before = 12, 5
+    training = copy.deepcopy(old)
+    engine = VersionedEngine(engine_on(training), training)
+    got = {}
+    with engine.continuous():
+        for i, prompt in enumerate(prompts):
+            engine.enqueue(GenRequest(prompt, temperature=0.0, max_new_tokens=budget), i)
+        for _ in range(before):
+            assert engine.step() == []
+        training.load_state_dict(new.state_dict())  # the trainer's update
+        engine.weights_changed(training, base_changed=True)
+        while engine.busy:
+            got.update(engine.step())
+    assert engine.version == 1 and not engine.queued
+    for i, prompt in enumerate(prompts):
+        first = engine_on(old).generate([GenRequest(prompt, temperature=0.0, max_new_tokens=before)])[0]
+        rest = engine_on(new).generate([GenRequest(prompt + first.response_ids, temperature=0.0,
+                                                   max_new_tokens=budget - before)])[0]
+        unswapped = engine_on(old).generate([GenRequest(prompt, temperature=0.0, max_new_tokens=budget)])[0]
+        result = got[i]
+        assert result.version == 0 and result.response_ids == first.response_ids + rest.response_ids
+        assert result.response_ids != unswapped.response_ids  # the new weights did decode the rest
+        expected = first.logprobs + rest.logprobs
+        assert max(abs(a - b) for a, b in zip(result.logprobs, expected)) < 1e-5
+
+
+def test_training_with_rollouts_ahead_and_continuous_batching(tiny_cfg):
+    cfg = _cfg(tiny_cfg, **{"rollout.max_staleness": 1, "rollout.continuous_batching": True,
+                            "trainer.total_steps": 3, "sft.steps": 0, "trainer.batch_size": 1, "trainer.group_size": 2})
+    ages, dropped, versions = train_with_slow_update(cfg)
+    assert versions == {"shared": 3} and ages and None not in ages and max(ages) <= 1 and sum(dropped) == 0

@@ -25,10 +25,11 @@ actor then generates in one thread while it updates in another.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections import Counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,12 +41,12 @@ class VersionedEngine:
     engine) decodes with, replaced by ``rollout_copy(training_model)``; None: ``inner`` holds its own weights."""
 
     shares_training_model = False  # the trainer recomputes old log-probs with its own (current) weights
-    can_batch_continuously = False  # one version per batch: the per-round flush
 
     def __init__(self, inner: Engine, training_model: torch.nn.Module | None = None):
         self.inner = inner
         self.lock = threading.Lock()
         self.version = 0
+        self.queued: dict[Any, int] = {}  # continuous batching: each queued row's version when it was queued
         self.copies = training_model is not None
         if self.copies:
             inner.model = rollout_copy(training_model)
@@ -66,6 +67,38 @@ class VersionedEngine:
 
     def collect(self, handle) -> list[GenResult]:
         return self.generate(handle)
+
+    # continuous batching: the lock is held for one decode step; a version boundary between two steps carries
+    # the rows decoding onto the new weights (``ContinuousBatcher.restart``). Such a row is stamped with the
+    # version current when it was queued, the oldest that can have sampled one of its tokens: its age is never
+    # under-counted, and its per-token behaviour log-probs are each its own version's.
+    @property
+    def can_batch_continuously(self) -> bool:
+        return bool(getattr(self.inner, "can_batch_continuously", False))
+
+    @contextlib.contextmanager
+    def continuous(self) -> Iterator["VersionedEngine"]:
+        session = self.inner.continuous()
+        with self.lock:
+            session.__enter__()
+        try:
+            yield self
+        finally:
+            with self.lock:
+                session.__exit__(None, None, None)
+                self.queued.clear()
+
+    def enqueue(self, request, ticket) -> None:
+        with self.lock:
+            self.inner.enqueue(request, ticket)
+            self.queued[ticket] = self.version
+
+    def step(self) -> list:
+        with self.lock:
+            finished = self.inner.step()
+            for ticket, result in finished:
+                result.version = self.queued.pop(ticket, self.version)
+            return finished
 
     def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
         """The version boundary, between two batches: the trainer's weights into the copy (only the tensors it
