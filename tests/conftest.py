@@ -178,3 +178,33 @@ def two_requests(address, first: bytes, second: bytes):
         stray = b""
     sock.close()
     return answers[0], answers[1], stray
+
+
+# ----------------------------------------------------------------------------- rollout.max_staleness in a real run
+def train_with_slow_update(cfg) -> tuple[list, list[float], dict]:
+    """Train ``cfg`` (``rollout.max_staleness`` k > 0) with a slow update and a fast rollout: the update of step t
+    starts only once the producer has generated every batch the bound lets it generate meanwhile (t + k under
+    ``stale: wait``, one more under ``drop``), so the oldest turns the bound allows do reach the trainer. Returns
+    the staleness of every turn that reached the loss, each step's ``rollout/stale_dropped``, and each policy's
+    engine version at the end."""
+    from masrl.monitoring.logger import read_metrics
+    from masrl.rollout.versioned import staleness
+    from masrl.trainer import Trainer
+
+    ages: list = []
+    with Trainer(cfg, progress=False) as trainer:
+        real_update = trainer.update
+
+        def slow_update(turns, advantages):
+            ahead, step = trainer.ahead, trainer.step
+            lead = min(step + ahead.k + (0 if ahead.wait else 1), cfg.trainer.total_steps - 1)
+            with ahead.cond:
+                ahead.cond.wait_for(lambda: lead == step or lead in ahead.results)
+            ages.extend(staleness(turns, {n: p.engine.version for n, p in trainer.policies.items()}))
+            return real_update(turns, advantages)
+
+        trainer.update = slow_update
+        trainer.fit()
+        versions = {n: p.engine.version for n, p in trainer.policies.items()}
+    dropped = [r["rollout/stale_dropped"] for r in read_metrics(cfg.run_dir) if r["phase"] == "train"]
+    return ages, dropped, versions

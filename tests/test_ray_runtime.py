@@ -12,6 +12,8 @@ from masrl.runtime import WorkerGroupError
 from masrl.trainer import Trainer
 from masrl.training.update import Row
 
+from conftest import train_with_slow_update
+
 ray = pytest.importorskip("ray")
 
 QUIET = {"trainer.threads": 1, "logging.tensorboard": False, "logging.plots": False}
@@ -119,6 +121,20 @@ def test_dead_worker_is_one_clear_error_naming_policy_and_step(tiny_cfg, tmp_pat
         ray.kill(trainer.runtime.groups["shared"].actors[0])
         with pytest.raises(WorkerGroupError, match=r"policy 'shared': worker 0 died during .* at step 1"):
             trainer.train_step()
+
+
+@pytest.mark.distributed  # two worker groups and three steps beside their updates: a minute on 2 shared cores
+def test_ray_rollouts_ahead_never_train_on_a_turn_older_than_k(tiny_cfg, tmp_path):
+    """rollout.max_staleness with worker groups: each rank's engine samples with a copy of the weights replaced
+    at the update (the actor generates in one thread while it updates in another); with a slow update the
+    producer runs to the bound, the turns carry the workers' versions, and none older than k reaches the loss."""
+    d = _two_policy_team(tiny_cfg, **{"runtime.kind": "ray", "rollout.max_staleness": 1, "trainer.total_steps": 3,
+                                      "eval.before_after": False, "trainer.batch_size": 1, "trainer.group_size": 2})
+    d["sft"]["steps"] = 0
+    d["output_dir"] = str(tmp_path / "ray")
+    ages, dropped, versions = train_with_slow_update(config_from_dict(d))
+    assert versions == {"solver": 3, "verifier": 3}  # one version per update, counted in the workers
+    assert ages and None not in ages and max(ages) == 1 and sum(dropped) == 0
 
 
 def test_runtime_config_errors(tiny_cfg):

@@ -181,6 +181,30 @@ def test_fake_vllm_sync_weights_and_sleep(fake_vllm):
         no_sleep.sleep()
 
 
+def test_fake_vllm_versioned_for_rollouts_ahead(fake_vllm):
+    """rollout.max_staleness with vLLM: no copy of the weights (vLLM has its own), the new ones pushed at the
+    version boundary through the engine's weight sync, every result stamped with its version, and no sleep
+    during the update (the engine generates the next batches meanwhile)."""
+    from masrl.config import RolloutConfig
+    from masrl.rollout.versioned import versioned
+    from masrl.training.policy import before_update
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, TINY)
+    inner = fake_vllm("m", enable_sleep_mode=True, eos_token_ids=[2])
+    engine = versioned(inner, model)
+    assert engine.inner is inner and not engine.copies and engine.shares_training_model is False
+    assert engine.generate([GenRequest([1], max_new_tokens=3)])[0].version == 0
+    engine.weights_changed(model, base_changed=True)  # the update of a full model
+    assert inner.llm.model.loaded == list(model.state_dict()) and inner.weight_version == 1
+    assert engine.version == 1 and engine.generate([GenRequest([1], max_new_tokens=3)])[0].version == 1
+    policy = SimpleNamespace(engine=engine)
+    before_update(policy, RolloutConfig(engine="vllm", max_staleness=1))
+    assert not inner.is_sleeping  # it stays awake for the rollouts beside the update
+    before_update(policy, RolloutConfig(engine="vllm"))
+    assert inner.is_sleeping  # on-policy: asleep during the update, as before
+
+
 def test_fake_vllm_lora_registry(fake_vllm, tmp_path):
     from safetensors.torch import load_file
 
@@ -369,3 +393,27 @@ def test_gpu_sleep_frees_memory_and_wake_restores(engine, tiny_folder):
         engine.generate(greedy)
     engine.sync_weights(hf_named_tensors(model))
     assert engine.generate(greedy)[0].response_ids == before.response_ids
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_vllm
+def test_gpu_versioned_vllm_takes_new_weights_at_the_version_boundary(engine, tiny_folder):
+    """rollout.max_staleness: the batch before the boundary decodes with the old weights and carries version 0,
+    the next with the new ones (pushed by the engine's weight sync, no copy in the trainer) and version 1. That
+    a batch in flight finishes on its version is the lock's (tests/test_staleness.py)."""
+    from masrl.rollout.versioned import versioned
+
+    _, tok, model = tiny_folder
+    other = build_tiny_model(tok, GPU_TINY, seed=1).cuda().eval()
+    prompt = _prompt(tok, "Q 6+2\nS ")
+    greedy = [GenRequest(prompt, temperature=0.0, max_new_tokens=16)]
+    versioned_engine = versioned(engine, model)
+    assert versioned_engine.inner is engine and not versioned_engine.copies
+    old = versioned_engine.generate(greedy)[0]
+    versioned_engine.weights_changed(other, base_changed=True)
+    new = versioned_engine.generate(greedy)[0]
+    assert old.version == 0 and new.version == 1 and new.response_ids != old.response_ids
+    _assert_close(old, _trainer_logprobs(model, prompt, old.response_ids, 0.0))
+    _assert_close(new, _trainer_logprobs(other, prompt, new.response_ids, 0.0))
+    versioned_engine.weights_changed(model, base_changed=True)  # back to the original weights

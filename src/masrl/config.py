@@ -353,21 +353,15 @@ class RolloutConfig(_Strict):
         "continuous batching: admission limit of the running batch, rows x their longest prompt + "
         "max_new_tokens (rows are also limited by trainer.max_rollout_batch)"))
     max_staleness: int = Field(0, ge=0, le=64, description=(
-        "k > 0: the batches of steps t+1..t+k are generated (in a thread, with a copy of the weights replaced at "
+        "k > 0: the batches of steps t+1..t+k are generated (in a thread, with weights of their own replaced at "
         "each update) while step t trains; every turn carries the policy version that sampled it and the trainer "
-        "never trains on a turn more than k versions old (docs/scaling.md, off-policy rollouts). Local runtime, "
-        "transformers engine. 0: on-policy, rollout then update"))
+        "never trains on a turn more than k versions old (docs/scaling.md, off-policy rollouts). Local runtime "
+        "and Ray worker groups (strategy replica), transformers and vLLM engines, continuous batching too. "
+        "0: on-policy, rollout then update"))
     stale: Literal["wait", "drop"] = Field("wait", description=(
         "with max_staleness: wait (a batch starts only when none of its turns can be more than k versions old "
         "when it trains) or drop (the producer runs one batch further ahead; turns more than k versions old are "
         "left out of the loss, counted as rollout/stale_dropped)"))
-
-    @model_validator(mode="after")
-    def _staleness_flushes(self) -> "RolloutConfig":
-        if self.max_staleness and self.continuous_batching:
-            raise ValueError("rollout.max_staleness needs the per-round flush (one weight version per batch); "
-                             "set rollout.continuous_batching: false")
-        return self
 
 
 class ToolsConfig(_Strict):

@@ -39,7 +39,7 @@ from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
-from masrl.rollout.versioned import RolloutsAhead, VersionedEngine
+from masrl.rollout.versioned import RolloutsAhead
 from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError
@@ -433,18 +433,19 @@ def end_on_collapse(trainer: Trainer) -> None:
 
 
 def rollouts_ahead(trainer: Trainer) -> RolloutsAhead | None:
-    """``rollout.max_staleness`` > 0: every policy's engine onto its own copy of the weights (replaced at each
-    version boundary), and the producer of the coming steps' batches (``masrl.rollout.versioned``)."""
+    """``rollout.max_staleness`` > 0: every policy's engine behind a version counter, on its own weights (replaced
+    at each version boundary; in the worker groups with the Ray runtime), and the producer of the coming steps'
+    batches (``masrl.rollout.versioned``)."""
     cfg = trainer.cfg
     if cfg.rollout.max_staleness == 0:
         return None
-    if cfg.runtime.kind != "local" or cfg.rollout.engine != "transformers":
-        raise ConfigError(f"rollout.max_staleness: {cfg.rollout.max_staleness} needs runtime.kind: local and "
-                          f"rollout.engine: transformers (got {cfg.runtime.kind}, {cfg.rollout.engine}); "
-                          "set rollout.max_staleness: 0 for Ray worker groups or vLLM")
+    if cfg.runtime.kind == "ray" and cfg.runtime.strategy == "fsdp":
+        raise ConfigError(f"rollout.max_staleness: {cfg.rollout.max_staleness} needs runtime.strategy: replica "
+                          "(under fsdp every forward is a collective of the group, which generation beside the "
+                          "update would interleave with the update's); set rollout.max_staleness: 0 for fsdp")
+    trainer.runtime.version_rollouts(trainer.policies)
     for name, policy in trainer.policies.items():
-        if not isinstance(policy.engine, VersionedEngine):
-            policy.engine = trainer.scheduler.engines[name] = VersionedEngine(policy.engine, policy.model)
+        trainer.scheduler.engines[name] = policy.engine
     return RolloutsAhead(trainer.collect, first_step=trainer.step, last_step=cfg.trainer.total_steps,
                          max_staleness=cfg.rollout.max_staleness, stale=cfg.rollout.stale,
                          versions=lambda: {n: p.engine.version for n, p in trainer.policies.items()})

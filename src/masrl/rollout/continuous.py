@@ -136,6 +136,18 @@ class ContinuousBatcher:
         self.queue = self.queue[len(taken):]
         return taken
 
+    def restart(self) -> int:
+        """New weights between two decode steps (``rollout.max_staleness``): the running segment ends without
+        storing its keys/values (the old weights'), and its rows still decoding go back to the front of the queue
+        with what they emitted, so the next step prefills them again with the new weights; the rows carried."""
+        seg = self.segment
+        if seg is None:
+            return 0
+        going = [seg.entries[i] for i in (~seg.state.done).nonzero().squeeze(1).tolist()]
+        self.carry(seg, None)
+        self.queue = going + self.queue
+        return len(going)
+
     def carry(self, seg: Segment, store: PrefixCache | None) -> None:
         """End ``seg``: its rows' keys/values go to the prefix store, rows still decoding keep what they emitted."""
         state, rows = seg.state, seg.rows

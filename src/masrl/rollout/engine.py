@@ -129,6 +129,7 @@ class TransformersEngine(Engine):
         before the update needs the memory; they would be repacked anyway), and the fast decoder's stacked
         weights."""
         self.clear_prefix_cache()
+        self.batcher.restart()  # rows decoding (a continuous batch beside the update) go on with the new weights
         if base_changed:  # after an adapter update the fast decoder keeps its stacked base weights
             self._fast = None
         if base_changed and self.packed_linears is not None:

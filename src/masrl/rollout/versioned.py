@@ -2,11 +2,16 @@
 policy's weights, replaced only at a version boundary, and a producer that generates the batches of later steps
 while the trainer updates, never further ahead than the staleness bound allows.
 
-``VersionedEngine`` wraps a policy's in-process engine. ``generate`` holds a lock for one batch, so every
-turn of the batch is sampled by one version of the weights and carries it (``GenResult.version``, then
+``VersionedEngine`` wraps a policy's engine. ``generate`` holds a lock for one batch, so every turn of the
+batch is sampled by one version of the weights and carries it (``GenResult.version``, then
 ``turn.info["policy_version"]``). ``weights_changed`` (the trainer's update, SFT, a restored checkpoint) takes the
-same lock, copies the trainer's weights into the copy and counts a new version: an episode in flight continues
-with the new weights from its next call (a partial rollout), each turn keeping its own version.
+same lock, brings the new weights to the engine and counts a new version: an episode in flight continues with
+the new weights from its next call (a partial rollout), each turn keeping its own version. An in-process engine
+(which decodes with the trainer's own model) is moved onto a copy of the model that shares every frozen
+parameter (the base under LoRA adapters) and copies only the trainable ones; an engine with its own weights
+(vLLM) keeps them and receives the new ones through its own weight sync. Each runtime wraps its engines
+(``version_rollouts``): the local runtime in this process, the Ray runtime in every rank of a worker group, whose
+actor then generates in one thread while it updates in another.
 
 ``RolloutsAhead`` runs ``produce(step)`` for the coming steps in a thread. The bound (``k`` =
 ``max_staleness``):
@@ -20,9 +25,11 @@ with the new weights from its next call (a partial rollout), each turn keeping i
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 from collections import Counter
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -30,19 +37,20 @@ from masrl.rollout.base import Engine, GenResult
 
 
 class VersionedEngine:
-    """``inner`` (an in-process engine sharing ``training_model``) moved onto its own copy of the weights."""
+    """``inner`` behind a version counter. ``training_model``: the trainer's model that ``inner`` (an in-process
+    engine) decodes with, replaced by ``rollout_copy(training_model)``; None: ``inner`` holds its own weights."""
 
     shares_training_model = False  # the trainer recomputes old log-probs with its own (current) weights
-    can_batch_continuously = False  # one version per batch: the per-round flush
 
-    def __init__(self, inner: Engine, training_model: torch.nn.Module):
-        import copy
-
+    def __init__(self, inner: Engine, training_model: torch.nn.Module | None = None):
         self.inner = inner
         self.lock = threading.Lock()
         self.version = 0
-        inner.model = copy.deepcopy(training_model)
-        inner.weights_changed(inner.model, base_changed=True)
+        self.queued: dict[Any, int] = {}  # continuous batching: each queued row's version when it was queued
+        self.copies = training_model is not None
+        if self.copies:
+            inner.model = rollout_copy(training_model)
+            inner.weights_changed(inner.model, base_changed=True)
 
     def __getattr__(self, name: str) -> Any:  # everything else is the inner engine's
         return getattr(self.inner, name)
@@ -60,14 +68,75 @@ class VersionedEngine:
     def collect(self, handle) -> list[GenResult]:
         return self.generate(handle)
 
+    # continuous batching: the lock is held for one decode step; a version boundary between two steps carries
+    # the rows decoding onto the new weights (``ContinuousBatcher.restart``). Such a row is stamped with the
+    # version current when it was queued, the oldest that can have sampled one of its tokens: its age is never
+    # under-counted, and its per-token behaviour log-probs are each its own version's.
+    @property
+    def can_batch_continuously(self) -> bool:
+        return bool(getattr(self.inner, "can_batch_continuously", False))
+
+    @contextlib.contextmanager
+    def continuous(self) -> Iterator["VersionedEngine"]:
+        session = self.inner.continuous()
+        with self.lock:
+            session.__enter__()
+        try:
+            yield self
+        finally:
+            with self.lock:
+                session.__exit__(None, None, None)
+                self.queued.clear()
+
+    def enqueue(self, request, ticket) -> None:
+        with self.lock:
+            self.inner.enqueue(request, ticket)
+            self.queued[ticket] = self.version
+
+    def step(self) -> list:
+        with self.lock:
+            finished = self.inner.step()
+            for ticket, result in finished:
+                result.version = self.queued.pop(ticket, self.version)
+            return finished
+
     def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
-        """The version boundary: the trainer's weights into the copy, between two batches."""
+        """The version boundary, between two batches: the trainer's weights into the copy (only the tensors it
+        does not share), or into the engine's own weights by its weight sync."""
         with self.lock, torch.no_grad():
-            target = self.inner.model.state_dict()
-            for key, value in model.state_dict().items():
-                target[key].copy_(value)
+            if self.copies:
+                copy_unshared(model, self.inner.model)
+                self.inner.weights_changed(self.inner.model, base_changed=base_changed)
+            else:
+                self.inner.weights_changed(model, base_changed=base_changed)
             self.version += 1
-            self.inner.weights_changed(self.inner.model, base_changed=base_changed)
+
+
+def versioned(engine: Engine, model: torch.nn.Module) -> VersionedEngine:
+    """``engine`` (the rollout engine of the policy whose training model is ``model``) behind a version
+    counter: onto a copy of the weights when it decodes with ``model`` itself."""
+    if isinstance(engine, VersionedEngine):
+        return engine
+    return VersionedEngine(engine, model if getattr(engine, "shares_training_model", False) else None)
+
+
+def rollout_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` that shares its frozen parameters (no second copy of a LoRA base) and owns the
+    trainable ones, every LoRA adapter (frozen or not: PEFT switches adapters' ``requires_grad``) and every
+    buffer."""
+    frozen = {id(p): p for name, p in model.named_parameters() if not p.requires_grad and "lora_" not in name}
+    return copy.deepcopy(model, memo=frozen)
+
+
+def copy_unshared(source: torch.nn.Module, target: torch.nn.Module) -> int:
+    """``source``'s state into ``target``, tensor by tensor, skipping the tensors both share; the bytes copied."""
+    into = target.state_dict()
+    copied = 0
+    for key, value in source.state_dict().items():
+        if into[key].data_ptr() != value.data_ptr():
+            into[key].copy_(value)
+            copied += value.numel() * value.element_size()
+    return copied
 
 
 def staleness(turns: Sequence, versions: Mapping[str, int]) -> list[int | None]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from masrl.rollout.versioned import versioned
 from masrl.training.policy import Policy, after_update, before_update, build_policy
 from masrl.training.sft import run_sft
 from masrl.training.update import Row, update_policy
@@ -66,6 +67,12 @@ class LocalRuntime:
 
     def phase_end(self) -> None:
         """Between rollout and training (colocated offload in the Ray runtime)."""
+
+    def version_rollouts(self, policies: Mapping[str, Policy]) -> None:
+        """``rollout.max_staleness``: each policy's engine behind a version counter, on weights of its own
+        (``masrl.rollout.versioned``)."""
+        for policy in policies.values():
+            policy.engine = versioned(policy.engine, policy.model)
 
     def spike_state(self, driver_state: dict) -> dict:
         return driver_state

@@ -24,6 +24,9 @@ from masrl.training.policy import PolicyText
 from masrl.training.update import GLOBAL_METRICS, Row, summarize_update
 
 RANK_SEED_STRIDE = 1_000_003
+# rollout.max_staleness: an actor's calls run in threads (the producer's generation, the trainer's update, the
+# driver's small queries); the engine's lock keeps one batch on one version
+STALE_CONCURRENCY = 4
 
 
 def _import_ray():
@@ -102,6 +105,11 @@ class RemoteEngine(Engine):
 
     def generate(self, requests: Sequence[GenRequest]) -> list[GenResult]:
         return self.collect(self.submit(requests))
+
+    @property
+    def version(self) -> int:
+        """``rollout.max_staleness``: the version of the weights the group samples with (every rank has it)."""
+        return self.group.get([self.group.actors[0].rollout_version.remote()], "version")[0]
 
 
 @dataclasses.dataclass
@@ -210,12 +218,13 @@ class RayRuntime:
             build["device"] = "cpu"  # the worker moves it to `device` (and off it when offloading)
             build["rollout"] = build["rollout"].model_dump(mode="json")  # plain data across the process boundary
             threads = cfg.trainer.threads or max(1, int(cpus))
+            ahead = cfg.rollout.max_staleness > 0  # rollouts beside the update: calls in threads, no offload
             actors = [remote_cls.options(
-                num_cpus=cpus, num_gpus=gpus, name=None,
+                num_cpus=cpus, num_gpus=gpus, name=None, max_concurrency=STALE_CONCURRENCY if ahead else 1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pool, placement_group_bundle_index=rank),
             ).remote(name, cfg.policies[name].model_dump(mode="json"), build, rank=rank, world=place.workers,
                      threads=threads, device=device, base_trained=base_trained(cfg, name), spike=spike,
-                     offload=bool(place.offload and name in colocated and len(colocated) > 1),
+                     offload=bool(place.offload and name in colocated and len(colocated) > 1 and not ahead),
                      fsdp=rc.fsdp.model_dump(mode="json") if rc.strategy == "fsdp" else None,
                      tune_malloc=cfg.trainer.tune_malloc)
                 for rank in range(place.workers)]
@@ -286,6 +295,12 @@ class RayRuntime:
             if on_step is not None:
                 on_step(step, dict(last))
         return last
+
+    def version_rollouts(self, policies: Mapping[str, RayPolicy]) -> None:
+        """``rollout.max_staleness``: every rank's engine behind a version counter, on weights of its own; the
+        actors run the driver's calls in threads, so a batch is generated while an update runs."""
+        for group in self.groups.values():
+            group.all("version_rollouts")
 
     def phase_end(self) -> None:
         for group in self.groups.values():

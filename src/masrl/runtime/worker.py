@@ -18,6 +18,7 @@ from masrl.config import AlgorithmConfig, PolicyConfig, RolloutConfig, SFTConfig
 from masrl.monitoring.spike import SpikeDetector
 from masrl.runtime import malloc
 from masrl.rollout.base import GenRequest
+from masrl.rollout.versioned import versioned
 from masrl.training.distributed import DataParallel, init_process_group
 from masrl.training.policy import after_update, before_update, build_policy
 from masrl.training.sft import run_sft
@@ -110,6 +111,15 @@ class PolicyWorker:
     # -------------------------------------------------------------- rollout
     def reseed(self, seed: int) -> None:
         self.policy.engine.reseed(seed)
+
+    def version_rollouts(self) -> None:
+        """``rollout.max_staleness``: the engine behind a version counter, on weights of its own; it generates
+        (in one of the actor's threads) while ``update`` runs in another (``masrl.rollout.versioned``)."""
+        self.policy.engine = versioned(self.policy.engine, self.policy.model)
+
+    def rollout_version(self) -> int:
+        """The version of the weights the engine samples with (one per update since ``version_rollouts``)."""
+        return self.policy.engine.version
 
     def generate(self, requests: list[dict]) -> list[dict]:
         if self.policy.engine.shares_training_model:  # it decodes with the training model

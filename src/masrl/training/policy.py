@@ -289,8 +289,9 @@ def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -
 
 
 def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
-    """A separate rollout engine (vLLM) releases its accelerator memory while the trainer updates."""
-    if rollout is not None and rollout.sleep_level and policy.engine.can_sleep:
+    """A separate rollout engine (vLLM) releases its accelerator memory while the trainer updates (not with
+    ``rollout.max_staleness``: it generates the next batches meanwhile)."""
+    if rollout is not None and rollout.sleep_level and not rollout.max_staleness and policy.engine.can_sleep:
         policy.engine.sleep(rollout.sleep_level)
 
 
