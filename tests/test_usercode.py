@@ -148,7 +148,8 @@ def _team(params):
 
     spec = WorkflowSpec("external", external, ("Solver",), {}, params={"entry": None, "command": None,
                                                                         "timeout_s": 300.0, "host": "127.0.0.1",
-                                                                        "port": 0, "env": {}})
+                                                                        "port": 0, "env": {},
+                                                                        "max_error_share": 1.0})
     return Team(TASK, spec, _Scripted(), lambda t, a: {"reward": 1.0, "correct": True}, params=params)
 
 
@@ -244,6 +245,81 @@ def test_a_program_that_exits_fails_one_episode_and_one_that_never_calls_a_model
             trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
     message = str(err.value)
     assert "no episode of the rollout made a model call (2 of 2" in message and "\n" not in message
+
+
+HALF = """
+import openai
+
+
+def run(task, client_kwargs):
+    client = openai.OpenAI(max_retries=0, **client_kwargs)
+    reply = client.chat.completions.create(model="Solver", messages=[{"role": "user", "content": task["question"]}])
+    if task["meta"]["row"]["fails"]:
+        raise ValueError("this one fails")
+    return {"reward": 1.0, "answer": reply.choices[0].message.content, "seen": task["meta"]["row"]}
+"""
+
+
+class _Scheduler:
+    """The rollout scheduler's ``run`` and ``stats``, for episodes whose calls go to ``_Scripted``."""
+
+    def __init__(self):
+        self.stats = SimpleNamespace(episode_errors=0)
+
+    def run(self, coroutines):
+        async def main():
+            return await asyncio.gather(*coroutines)
+        return asyncio.run(main())
+
+
+def _program_rollout(tmp_path, fails, **params):
+    """One episode per entry of ``fails`` of workflow external running ``HALF`` (the task's row says whether it
+    fails)."""
+    import dataclasses
+
+    from masrl.rollout.runner import run_episodes
+    from masrl.workflows.base import get_workflow
+
+    pytest.importorskip("openai")
+    (tmp_path / "half.py").write_text(HALF)
+    spec = dataclasses.replace(get_workflow("external"), agents=("Solver",))
+    tasks = [Task(id=f"t{i}", question="q", answer="", meta={"row": {"fails": f, "i": i}}) for i, f in enumerate(fails)]
+    return run_episodes(spec, tasks, list(range(len(tasks))), call=_Scripted(), scheduler=_Scheduler(),
+                        score=lambda t, a: {"reward": 0.0}, prompts={}, format_penalty=0.0,
+                        params={**spec.params, "entry": f"{tmp_path / 'half.py'}:run", **params})
+
+
+def test_the_failure_share_of_an_agent_program_is_configurable(tmp_path):
+    from masrl.errors import ConfigError
+    from masrl.rollout.runner import EpisodeError, rollout_metrics
+    from masrl.workflows.external import _params
+
+    episodes = _program_rollout(tmp_path, [True, False, False])  # default 1.0: one of three failing goes on
+    assert [e.valid for e in episodes] == [False, True, True]
+    metrics = rollout_metrics(episodes)
+    assert (metrics["usercode/program/calls"], metrics["usercode/program/errors"]) == (3.0, 1.0)
+    with pytest.raises(EpisodeError) as err:
+        _program_rollout(tmp_path, [True, False, False], max_error_share=0.3)
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'half.py'}:run failed on 1 of 3 calls in the rollout (1 error; first: ")
+    assert "this one fails" in message and "max_error_share (now 0.3)" in message and "\n" not in message
+    for bad in (0, 1.5, "half", True):
+        with pytest.raises(ConfigError, match="workflow.params.max_error_share must be a number in"):
+            _params(_team({"entry": "x:y", "command": None, "timeout_s": 1, "host": "h", "port": 0, "env": {},
+                           "max_error_share": bad}))
+
+
+def test_a_program_gets_its_tasks_row(tmp_path):
+    """``task.meta`` (a verifiers row, a tool environment's reset arguments, a dataset's extra fields) reaches the
+    program: ``task["meta"]`` for an entry, the same JSON on a command's stdin."""
+    episodes = _program_rollout(tmp_path, [False, False])
+    assert [e.valid for e in episodes] == [True, True]
+    from masrl.workflows.external import task_payload
+
+    task = Task(id="t", question="q", answer="gold", meta={"row": {"prompt": [{"role": "user", "content": "q"}]}})
+    payload = task_payload(task)
+    assert payload == {"id": "t", "question": "q", "meta": {"row": {"prompt": [{"role": "user", "content": "q"}]}}}
+    assert "gold" not in json.dumps(payload)  # the gold answer is not given
 
 
 # ----------------------------------------------------------------------------- agent programs: command
