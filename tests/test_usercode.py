@@ -511,7 +511,7 @@ ALLOWED = {  # file: why what it starts is not user code
     "src/masrl/evaluate.py": "masrl eval's event loop (masrl's own rollout)",
     "src/masrl/models/": "model downloads and loading (masrl's own)",
     "src/masrl/versions.py": "git and library versions of a run (masrl's own command)",
-    "src/masrl/tasks/code/": "the code task runs programs in masrl.sandbox",
+    "src/masrl/codecheck/": "the code reward's harness runs model-written programs in masrl.sandbox",
     "src/masrl/tasks/synthetic_kb.py": "a task's data built by masrl",
     "src/masrl/workflows/search.py": "a query to masrl's own retriever (masrl.retrieval), off the rollout's loop",
     "src/masrl/workflows/testing.py": "the loop of a scripted test episode (masrl's own test helper)",

@@ -137,7 +137,7 @@ def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
         teacher = CodeSynthTeacher(**sft_teacher)
     except TypeError as e:
         raise ConfigError(f"sft.teacher for code_synth: {e}; known: slip_rate, verifier_noise, seed") from None
-    from masrl.tasks.code.scoring import cache_entries_param
+    from masrl.codecheck.scoring import cache_entries_param
 
     score = code_synth_score(cfg.params.get("reward_mode", "fraction"), cfg.params.get("timeout_s", 1.0),
                              cache_entries_param(cfg.params))
