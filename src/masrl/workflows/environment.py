@@ -35,6 +35,9 @@ from masrl.workflows.external import (ExternalAgentError, call_program, check_li
 def _check(team: Team) -> None:
     check_params(team)
     check_limits(team.params, "environment")
+    if team.task_supplies is not None and team.params.get("env_episode") is None:  # at start: the task says
+        raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
+                          "verifiers or tool_env")
 
 
 @register_workflow("environment", agents=(), prompts={},
