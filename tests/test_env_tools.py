@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import GatheringScheduler
 
 from masrl.types import Task, Turn
 
@@ -219,18 +220,6 @@ def test_an_openenv_server_through_its_mcp_client(tmp_path):
 
 # ----------------------------------------------------------------------------- environments are user code
 
-class _Scheduler:
-    """The rollout scheduler's ``run`` and ``stats`` for episodes that call a scripted backend."""
-
-    def __init__(self):
-        self.stats = SimpleNamespace(episode_errors=0)
-
-    def run(self, coroutines):
-        async def main():
-            return await asyncio.gather(*coroutines)
-        return asyncio.run(main())
-
-
 def _rollout(env_episode, n=2, seen=None, **params):
     """``n`` episodes of workflow environment playing ``env_episode`` (its params over the defaults); each episode
     also goes to ``seen`` as it ends."""
@@ -241,7 +230,7 @@ def _rollout(env_episode, n=2, seen=None, **params):
 
     spec = dataclasses.replace(get_workflow("environment"), agents=("Player",))
     tasks = [Task(id=f"t{i}", question="go", answer=None, meta={"data_source": "probe", "row": {}}) for i in range(n)]
-    return run_episodes(spec, tasks, list(range(n)), call=_Scripted(stop_after=0), scheduler=_Scheduler(),
+    return run_episodes(spec, tasks, list(range(n)), call=_Scripted(stop_after=0), scheduler=GatheringScheduler(),
                         score=lambda t, a: {"reward": 0.0}, prompts={}, format_penalty=0.0,
                         params={**spec.params, "env_episode": env_episode, **params},
                         on_episode=None if seen is None else seen.append)

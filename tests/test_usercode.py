@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import GatheringScheduler
 
 from masrl.types import Task, Turn
 from masrl.workflows.base import Team, WorkflowSpec
@@ -300,18 +301,6 @@ def run(task, client_kwargs):
 """
 
 
-class _Scheduler:
-    """The rollout scheduler's ``run`` and ``stats``, for episodes whose calls go to ``_Scripted``."""
-
-    def __init__(self):
-        self.stats = SimpleNamespace(episode_errors=0)
-
-    def run(self, coroutines):
-        async def main():
-            return await asyncio.gather(*coroutines)
-        return asyncio.run(main())
-
-
 def _program_rollout(tmp_path, fails, **params):
     """One episode per entry of ``fails`` of workflow external running ``HALF`` (the task's row says whether it
     fails)."""
@@ -324,7 +313,7 @@ def _program_rollout(tmp_path, fails, **params):
     (tmp_path / "half.py").write_text(HALF)
     spec = dataclasses.replace(get_workflow("external"), agents=("Solver",))
     tasks = [Task(id=f"t{i}", question="q", answer="", meta={"row": {"fails": f, "i": i}}) for i, f in enumerate(fails)]
-    return run_episodes(spec, tasks, list(range(len(tasks))), call=_Scripted(), scheduler=_Scheduler(),
+    return run_episodes(spec, tasks, list(range(len(tasks))), call=_Scripted(), scheduler=GatheringScheduler(),
                         score=lambda t, a: {"reward": 0.0}, prompts={}, format_penalty=0.0,
                         params={**spec.params, "entry": f"{tmp_path / 'half.py'}:run", **params})
 
@@ -549,7 +538,8 @@ ALLOWED = {  # the only files that start one, each with why it is not user code 
     "src/masrl/sandbox/process.py": "the sandboxed process",
     "src/masrl/sandbox/sandbox.py": "the sandbox's pool that runs programs side by side (score_many)",
     # masrl's own servers, loops and commands
-    "src/masrl/http/server.py": "the uvicorn loop's thread of masrl's own HTTP servers (gateway, serve --team, retrieval)",
+    "src/masrl/http/server.py": "the uvicorn loop's thread of masrl's own HTTP servers (gateway, serve --team, "
+                                "retrieval)",
     "src/masrl/rollout/scheduler.py": "the rollout's event loop (masrl's own generation)",
     "src/masrl/rollout/versioned.py": "rollouts-ahead: the producer thread of the next batch (masrl's own rollout)",
     "src/masrl/serve.py": "masrl serve: the team's loop, and generation off it",

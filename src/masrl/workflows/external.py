@@ -10,9 +10,10 @@
 
 Each episode opens a session on masrl's OpenAI-compatible gateway (``masrl.gateway``) and runs the program
 with it: ``entry`` is called with ``{"id", "question", "meta"}`` (``task_payload``) and ``client_kwargs``
-(``{"base_url", "api_key"}``: ``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as one JSON line on stdin and
-``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment, and prints its result as
-JSON on its last line of output. Every call the program makes is a turn of the agent its ``model`` names.
+(``{"base_url", "api_key"}``: ``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as
+one JSON line on stdin and ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment,
+and prints its result as JSON on its last line of output. Every call the program makes is a turn of the agent its
+``model`` names.
 
 The result: a string (or ``{"answer": ...}``) is the episode's answer, scored by the task's reward; a number (or
 ``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A dict result may
