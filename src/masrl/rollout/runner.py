@@ -157,7 +157,9 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
         return episode
 
     episodes = scheduler.run([one(i, t) for i, t in enumerate(tasks)])
-    report_failures(spec, episodes, failures, scheduler, float(params.get("max_error_share", 1.0)))
+    share = params.get("max_error_share", 1.0)  # agent programs, environments (checked at start)
+    report_failures(spec, episodes, failures, scheduler,
+                    float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0)
     if defer:
         score_pending(episodes, score)
         for episode in episodes if on_episode is not None else ():
