@@ -1,4 +1,4 @@
-"""What the code reward's result cache saves (``task.params.score_cache``, masrl.tasks.code.scoring.ScoreCache).
+"""What the code reward's result cache saves (``task.params.score_cache``, masrl.codecheck.scoring.ScoreCache).
 
 The code Eval-Opt example (``examples/code_eval_opt_shared.yaml``: Generator -> Evaluator -> Generator on
 ``code_synth``, every candidate scored in the sandbox) is trained once through its SFT (or ``--from RUN_DIR``
@@ -29,7 +29,7 @@ EXAMPLE = REPO / "examples" / "code_eval_opt_shared.yaml"
 # the resumed run in a fresh process: counts the sandbox runs (score_code calls) and their distinct programs
 _WORKER = r"""
 import json, resource, sys, threading, time
-import masrl.tasks.code.scoring as sc
+import masrl.codecheck.scoring as sc
 calls, lock, real = [], threading.Lock(), sc.score_code
 def counted(task, answer, *a, **k):
     with lock:

@@ -1,5 +1,6 @@
 """Per-call cost of the user-code contract: a trivial reward and a trivial tool, called directly and through
-masrl's runner of user code (a thread per call / a reward's worker thread; a reward's worker process).
+masrl's runner of user code (``masrl.usercode.calls.call_in_thread``: the code's worker thread, reused by calls one
+after another, for a reward's thread mode and a tool alike; a reward's worker process).
 
     PYTHONPATH=src python3 benchmarks/usercode_overhead.py --calls 2000
 
@@ -95,12 +96,12 @@ def main() -> None:
                      _per_call_us(lambda: worker.call(task, episode, 10.0), args.calls, args.repeats)))
         worker.stop()
     rows += [("tool, direct call", _per_call_us(lambda: box.observe(echo(text="hi")), args.calls, args.repeats)),
-             ("tool, ToolBox.run (a thread per call, deadline)",
+             ("tool, ToolBox.run (the tool's worker thread, deadline)",
               _per_call_us(lambda: box.run(call), args.calls, args.repeats))]
     arms = [("tool, asyncio.to_thread(ToolBox.run) on an event loop (team.chat's way before ToolBox.arun)",
              lambda: asyncio.to_thread(box.run, call))]
     if hasattr(box, "arun"):
-        arms.append(("tool, ToolBox.arun on an event loop (team.chat: a thread per call, deadline)",
+        arms.append(("tool, ToolBox.arun on an event loop (team.chat: worker threads, deadline)",
                      lambda: box.arun(call)))
     for name, one in arms:
         rows.append((name, _per_async_call_us(one, args.calls, args.repeats)))

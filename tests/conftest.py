@@ -124,6 +124,23 @@ def cached_sandbox(mode: str, *, max_workers: int = 2, own_tmp: bool = False, **
     return sb
 
 
+# ---- a rollout without an engine (run_episodes with a scripted team.call backend)
+
+class GatheringScheduler:
+    """The rollout scheduler's ``run`` and ``stats`` for episodes whose calls go to a scripted backend."""
+
+    def __init__(self):
+        import types
+        self.stats = types.SimpleNamespace(episode_errors=0)
+
+    def run(self, coroutines):
+        import asyncio
+
+        async def main():
+            return await asyncio.gather(*coroutines)
+        return asyncio.run(main())
+
+
 # ---- raw HTTP from a test client (the gateway's and masrl serve --team's conduct)
 
 def read_response(sock) -> tuple[int, dict, bytes]:

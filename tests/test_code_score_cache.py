@@ -1,10 +1,10 @@
-"""The code reward's result cache (masrl.tasks.code.scoring.ScoreCache): an identical program on the same hidden
+"""The code reward's result cache (masrl.codecheck.scoring.ScoreCache): an identical program on the same hidden
 tests runs once; what depends on load or chance (timeouts, random HumanEval inputs) is always run again."""
 import pytest
 
-import masrl.tasks.code.scoring as scoring
+import masrl.codecheck.scoring as scoring
 from masrl.errors import ConfigError
-from masrl.tasks.code.scoring import ScoreCache, cache_entries_param, make_code_score
+from masrl.codecheck.scoring import ScoreCache, cache_entries_param, make_code_score
 from masrl.tasks.code.synthetic import CodeSynthConfig, code_synth_score, make_code_synth_tasks, reference
 from masrl.types import Task
 

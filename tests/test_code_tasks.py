@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from masrl.paths import data_dir
 from masrl.tasks.code.data import MalformedRowWarning, load_humaneval, load_mbpp
-from masrl.tasks.code.extract import extract_code
+from masrl.codecheck.extract import extract_code
 from masrl.types import Task
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox needs Linux")
@@ -149,7 +149,7 @@ def test_real_humaneval():
 # ----------------------------------------------------------------------------------------
 if sys.platform == "linux":
     from masrl.sandbox import Sandbox
-    from masrl.tasks.code.scoring import make_code_score, score_code, score_many
+    from masrl.codecheck.scoring import make_code_score, score_code, score_many
 
 ADD = Task("t/add", "Write add(a, b).", {
     "kind": "mbpp", "entry_point": "add", "remote_names": ["add"], "setup": "",
@@ -287,7 +287,7 @@ def test_stopped_sandbox_cannot_block_the_harness(sb):
     at the deadline instead of blocking the scoring thread forever."""
     import time
 
-    from masrl.tasks.code.scoring import RemoteRef, SandboxFailure, _Session
+    from masrl.codecheck.scoring import RemoteRef, SandboxFailure, _Session
 
     code = ("import os, signal, threading, time\ndef f(x):\n    return 1\n"
             "threading.Thread(target=lambda: (time.sleep(0.1), os.kill(os.getpid(), signal.SIGSTOP))).start()\n")

@@ -141,7 +141,7 @@ def test_shared_math_files_match_the_benchmark_loaders(rel, fields, reward, benc
 
 @needs_data
 def test_shared_searchr1_parquet_and_mbpp():
-    from masrl.tasks.code.scoring import score_code
+    from masrl.codecheck.scoring import score_code
     from masrl.tasks.qa import load_qa
 
     qa = load_rows_as_tasks(str(DATA / "qa/searchr1_nq_search_test.parquet"), reward="qa_em", limit=50,

@@ -5,8 +5,10 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from conftest import GatheringScheduler
 
 from masrl.types import Task, Turn
 
@@ -214,3 +216,115 @@ def test_an_openenv_server_through_its_mcp_client(tmp_path):
     assert [t["function"]["name"] for t in scripted.prompts[0].tools] == ["guess"]
     assert [m["content"] for m in scripted.prompts[1].messages if m["role"] == "tool"] == ["higher"]
     assert ep.info["env_metrics"]["tool_calls"] == 2.0
+
+
+# ----------------------------------------------------------------------------- environments are user code
+
+def _rollout(env_episode, n=2, seen=None, **params):
+    """``n`` episodes of workflow environment playing ``env_episode`` (its params over the defaults); each episode
+    also goes to ``seen`` as it ends."""
+    import dataclasses
+
+    from masrl.rollout.runner import run_episodes
+    from masrl.workflows.base import get_workflow
+
+    spec = dataclasses.replace(get_workflow("environment"), agents=("Player",))
+    tasks = [Task(id=f"t{i}", question="go", answer=None, meta={"data_source": "probe", "row": {}}) for i in range(n)]
+    return run_episodes(spec, tasks, list(range(n)), call=_Scripted(stop_after=0), scheduler=GatheringScheduler(),
+                        score=lambda t, a: {"reward": 0.0}, prompts={}, format_penalty=0.0,
+                        params={**spec.params, "env_episode": env_episode, **params},
+                        on_episode=None if seen is None else seen.append)
+
+
+async def _one_call(client_kwargs, agent):
+    """What an environment's rollout does: one chat completion on the episode's endpoint."""
+    import openai
+
+    async with openai.AsyncOpenAI(max_retries=0, **client_kwargs) as client:
+        reply = await client.chat.completions.create(model=agent, messages=[{"role": "user", "content": "go"}])
+    return reply.choices[0].message.content
+
+
+def _failed(error):
+    from masrl.rollout.runner import failed_episode
+
+    return failed_episode(Task(id="t", question="go", answer=None), SimpleNamespace(turns=[]), error)
+
+
+ENV_EXITS = '''
+import sys
+
+
+class Leaves:
+    def reset(self, **row):
+        sys.exit(0)
+
+
+def rows():
+    return [{"question": "go"}]
+'''
+
+
+def test_an_environment_whose_reset_calls_sys_exit_fails_its_episode_counted_as_environment(tmp_path):
+    from masrl.rollout.runner import rollout_metrics
+    from masrl.workflows.external import ExternalAgentError
+
+    (tmp_path / "env.py").write_text(ENV_EXITS)
+    with pytest.raises(ExternalAgentError, match=r"sys\.exit\(0\)") as err:
+        _play({"env": f"{tmp_path / 'env.py'}:Leaves", "train": f"{tmp_path / 'env.py'}:rows"}, None, _Scripted())
+    assert err.value.program_kind == "environment" and err.value.program_outcome == "error"
+    metrics = rollout_metrics([_failed(err.value)])
+    assert metrics["usercode/environment/errors"] == 1.0 and metrics["usercode/environment/calls"] == 1.0
+    assert "usercode/program/calls" not in metrics
+
+
+def test_an_async_environment_that_blocks_times_out_at_its_deadline_and_is_counted():
+    import time
+
+    from masrl.rollout.runner import EpisodeError, rollout_metrics
+
+    async def rollout(task, client_kwargs, agent):
+        answer = await _one_call(client_kwargs, agent)
+        time.sleep(4)  # a blocking call inside the environment's async rollout
+        return {"reward": 1.0, "answer": answer}
+
+    start = time.monotonic()
+    seen = []
+    with pytest.raises(EpisodeError) as err:
+        _rollout(rollout, n=1, seen=seen, timeout_s=1.0)
+    assert time.monotonic() - start < 3.0  # the deadline fired: the rollout's loop was never blocked
+    assert "environment probe failed on 1 of 1 calls in the rollout (1 timeout; first: ProgramTimeout: environment " \
+           "probe did not return within 1 s" in str(err.value)
+    metrics = rollout_metrics(seen)
+    assert (metrics["usercode/environment/calls"], metrics["usercode/environment/timeouts"]) == (1.0, 1.0)
+
+
+def test_an_environment_that_fails_on_every_episode_stops_the_run_with_one_line():
+    from masrl.errors import UserInputError
+    from masrl.rollout.runner import EpisodeError
+
+    async def broken(task, client_kwargs, agent):
+        await _one_call(client_kwargs, agent)
+        raise ValueError("the environment is broken")
+
+    with pytest.raises(EpisodeError) as err:
+        _rollout(broken, n=3)
+    message = str(err.value)
+    assert isinstance(err.value, UserInputError)  # exit 2 at the CLI
+    assert message.startswith("environment probe failed on 3 of 3 calls in the rollout (3 errors; first: ")
+    assert "the environment is broken" in message and "fix the environment" in message and "\n" not in message
+
+
+def test_the_failure_share_of_an_environment_is_configurable():
+    from masrl.rollout.runner import EpisodeError
+
+    async def half(task, client_kwargs, agent):
+        answer = await _one_call(client_kwargs, agent)
+        if task.id in ("t0", "t1"):
+            raise ValueError("half of them fail")
+        return {"reward": 1.0, "answer": answer}
+
+    episodes = _rollout(half, n=4)  # the default, 1.0: the run goes on
+    assert [e.valid for e in episodes] == [False, False, True, True]
+    with pytest.raises(EpisodeError, match=r"failed on 2 of 4 calls .*max_error_share \(now 0.5\)"):
+        _rollout(half, n=4, max_error_share=0.5)

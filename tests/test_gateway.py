@@ -206,7 +206,7 @@ def test_training_an_openai_program_as_a_command(tiny_cfg, tmp_path):
 
 
 def test_program_failures_name_the_reason(tmp_path):
-    from masrl.workflows.external import ExternalAgentError, _finish
+    from masrl.workflows.external import ExternalAgentError, program_episode as _finish
 
     team = Team(Task(id="t", question="q", answer=""), _spec(), _Scripted(), lambda t, a: {"reward": 1.0})
     with pytest.raises(ExternalAgentError, match="finite number"):
@@ -381,7 +381,7 @@ def test_a_burst_of_connections_waits_in_the_backlog():
 def test_invalid_calls_mark_the_named_completions_invalid(gateway):
     """A program's result may list the ids of completions it found malformed: exactly their turns are invalid
     (the format penalty); an id that is not this episode's, or a list of something else, fails the episode."""
-    from masrl.workflows.external import ExternalAgentError, _finish
+    from masrl.workflows.external import ExternalAgentError, program_episode as _finish
 
     team = Team(Task(id="t", question="q", answer="Writer reply 2"), _spec(), _Scripted(),
                 lambda t, a: {"reward": float(a == t.answer), "correct": a == t.answer})

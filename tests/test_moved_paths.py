@@ -15,6 +15,8 @@ SHIMS = ROOT / "src" / "masrl" / "tasks" / "retrieval"
 
 MODULES = [  # (old module, a name in it, new module)
     ("masrl.tasks.code.sandbox", "Sandbox", "masrl.sandbox"),
+    ("masrl.tasks.code.scoring", "score_code", "masrl.codecheck"),
+    ("masrl.tasks.code.extract", "extract_code", "masrl.codecheck"),
     ("masrl.tasks.retrieval", "BM25Retriever", "masrl.retrieval"),
     ("masrl.tasks.retrieval.synthetic_kb", "synthetic_kb_retriever", "masrl.tasks.synthetic_kb"),
     ("masrl.tasks.rows", "read_rows", "masrl.io.rows"),
@@ -79,10 +81,10 @@ def test_an_unknown_name_is_still_an_attribute_error():
             module.no_such_name  # noqa: B018
 
 
-OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|reward_guard\b|reward_process\b|user_code\b|code\.sandbox|code\._(child|cgroup|cleanup))"
+OLD_PATHS = re.compile(r"masrl\.tasks\.(retrieval|rows\b|lines\b|reward_guard\b|reward_process\b|user_code\b|code\.(sandbox|scoring|extract)\b|code\._(child|cgroup|cleanup))"
                        r"|masrl\.retrieval\.guard\b|retrieval/guard\.py"
                        r"|masrl\.evaluation\.runner\b|evaluation/runner\.py"
-                       r"|tasks/(retrieval/|rows\.py|lines\.py|reward_guard\.py|reward_process\.py|user_code\.py|code/(sandbox|_child|_cgroup|_cleanup)\.py)"
+                       r"|tasks/(retrieval/|rows\.py|lines\.py|reward_guard\.py|reward_process\.py|user_code\.py|code/(sandbox|scoring|extract|_child|_cgroup|_cleanup)\.py)"
                        r"|from masrl\.tasks\.code import[^\n]*\b(run_python|Sandbox|Limits|SandboxError|SandboxResult"
                        r"|Isolation|default_sandbox|sandbox_capabilities)\b"
                        r"|from masrl\.paths import[^\n]*write_text_atomic|from masrl\.config import[^\n]*read_yaml_file")
@@ -110,6 +112,7 @@ def test_masrl_itself_uses_only_the_new_paths():
                 continue
             if rel.startswith("src/masrl/tasks/retrieval/") or rel in (
                     "src/masrl/tasks/rows.py", "src/masrl/tasks/lines.py", "src/masrl/tasks/code/sandbox.py",
+                    "src/masrl/tasks/code/scoring.py", "src/masrl/tasks/code/extract.py",
                     "src/masrl/tasks/reward_guard.py", "src/masrl/tasks/reward_process.py", "src/masrl/tasks/user_code.py",
                     "src/masrl/evaluation/runner.py", "src/masrl/retrieval/guard.py"):
                 continue  # the deprecated modules themselves

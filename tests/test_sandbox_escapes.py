@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox nee
 
 if sys.platform == "linux":
     from masrl.sandbox import Limits, Sandbox, SandboxError, _cleanup, run_python
-    from masrl.tasks.code.scoring import score_code
+    from masrl.codecheck.scoring import score_code
     from masrl.types import Task
 
 MODES = ["namespaces", "userns", "basic"]
@@ -446,7 +446,7 @@ def test_lone_surrogates_never_raise(sb):
 def test_sandbox_and_scoring_do_not_import_each_other():
     """The sandbox is a service: none of its modules imports a task; the code scorer imports it."""
     import masrl.sandbox as sandbox_mod
-    import masrl.tasks.code.scoring as scoring_mod
+    import masrl.codecheck.scoring as scoring_mod
 
     def imports(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
@@ -492,7 +492,7 @@ def test_cgroup_v2_layout_and_limits(tmp_path, monkeypatch):
 def test_code_extraction_is_linear_on_a_long_fence_line():
     """A reply line of a fence, 200k letters and a backtick backtracked quadratically in the
     fence pattern (minutes in the reward function); the extraction result is unchanged."""
-    from masrl.tasks.code.extract import extract_code
+    from masrl.codecheck.extract import extract_code
 
     t0 = time.monotonic()
     assert extract_code("```" + "a" * 200_000 + "`") == "```" + "a" * 200_000 + "`"
@@ -502,7 +502,7 @@ def test_code_extraction_is_linear_on_a_long_fence_line():
     import itertools
     import re
 
-    from masrl.tasks.code import extract
+    from masrl.codecheck import extract
 
     old = re.compile(r"^[ \t]{0,3}(`{3,}|~{3,})[ \t]*([^\s`]*)[^\n`]*$")
     for parts in itertools.product(["", " ", "    ", "\t"], ["```", "````", "~~~", "``"], ["", " ", "\t"],

@@ -73,3 +73,27 @@ def test_a_policy_name_that_cannot_name_its_checkpoint_folder_is_refused(tmp_pat
     data["agents"] = {a: {**c, "policy": long} for a, c in data["agents"].items()}
     err = _both_refuse(tmp_path, _write(tmp_path, data), [], capsys)
     assert "policies.ppp" in err and "allows 255 per name" in err
+
+
+def _search(tiny_cfg, task):
+    agents = {a: {"policy": "shared", "max_new_tokens": 8} for a in ("Verifier", "Search", "Answer")}
+    return tiny_cfg(**{"workflow": {"name": "search_verifier_router"}, "task": task, "agents": agents})
+
+
+def test_the_start_check_knows_which_workflow_params_the_task_supplies(tmp_path, tiny_cfg, capsys):
+    """A task declares the workflow params it hands the workflow (``register_task(..., supplies=...)``): a search
+    workflow on a task that supplies no retriever, and an environment workflow on a task that is no environment,
+    are one line at start; a task that supplies the retriever (synthetic_kb) passes without one in the config."""
+    from masrl.config import config_from_dict
+    from masrl.errors import ConfigError
+    from masrl.team_runner import check_team
+
+    path = _write(tmp_path, _search(tiny_cfg, {"name": "arithmetic"}))
+    assert "search_verifier_router needs params['retriever']" in _both_refuse(tmp_path, path, [], capsys)
+    check_team(config_from_dict(_search(tiny_cfg, {"name": "synthetic_kb"})))  # the task supplies it
+    assert main(["config", "show", str(path), "workflow.params.retriever=synthetic_kb"]) == 0  # the config sets it
+    capsys.readouterr()
+    env = tiny_cfg(**{"workflow": {"name": "environment"}, "task": {"name": "arithmetic"},
+                      "agents": {"Player": {"policy": "shared", "max_new_tokens": 8}}})
+    with pytest.raises(ConfigError, match="set task.name to verifiers or tool_env"):
+        check_team(config_from_dict(env))

@@ -92,7 +92,12 @@ class WorkflowConfig(_Strict):
 
     name: str = Field("math_solver_verifier", description=(
         "a registered workflow (math_solver_verifier, search_verifier_router, voting, ...) or 'pkg.module:function'"))
-    params: dict[str, Any] = Field(default_factory=dict, description="the workflow's parameters (e.g. max_loops)")
+    params: dict[str, Any] = Field(default_factory=dict, description=(
+        "the workflow's parameters (e.g. max_loops). Workflows external and environment (user code, "
+        "docs/reliability.md): timeout_s, the deadline of one episode's program or environment (300); "
+        "max_error_share, the run stops (exit 2) when its failed episodes (raised, timed out, made no model call) "
+        "reach this share of a rollout's episodes (1.0: when every one fails), counted in usercode/program/* or "
+        "usercode/environment/*"))
     prompts: dict[str, str] = Field(default_factory=dict, description="prompt templates replacing the workflow's "
                                                                        "defaults, by template name")
 

@@ -24,7 +24,7 @@ from masrl.registry_names import check_names
 from masrl.rollout.runner import make_call, max_token_chars, repeat_tasks, run_episodes
 from masrl.rollout.scheduler import RolloutScheduler
 from masrl.runtime import make_runtime
-from masrl.tasks.registry import TaskSource, load_bench_tasks, load_task_source
+from masrl.tasks.registry import TaskSource, load_bench_tasks, load_task_source, task_supplies
 from masrl.usercode.guard import GuardedScore, RewardCounts, RewardLedger, check_failures
 from masrl.training.checkpoint import load_eval_checkpoint
 from masrl.training.policy import Policy
@@ -55,7 +55,7 @@ def check_team(cfg: RunConfig):
     if unknown_prompts:
         raise ConfigError(f"workflow.prompts: unknown template(s) {unknown_prompts}; "
                           f"{spec.name} uses {sorted(spec.prompts)}")
-    check_workflow_params(spec, cfg.workflow.params, cfg.workflow.prompts)
+    check_workflow_params(spec, cfg.workflow.params, cfg.workflow.prompts, task_supplies(cfg.task.name))
     return spec
 
 

@@ -23,7 +23,7 @@ from masrl.tools.chat_format import same_vocabulary
 from masrl.tools.execute import DEFAULT_TIMEOUT_S, ToolCounts, abandoned_tool_threads
 from masrl.tools.text import safe_str, valid_text
 from masrl.types import Episode, Task, Turn
-from masrl.usercode.ledger import usercode_metrics
+from masrl.usercode.ledger import check_share, usercode_metrics
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 from masrl.workflows.batch_score import score_pending, scores_in_batches
 
@@ -157,7 +157,9 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
         return episode
 
     episodes = scheduler.run([one(i, t) for i, t in enumerate(tasks)])
-    report_failures(spec, episodes, failures, scheduler)
+    share = params.get("max_error_share", 1.0)  # agent programs, environments (checked at start)
+    report_failures(spec, episodes, failures, scheduler,
+                    float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0)
     if defer:
         score_pending(episodes, score)
         for episode in episodes if on_episode is not None else ():
@@ -168,19 +170,22 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
 def failed_episode(task: Task, team: Team, error: BaseException) -> Episode:
     """The invalid episode of a workflow that raised ``error``: reward 0, wrong, no turns (none is trained).
     ``info["reason"]``: the error's own ``reason`` (``no_model_call``: an agent program that called no model), else
-    ``episode_error``; ``info["program"]``: ``error`` / ``timeout`` when an agent program failed."""
+    ``episode_error``; ``info["program"]``: ``error`` / ``timeout`` when an agent program or an environment failed
+    (``info["program_kind"]``: ``program`` or ``environment``; ``info["program_name"]``: which)."""
     info = {"correct": False, "reason": str(getattr(error, "reason", "episode_error")),
             "turns_before_error": len(team.turns)}
     if getattr(error, "program_outcome", None):
-        info["program"] = error.program_outcome
+        info["program"], info["program_kind"] = error.program_outcome, getattr(error, "program_kind", "program")
+        info["program_name"] = getattr(error, "program_name", None)
     return Episode(task=task, turns=[], reward=0.0, answer=None, info=info,
                    error=f"{safe_str(type(error).__name__)}: {safe_str(error, 500)}")
 
 
 def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: list[tuple[Episode, BaseException]],
-                    scheduler: RolloutScheduler) -> None:
+                    scheduler: RolloutScheduler, max_share: float = 1.0) -> None:
     """Log the rollout's failed episodes (the scheduler's first one with its traceback); raise
-    ``EpisodeError`` when every episode failed."""
+    ``EpisodeError`` when every episode failed, or when the failed calls of an agent program or an environment
+    reach ``max_share`` (``workflow.params.max_error_share``) of its calls (``check_share``)."""
     if not failures:
         return
     failures = sorted(failures, key=lambda f: f[0].episode_id)
@@ -194,12 +199,38 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
         raise EpisodeError(f"no episode of the rollout made a model call ({len(failures)} of {len(episodes)} counted "
                            f"in rollout/episodes_without_calls), so there is nothing to train on; the first: "
                            f"{first.error} in {where}")
+    check_programs(episodes, spec, max_share)
     if len(failures) == len(episodes):
         raise EpisodeError(f"every episode of the rollout failed ({len(failures)} of {len(episodes)}), so there is "
                            f"nothing to train on; the first: {first.error} in {where}; fix the workflow "
                            "(the traceback of the first failure is logged above)")
     log.warning("%d of %d episodes failed and are invalid (reward 0, not trained); the first: %s in %s",
                 len(failures), len(episodes), first.error, where)
+
+
+def program_counts(episodes: Sequence[Episode]) -> dict[str, Counter]:
+    """``{kind: Counter(ok=, error=, timeout=)}`` of the rollout's agent programs and environments."""
+    counts: dict[str, Counter] = {}
+    for e in episodes:
+        if e.info.get("program") in ("ok", "error", "timeout"):
+            counts.setdefault(e.info.get("program_kind") or "program", Counter())[e.info["program"]] += 1
+    return counts
+
+
+def check_programs(episodes: Sequence[Episode], spec: WorkflowSpec, max_share: float) -> None:
+    """The loud stop of ``masrl.usercode`` for agent programs and environments: ``EpisodeError`` (one line) when a
+    kind's failed episodes reach ``max_share`` of its episodes in the rollout."""
+    for kind, n in program_counts(episodes).items():
+        failed = [e for e in episodes if e.info.get("program_kind") == kind and e.info["program"] != "ok"]
+        if not failed:
+            continue
+        first = failed[0]
+        where = f"episode {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
+        hint = "" if max_share >= 1 else f" or raise workflow.params.max_error_share (now {max_share:g})"
+        code = "agent program" if kind == "program" else "environment"
+        check_share(str(first.info.get("program_name") or code), n["ok"] + n["error"] + n["timeout"], n["error"],
+                    n["timeout"], f"{first.error} in {where}", max_share, "the rollout",
+                    f"fix the {code}{hint} (the traceback of the first failure is logged above)", EpisodeError)
 
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -215,8 +246,6 @@ def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out.update({f"tool/{f.name}": float(tools[f.name]) for f in fields(ToolCounts)})
     out["tool/abandoned_threads"] = float(abandoned_tool_threads())
     out.update(usercode_metrics("tool", tools["calls"], tools["errors"], tools["timeouts"]))
-    programs = Counter(e.info.get("program") or ("ok" if "external_calls" in e.info else None) for e in episodes)
-    if programs["ok"] or programs["error"] or programs["timeout"]:
-        out.update(usercode_metrics("program", programs["ok"] + programs["error"] + programs["timeout"],
-                                    programs["error"], programs["timeout"]))
+    for kind, n in program_counts(episodes).items():
+        out.update(usercode_metrics(kind, n["ok"] + n["error"] + n["timeout"], n["error"], n["timeout"]))
     return out

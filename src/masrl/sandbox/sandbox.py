@@ -155,7 +155,7 @@ class Sandbox:
 
     def map(self, fn, items: Iterable) -> list:
         """``[fn(x) for x in items]`` on the sandbox's thread pool (``max_workers`` at a time), in
-        order; ``masrl.tasks.code.scoring.score_many`` scores through it."""
+        order; ``masrl.codecheck.scoring.score_many`` scores through it."""
         self.resolve()
         return list(self._executor().map(fn, items))
 

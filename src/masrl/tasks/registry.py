@@ -28,6 +28,7 @@ def _register_benchmarks() -> None:
         TASKS.register(name, _math_benchmark)
     for name in QA_DATASETS:
         TASKS.register(name, _qa_benchmark)
+    _math_benchmark.supplies, _qa_benchmark.supplies = (), ("retriever",)
 
 
 TASKS: Registry[TaskBuilder] = Registry("task", group="masrl.tasks", preload=_register_benchmarks,
@@ -35,10 +36,23 @@ TASKS: Registry[TaskBuilder] = Registry("task", group="masrl.tasks", preload=_re
 SOURCES = TASKS  # the older name
 
 
-def register_task(name: str, fn: TaskBuilder | None = None, *, overwrite: bool = False):
+def register_task(name: str, fn: TaskBuilder | None = None, *, overwrite: bool = False,
+                  supplies: tuple[str, ...] = ()):
     """Register a task builder ``fn(task_cfg, sft_teacher) -> TaskSource`` under ``name`` (a decorator without
-    ``fn``, returning the function unchanged). A name that is taken is an error unless ``overwrite``."""
-    return TASKS.register(name, fn, overwrite=overwrite)
+    ``fn``, returning the function unchanged). A name that is taken is an error unless ``overwrite``.
+    ``supplies``: the workflow params its ``TaskSource.workflow_params`` hands the workflow (``("retriever",)``):
+    the run-start check of the workflow counts them as set, and refuses a missing one the task does not supply."""
+    def add(builder: TaskBuilder) -> TaskBuilder:
+        builder.supplies = tuple(supplies)  # type: ignore[attr-defined]
+        return TASKS.register(name, builder, overwrite=overwrite)
+
+    return add if fn is None else add(fn)
+
+
+def task_supplies(name: str) -> tuple[str, ...] | None:
+    """The workflow params task ``name`` supplies, or None when its builder does not say (a builder registered
+    by an entry point without a ``supplies`` attribute: the start check then leaves those params to the episodes)."""
+    return getattr(TASKS.get(name), "supplies", None)
 
 
 @register_task("arithmetic")
@@ -79,7 +93,7 @@ def _configured_score(cfg: TaskConfig, default: Callable[[dict], str]):
     return resolve_reward(reward, cfg.params)  # judge / model: registered by masrl.judges (check_names)
 
 
-@register_task("synthetic_kb")
+@register_task("synthetic_kb", supplies=("retriever",))
 def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.tasks.synthetic_kb import SyntheticKBTeacher, synthetic_kb, synthetic_kb_retriever
 
@@ -137,7 +151,7 @@ def _code_synth(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
         teacher = CodeSynthTeacher(**sft_teacher)
     except TypeError as e:
         raise ConfigError(f"sft.teacher for code_synth: {e}; known: slip_rate, verifier_noise, seed") from None
-    from masrl.tasks.code.scoring import cache_entries_param
+    from masrl.codecheck.scoring import cache_entries_param
 
     score = code_synth_score(cfg.params.get("reward_mode", "fraction"), cfg.params.get("timeout_s", 1.0),
                              cache_entries_param(cfg.params))
@@ -151,7 +165,7 @@ def _dataset(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return dataset_source(cfg, sft_teacher)
 
 
-@register_task("verifiers")
+@register_task("verifiers", supplies=("env_episode",))
 def _verifiers(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """A verifiers v0 environment (masrl.tasks.environments.verifiers_env); workflow: environment plays it."""
     from masrl.tasks.environments.verifiers_env import verifiers_source
@@ -159,7 +173,7 @@ def _verifiers(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return verifiers_source(cfg, sft_teacher)
 
 
-@register_task("tool_env")
+@register_task("tool_env", supplies=("env_episode",))
 def _tool_env(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """A class per episode whose public methods are tools (masrl.tasks.environments.tool_env)."""
     from masrl.tasks.environments.tool_env import tool_env_source

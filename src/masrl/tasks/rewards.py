@@ -141,7 +141,7 @@ for _metric in ("em", "f1", "subem"):
 def _code(params: Mapping[str, Any]):
     """The sandboxed tests' pass fraction (``task.params.reward_mode``: fraction or binary; ``score_cache``:
     results kept for identical programs, 0 for none)."""
-    from masrl.tasks.code.scoring import cache_entries_param, make_code_score
+    from masrl.codecheck.scoring import cache_entries_param, make_code_score
 
     return make_code_score(params.get("reward_mode", "fraction"), cache_entries=cache_entries_param(params))
 

@@ -1,13 +1,14 @@
 """Running parsed tool calls: a deadline per call, a cap on calls per episode, tool messages.
 
 Pure-Python tools run through the user-code service (``masrl.usercode.calls.call_in_thread``, kind
-``tool``): a thread of their own that the caller waits for until the deadline; a tool past its deadline
-is reported as a timeout and left to finish in the background (its result is dropped;
-``abandoned_tool_threads`` counts those still running, and past ``MAX_ABANDONED`` of them further
-calls are refused rather than piling up threads), so a tool must not hold resources it cannot release
-on its own. ``SystemExit`` or ``KeyboardInterrupt`` raised by a tool is an error observation. Tools that execute untrusted code go
-through the sandbox (``masrl.tools.builtin.python_tool``), which enforces its own time and
-memory limits in a separate process.
+``tool``): a worker thread of the tool that the caller waits for until the deadline; a tool past its
+deadline is reported as a timeout and left to finish in the background (its result is dropped;
+``abandoned_tool_threads`` counts those still running, and past the service's bound,
+``masrl.usercode.calls.MAX_ABANDONED``, further calls are refused rather than piling up threads), so a
+tool must not hold resources it cannot release on its own. ``SystemExit`` or ``KeyboardInterrupt``
+raised by a tool is an error observation. Tools that execute untrusted code go through the sandbox
+(``masrl.tools.builtin.python_tool``), which enforces its own time and memory limits in a separate
+process.
 
 Every way out of a call is a string observation (``ToolBox.run`` never raises): the value is
 turned into text in the worker thread too (so a ``__str__`` that hangs is bounded by the
@@ -26,10 +27,9 @@ from typing import Any, Mapping, Sequence
 from masrl.tools.core import Tool, as_tools
 from masrl.tools.parsing import CallError, ToolCall
 from masrl.tools.text import safe_str, valid_text
-from masrl.usercode.calls import UserCodeTimeout, abandoned, call_async, call_in_thread
+from masrl.usercode.calls import MAX_ABANDONED, UserCodeTimeout, abandoned, call_async, call_in_thread
 
 DEFAULT_TIMEOUT_S = 5.0
-MAX_ABANDONED = 64  # tool threads still running past their deadline; beyond this, calls are refused
 
 
 class UnprintableResult(ValueError):
@@ -120,7 +120,7 @@ class ToolBox:
 
     async def arun(self, call: ToolCall | CallError) -> ToolResult:
         """``run`` awaited on the running event loop, which keeps running while the tool does (``run``
-        keeps the tool's deadline; a thread of its own per call, so no shared pool leaves calls queued)."""
+        keeps the tool's deadline; a worker thread per concurrent call, so no shared pool leaves calls queued)."""
         what = f"tool call {getattr(call, 'name', '')}"
         return await call_async(self.run, (call,), None, kind="tool_runner", what=what)
 

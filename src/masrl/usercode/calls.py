@@ -1,33 +1,44 @@
-"""A call of user code in a thread of its own, with a deadline on the whole call (docs/reliability.md, "User code").
+"""A call of user code in a thread, with a deadline on the whole call (docs/reliability.md, "User code").
 
 ``call_in_thread`` (from synchronous code) and ``call_async`` (awaited on masrl's event loop, which it
-never blocks) run ``fn(*args)`` in a new daemon thread. An ``async def`` runs on an event loop of its own in a
-thread of its own (``call_async``: one loop per piece of code, shared by its concurrent calls, so a client it
-keeps per loop is made once; ``call_in_thread``: one loop per call), so a coroutine that blocks
+never blocks) run ``fn(*args)`` in a worker thread of the code (``what``): a daemon thread that runs one call at a
+time and, once its call has returned, waits for the code's next call (a thread is started only when every worker of
+the code is busy, so calls made one after another, such as a reward's, run in the same thread and cost no thread
+start, and concurrent calls, such as the tools of many episodes, each get one). An ``async def`` runs on an event
+loop of its own in a thread of its own (``call_async``: one loop per piece of code, shared by its concurrent calls,
+so a client it keeps per loop is made once; ``call_in_thread``: one loop per call), so a coroutine that blocks
 (``time.sleep``, a synchronous client inside it) cannot freeze masrl's loop and its deadline fires; a shared loop
 whose call ran past its deadline is retired (it stops once its calls have ended) and the next call gets a new
 one. Anything the code raises, ``SystemExit`` and ``KeyboardInterrupt`` included, comes back as an
 ``Exception`` (``UserCodeExit`` for the two that are not one): it never ends the run.
 
-Python cannot stop a thread: a call past its deadline raises ``UserCodeTimeout`` and its thread is left to
-finish in the background (its result dropped; an ``async def`` is cancelled on its own loop, which ends it at its
-next ``await``). ``abandoned`` counts those still running per kind; once ``max_abandoned`` of one kind are,
-further calls of that kind are refused at once (``UserCodeTimeout``) instead of piling up threads.
+Python cannot stop a thread: a call past its deadline raises ``UserCodeTimeout`` and its worker is abandoned
+(it ends once the call returns, its result dropped; an ``async def`` is cancelled on its own loop, which ends it
+at its next ``await``). ``abandoned`` counts those still running per kind; once ``max_abandoned`` of one kind
+are (``MAX_ABANDONED`` unless the caller gives its own bound), further calls of that kind are refused at once
+(``UserCodeRefused``, a ``UserCodeTimeout``) instead of piling up threads.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import inspect
+import queue
 import threading
 from typing import Any, Callable
 
+MAX_ABANDONED = 64  # calls of one kind still running past their deadline; beyond this, calls are refused
+MAX_IDLE = 64  # idle workers kept per piece of code (more retire once their call returns)
 _LOCK = threading.Lock()
 _ABANDONED: dict[str, list[threading.Thread]] = {}
 
 
 class UserCodeTimeout(Exception):
     """A call of user code ran past its deadline (or was refused: too many of its kind still run past theirs)."""
+
+
+class UserCodeRefused(UserCodeTimeout):
+    """A call not made: too many calls of its kind still run past their deadline (``max_abandoned``)."""
 
 
 class UserCodeExit(RuntimeError):
@@ -63,20 +74,76 @@ def abandon(kind: str, thread: threading.Thread) -> None:
 
 def _check_room(kind: str, max_abandoned: int | None) -> None:
     if max_abandoned is not None and (running := abandoned(kind)) >= max_abandoned:
-        raise UserCodeTimeout(f"not called: {running} earlier {kind} calls are still running past their deadline")
+        raise UserCodeRefused(f"not called: {running} earlier {kind} calls are still running past their deadline")
+
+
+class _Worker:
+    """A daemon thread of one piece of code: runs its calls one at a time, and between them waits for the next."""
+
+    def __init__(self, key: tuple[str, str]):
+        self.key = key
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"masrl-usercode {key[1]}"[:60], daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (call := self.jobs.get()) is not None:
+            call.run()
+            if not _returned(self, call):
+                return  # abandoned past its deadline, or too many idle: this worker ends
+
+
+_IDLE: dict[tuple[str, str], list[_Worker]] = {}
+
+
+def _returned(worker: _Worker, call: "_Call") -> bool:
+    """The worker's call has ended: back among the code's idle workers, unless the call was abandoned (its
+    worker ends now) or enough are idle already."""
+    with _LOCK:
+        call.finished = True
+        idle = _IDLE.setdefault(worker.key, [])
+        if call.abandoned or len(idle) >= MAX_IDLE:
+            return False
+        idle.append(worker)
+        return True
+
+
+def _start(call: "_Call", kind: str) -> None:
+    """``call`` on an idle worker of its code, or on a new one."""
+    key = (kind, call.what)
+    with _LOCK:
+        idle = _IDLE.get(key)
+        worker = idle.pop() if idle else None
+    if worker is None:
+        worker = _Worker(key)
+    call.thread = worker.thread
+    worker.jobs.put(call)
+
+
+def _give_up(call: "_Call", kind: str) -> bool:
+    """Past the deadline: abandon ``call`` (counted, its worker ends once it returns; an ``async def`` is cancelled
+    on its own loop); False when it finished meanwhile (its worker is idle again, nothing to abandon)."""
+    with _LOCK:
+        if call.finished:
+            return False
+        call.abandoned = True
+        _ABANDONED.setdefault(kind, []).append(call.thread)
+    call.cancel()
+    return True
 
 
 class _Call:
-    """One call's thread: runs ``fn(*args)`` (an ``async def`` on a loop of its own) and hands the outcome to
+    """One call: runs ``fn(*args)`` (an ``async def`` on a loop of its own) in a worker and hands the outcome to
     ``settle(value, error)``."""
 
     def __init__(self, fn: Callable, args: tuple, what: str, settle: Callable[[Any, BaseException | None], None]):
         self.fn, self.args, self.what, self.settle = fn, args, what, settle
         self.loop: asyncio.AbstractEventLoop | None = None
         self.task: asyncio.Task | None = None
-        self.thread = threading.Thread(target=self._run, name=f"masrl-usercode {what}"[:60], daemon=True)
+        self.thread: threading.Thread | None = None
+        self.finished = self.abandoned = False
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             value = self.fn(*self.args)
             if inspect.isawaitable(value):
@@ -84,6 +151,7 @@ class _Call:
             outcome: tuple[Any, BaseException | None] = (value, None)
         except BaseException as e:  # noqa: BLE001 - SystemExit, KeyboardInterrupt in user code: a failed call
             outcome = (None, contained(e, self.what))
+        self.fn = self.args = None  # the worker keeps no reference to the call's objects
         self.settle(*outcome)
 
     def _await(self, awaitable) -> Any:
@@ -96,6 +164,7 @@ class _Call:
                 loop.run_until_complete(loop.shutdown_asyncgens())
             finally:
                 loop.close()
+                self.loop = self.task = None
 
     def cancel(self) -> None:
         """Past the deadline: cancel an ``async def`` on its own loop (it ends at its next ``await``)."""
@@ -116,10 +185,10 @@ def _timeout(what: str, timeout_s: float) -> UserCodeTimeout:
 
 
 def call_in_thread(fn: Callable, args: tuple, timeout_s: float, *, kind: str, what: str,
-                   max_abandoned: int | None = None) -> Any:
-    """``fn(*args)`` in a thread of its own; its value, or what it raised (contained, see ``contained``);
-    ``UserCodeTimeout`` after ``timeout_s`` seconds (the thread is abandoned). ``kind`` counts abandoned
-    threads (``abandoned``), ``what`` names the code in messages."""
+                   max_abandoned: int | None = MAX_ABANDONED) -> Any:
+    """``fn(*args)`` in a worker thread of ``what``; its value, or what it raised (contained, see ``contained``);
+    ``UserCodeTimeout`` after ``timeout_s`` seconds (the call is abandoned). ``kind`` counts abandoned calls
+    (``abandoned``), ``what`` names the code in messages and owns the workers."""
     _check_room(kind, max_abandoned)
     done, box = threading.Event(), {}
 
@@ -128,11 +197,10 @@ def call_in_thread(fn: Callable, args: tuple, timeout_s: float, *, kind: str, wh
         done.set()
 
     call = _Call(fn, args, what, settle)
-    call.thread.start()
-    if not done.wait(timeout_s):
-        call.cancel()
-        abandon(kind, call.thread)
+    _start(call, kind)
+    if not done.wait(timeout_s) and _give_up(call, kind):
         raise _timeout(what, timeout_s)
+    done.wait()  # (set: it finished just as the deadline passed)
     if box["error"] is not None:
         raise box["error"]
     return box["value"]
@@ -208,7 +276,7 @@ async def _call_on_loop(fn: Callable, args: tuple, timeout_s: float | None, kind
 
 
 async def call_async(fn: Callable, args: tuple, timeout_s: float | None, *, kind: str, what: str,
-                     max_abandoned: int | None = None) -> Any:
+                     max_abandoned: int | None = MAX_ABANDONED) -> Any:
     """``call_in_thread`` awaited on the running loop, which keeps running meanwhile (every episode of a
     rollout runs at once: no shared pool leaves calls queued). ``timeout_s`` None: no deadline here (for
     masrl's own code that keeps the user code's deadline itself)."""
@@ -229,14 +297,12 @@ async def call_async(fn: Callable, args: tuple, timeout_s: float | None, *, kind
             pass
 
     call = _Call(fn, args, what, settle)
-    call.thread.start()
+    _start(call, kind)
     try:
         return await asyncio.wait_for(future, timeout_s)
     except asyncio.TimeoutError:
-        call.cancel()
-        abandon(kind, call.thread)
+        _give_up(call, kind)
         raise _timeout(what, timeout_s) from None
     except asyncio.CancelledError:  # the caller gave the call up (its episode was cancelled)
-        call.cancel()
-        abandon(kind, call.thread)
+        _give_up(call, kind)
         raise

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import traceback
 import warnings
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from masrl.usercode.calls import abandon, abandoned, contained
+from masrl.usercode.calls import UserCodeRefused, UserCodeTimeout, abandoned, call_in_thread
 from masrl.usercode.ledger import UserCodeError, check_share, failure_line, usercode_metrics
 from masrl.usercode.numbers import finite
 
@@ -69,43 +68,6 @@ class RewardWarning(UserWarning):
 
 # ----------------------------------------------------------------------------- the deadline
 
-class _Job:
-    def __init__(self, fn: Callable, args: tuple):
-        self.fn, self.args = fn, args
-        self.done = threading.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.value = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - SystemExit in the user's function is a failed call too
-            self.error = e
-        finally:
-            self.done.set()
-
-
-class _Worker:
-    """One daemon thread running one reward's calls in order; retired when a call overruns."""
-
-    def __init__(self, name: str):
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name=f"masrl-reward {name}", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            job.run()
-
-    def retire(self) -> None:
-        """Exit once the running call returns (if it ever does)."""
-        self.jobs.put(None)
-
-
-_LOCK = threading.Lock()
-_WORKERS: dict[str, _Worker] = {}
-
-
 def abandoned_calls() -> int:
     """User reward calls (threads) still running past their deadline, in this process (the service's count of
     kind ``reward``)."""
@@ -113,27 +75,16 @@ def abandoned_calls() -> int:
 
 
 def call_with_deadline(name: str, fn: Callable, args: tuple, timeout_s: float) -> Any:
-    """``fn(*args)`` in reward ``name``'s worker thread; ``RewardTimeout`` after ``timeout_s`` seconds
-    (the call's thread is abandoned), or at once when ``MAX_ABANDONED`` calls are still running."""
-    running = abandoned_calls()
-    if running >= MAX_ABANDONED:
-        raise RewardTimeout(f"not called: {running} earlier reward calls are still running past their deadline")
-    with _LOCK:
-        worker = _WORKERS.get(name)
-        if worker is None or not worker.thread.is_alive():
-            worker = _WORKERS[name] = _Worker(name)
-    job = _Job(fn, args)
-    worker.jobs.put(job)
-    if not job.done.wait(timeout_s):
-        with _LOCK:
-            worker.retire()
-            abandon("reward", worker.thread)
-            _WORKERS.pop(name, None)
+    """``fn(*args)`` in reward ``name``'s worker thread (``masrl.usercode.calls.call_in_thread``: the same thread
+    for its calls one after another); ``RewardTimeout`` after ``timeout_s`` seconds (the call's thread is
+    abandoned), or at once when ``MAX_ABANDONED`` calls are still running."""
+    try:
+        return call_in_thread(fn, args, timeout_s, kind="reward", what=f"reward {name}", max_abandoned=MAX_ABANDONED)
+    except UserCodeRefused as e:
+        raise RewardTimeout(str(e)) from None
+    except UserCodeTimeout:
         raise RewardTimeout(f"reward {name} ran past its deadline of {timeout_s:g} s (task.reward_timeout_s); "
-                            "its call was abandoned")
-    if job.error is not None:
-        raise contained(job.error, f"reward {name}")
-    return job.value
+                            "its call was abandoned") from None
 
 
 # ----------------------------------------------------------------------------- values

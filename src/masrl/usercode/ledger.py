@@ -1,8 +1,8 @@
 """One metric scheme and one loud-stop rule for every kind of user code.
 
-Each kind (``reward``, ``tool``, ``judge``, ``reward_model``, ``program``) counts its calls, errors and timeouts
-per step; ``usercode_metrics`` names them ``usercode/<kind>/calls|errors|timeouts`` (beside the older names
-of each kind, kept as aliases: ``reward/*``, ``tool/*``, ``judge/*``, ``rollout/episode_errors``).
+Each kind (``reward``, ``tool``, ``judge``, ``reward_model``, ``program``, ``environment``) counts its calls, errors
+and timeouts per step; ``usercode_metrics`` names them ``usercode/<kind>/calls|errors|timeouts`` (beside the older
+names of each kind, kept as aliases: ``reward/*``, ``tool/*``, ``judge/*``, ``rollout/episode_errors``).
 ``check_share`` is the rule: a step whose failed calls of one code reach ``max_share`` of its calls stops the
 run (``UserCodeError``, exit 2) with one line naming the code, the counts and the first error.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from masrl.errors import UserInputError
 
-KINDS = ("reward", "tool", "judge", "reward_model", "program")
+KINDS = ("reward", "tool", "judge", "reward_model", "program", "environment")
 
 
 class UserCodeError(UserInputError):

@@ -180,6 +180,7 @@ class Team:
         self.turns: list[Turn] = []
         self.format_penalty = format_penalty
         self.tool_calls = 0  # tool calls made in this episode (team.chat's cap counts them)
+        self.task_supplies: tuple[str, ...] | None = None  # the start check: params the task supplies (None: unsaid)
         self.tool_counts = ToolCounts()  # their outcomes (Episode.tool_counts, tool/* metrics)
         self.tool_timeout_s = tool_timeout_s  # team.chat's default deadline per tool call (tools.timeout_s)
 
@@ -262,14 +263,29 @@ def _valid_values(value: Any) -> Any:
     return value
 
 
-def check_workflow_params(spec: WorkflowSpec, params: Mapping[str, Any], prompts: Mapping[str, str] | None = None) -> None:
+class TaskSupplied:
+    """The start check's stand-in for a workflow param the task supplies at run time (a retriever, an
+    environment's episode): set, but not there yet."""
+
+    def __repr__(self) -> str:
+        return "<supplied by the task>"
+
+
+TASK_SUPPLIED = TaskSupplied()
+
+
+def check_workflow_params(spec: WorkflowSpec, params: Mapping[str, Any], prompts: Mapping[str, str] | None = None,
+                          supplied: tuple[str, ...] | None = ()) -> None:
     """The workflow's own check of its params (``spec.check``), run at start on a team that has no task to run:
-    its agents cannot be called and it scores nothing."""
+    its agents cannot be called and it scores nothing. ``supplied``: the params the task hands the workflow at run
+    time (``TASK_SUPPLIED`` stands in for each; ``team.task_supplies``), None when the task does not say."""
     if spec.check is None:
         return
 
     async def no_call(agent: str, prompt: Any) -> Turn:
         raise RuntimeError(f"workflow {spec.name!r}: its params check called agent {agent!r}")
 
-    spec.check(Team(Task(id="start-check", question="", answer=""), spec, no_call, lambda task, answer: {"reward": 0.0},
-                    prompts=prompts, params=params))
+    team = Team(Task(id="start-check", question="", answer=""), spec, no_call, lambda task, answer: {"reward": 0.0},
+                prompts=prompts, params={**params, **{key: TASK_SUPPLIED for key in supplied or ()}})
+    team.task_supplies = supplied
+    spec.check(team)

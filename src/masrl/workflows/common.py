@@ -128,7 +128,7 @@ def require_answer(team: Team, turn: Turn) -> str | None:
     fmt = choice_param(team, "answer_format", ("boxed", "code"))
     if fmt == "boxed":
         return require_box(turn)
-    from masrl.tasks.code.extract import extract_code
+    from masrl.codecheck.extract import extract_code
 
     has_block = isinstance(turn.text, str) and "```" in turn.text
     turn.valid = has_block

@@ -5,17 +5,20 @@
       params: {timeout_s: 300}     # agent: the config's agent that plays (default: the only one)
 
 The task source (``masrl.tasks.environments``) hands this workflow the function that plays one episode
-against an OpenAI-compatible endpoint. The episode runs as a ``workflow: external`` program does
-(``masrl.workflows.external.external``: a gateway session of its own, the program's deadline, its failure
-failing only its episode, its calls recorded as turns of the agent their ``model`` names); the environment's
-reward is the episode's reward, and its named scores (a verifiers rubric's functions, a tool environment's
-``metrics``) are kept in ``episode.info["env_metrics"]``, logged per step as ``env/<name>``.
+against an OpenAI-compatible endpoint. The environment's code is user code (docs/reliability.md, "User code"):
+the whole episode (reset, rollout, rubric, tool methods, MCP calls) is one call through ``masrl.usercode`` with
+``workflow.params.timeout_s`` as its deadline, on an event loop of its own in a thread of its own (an environment
+that blocks cannot freeze the rollout), whatever it raises (``SystemExit`` included) failing its episode only,
+counted in ``usercode/environment/calls|errors|timeouts``; a rollout whose failed episodes reach
+``workflow.params.max_error_share`` (1.0: every one) stops the run with one line. It runs as a ``workflow:
+external`` program does (``masrl.workflows.external.on_gateway``: a gateway session of its own, its calls recorded
+as turns of the agent their ``model`` names); the environment's reward is the episode's reward, and its named
+scores (a verifiers rubric's functions, a tool environment's ``metrics``) are kept in
+``episode.info["env_metrics"]``, logged per step as ``env/<name>``.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-from contextvars import ContextVar
 from typing import Any
 
 from masrl.errors import ConfigError
@@ -23,28 +26,28 @@ from masrl.tasks.environments import agent_param
 from masrl.tasks.environments.tool_env import ToolGame
 from masrl.types import Episode, Task
 from masrl.usercode.calls import call_async
-from masrl.workflows.base import Team, get_workflow, register_workflow
+from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.common import check_params
+from masrl.workflows.external import (ExternalAgentError, call_program, check_limits, on_gateway,
+                                      program_episode)
 
-ENTRY = "masrl.workflows.environment:play"
-_EPISODE: ContextVar[tuple] = ContextVar("masrl_environment_episode")
 
-
-async def play(payload: dict, client_kwargs: dict) -> dict:
-    """The ``entry`` the external runner calls: the current episode's environment function, whose extra results
-    (``metrics``, ``info``) are kept for the workflow."""
-    run, task, agent, kept = _EPISODE.get()
-    result = await run(task, client_kwargs, agent)
-    kept.update(result)
-    return {k: result[k] for k in ("reward", "answer", "invalid_calls") if k in result}  # what external takes
+def _check(team: Team) -> None:
+    check_params(team)
+    check_limits(team.params, "environment")
+    if team.task_supplies is not None and team.params.get("env_episode") is None:  # at start: the task says
+        raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
+                          "verifiers or tool_env")
 
 
 @register_workflow("environment", agents=(), prompts={},
-                   params={"timeout_s": 300.0, "host": "127.0.0.1", "port": 0, "agent": None, "env_episode": None})
+                   params={"timeout_s": 300.0, "host": "127.0.0.1", "port": 0, "agent": None, "env_episode": None,
+                           "max_error_share": 1.0},
+                   check=_check)  # the same check at start (masrl train, masrl config show)
 async def environment(task: Task, team: Team) -> Episode:
     """Environment: an episode of a verifiers or tool environment task, played through masrl's gateway (agents:
     the config's)."""
-    check_params(team)
+    _check(team)
     run = team.params.get("env_episode")
     if isinstance(run, ToolGame):
         run = ToolPlayer(run, team.tool_timeout_s)
@@ -52,22 +55,28 @@ async def environment(task: Task, team: Team) -> Episode:
         raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
                           "verifiers or tool_env")
     agent = agent_param(team.params, team.agents)
-    external = get_workflow("external")
-    kept: dict[str, Any] = {}
-    own_spec, own_params = team.spec, team.params
-    team.spec = dataclasses.replace(external, agents=own_spec.agents)
-    team.params = {**external.params, **{k: own_params[k] for k in ("timeout_s", "host", "port")}, "entry": ENTRY}
-    token = _EPISODE.set((run, task, agent, kept))
-    try:
-        episode = await external.fn(task, team)
-    finally:
-        _EPISODE.reset(token)
-        team.spec, team.params = own_spec, own_params
-    episode.info.update(kept.get("info") or {})
-    episode.info["env_metrics"] = dict(kept.get("metrics") or {})
-    if "correct" in kept:
-        episode.info["correct"] = bool(kept["correct"])
-    return episode
+    timeout = float(team.params["timeout_s"])
+    where = f"environment {task.meta.get('data_source') or type(run).__name__}"
+
+    async def play(client_kwargs: dict) -> dict:  # the environment's whole episode, on a loop of its own
+        kept = await run(task, client_kwargs, agent)
+        if not isinstance(kept, dict):
+            raise ExternalAgentError(f"{where} returned {type(kept).__name__}, not a dict of the episode's results")
+        return kept
+
+    def call(session: Any):
+        return call_program(play, (dict(session.client_kwargs),), timeout, "environment", where)
+
+    def finish(kept: dict, session: Any) -> Episode:
+        taken = {k: kept[k] for k in ("reward", "answer", "invalid_calls") if k in kept}
+        episode = program_episode(team, taken, where, session.responses)
+        episode.info.update(kept.get("info") or {})
+        episode.info["env_metrics"] = dict(kept.get("metrics") or {})
+        if "correct" in kept:
+            episode.info["correct"] = bool(kept["correct"])
+        return episode
+
+    return await on_gateway(team, call, where, "environment", finish)
 
 
 class ToolPlayer:
@@ -121,8 +130,9 @@ class ToolPlayer:
         return answer
 
     async def _env(self, fn, *args):
-        """The environment's own code off the rollout's loop, through the user-code service (a thread of its own;
-        what it raises, SystemExit included, fails the episode); no deadline of its own yet."""
+        """The environment's own code off the episode's loop, through the user-code service (a thread of its own;
+        what it raises, SystemExit included, fails the episode); bounded by the episode's deadline (past it, this
+        call is cancelled with the episode and its thread abandoned)."""
         what = f"environment {getattr(fn, '__qualname__', fn)}"
         return await call_async(fn, args, None, kind="environment", what=what)
 

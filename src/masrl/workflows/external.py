@@ -9,10 +9,11 @@
       Writer: {policy: team}
 
 Each episode opens a session on masrl's OpenAI-compatible gateway (``masrl.gateway``) and runs the program
-with it: ``entry`` is called with ``{"id", "question"}`` and ``client_kwargs`` (``{"base_url", "api_key"}``:
-``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as one JSON line on stdin and
-``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment, and prints its result as
-JSON on its last line of output. Every call the program makes is a turn of the agent its ``model`` names.
+with it: ``entry`` is called with ``{"id", "question", "meta"}`` (``task_payload``) and ``client_kwargs``
+(``{"base_url", "api_key"}``: ``openai.OpenAI(**client_kwargs)``), async or not; ``command`` gets the same task as
+one JSON line on stdin and ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` (and ``MASRL_EPISODE_KEY``) in its environment,
+and prints its result as JSON on its last line of output. Every call the program makes is a turn of the agent its
+``model`` names.
 
 The result: a string (or ``{"answer": ...}``) is the episode's answer, scored by the task's reward; a number (or
 ``{"reward": r, "answer": ...}``) is the episode's reward as the program computed it (finite). A dict result may
@@ -21,7 +22,9 @@ name the completions whose replies were malformed, ``"invalid_calls": [response.
 raises (``SystemExit`` included), exits non-zero, runs past ``timeout_s`` (the subprocess and its children are
 killed; a hung ``entry`` thread is left behind, its session closed so that its calls are refused), makes no model
 call or returns anything else fails the episode with ``ExternalAgentError`` naming the reason; the rollout
-isolates the episode and counts it. Both run through ``masrl.usercode`` (docs/reliability.md, "User code").
+isolates the episode and counts it (``usercode/program/*``); a rollout whose failed episodes reach
+``workflow.params.max_error_share`` of its episodes (1.0: every one) stops the run with one line. Both run through
+``masrl.usercode`` (docs/reliability.md, "User code").
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import math
 import os
 import shlex
 import threading
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from masrl.errors import ConfigError
 from masrl.types import Episode, Task
@@ -45,9 +48,11 @@ _LOCK = threading.Lock()
 
 
 class ExternalAgentError(RuntimeError):
-    """The episode's program failed (what and why); the episode is invalid, the step goes on."""
+    """The episode's program failed (what and why); the episode is invalid, the step goes on. ``program_kind``
+    (``program``, ``environment``) and ``program_name`` say whose code it was."""
 
-    program_outcome = "error"  # counted in usercode/program/errors
+    program_outcome = "error"  # counted in usercode/<kind>/errors
+    program_kind, program_name = "program", None
 
 
 class ProgramTimeout(ExternalAgentError):
@@ -74,6 +79,20 @@ def gateway(host: str, port: int, timeout_s: float):
         return _GATEWAY[key]
 
 
+def check_limits(p: dict, kind: str = "program") -> None:
+    """``timeout_s``, ``port`` and ``max_error_share`` of a program's (or an environment's) episode."""
+    timeout = p.get("timeout_s")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        raise ConfigError(f"workflow.params.timeout_s must be a number of seconds in (0, 86400], got {timeout!r}")
+    port = p.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"workflow.params.port must be an integer in 0..65535 (0: any free port), got {port!r}")
+    share = p.get("max_error_share", 1.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"workflow.params.max_error_share must be a number in (0, 1] (the share of a rollout's "
+                          f"{kind} calls whose failure stops the run; 1: when every call fails), got {share!r}")
+
+
 def _params(team: Team) -> dict:
     check_params(team)
     p = team.params
@@ -81,34 +100,38 @@ def _params(team: Team) -> dict:
     if (entry is None) == (command is None):
         raise ConfigError("workflow external: set exactly one of workflow.params.entry ('pkg.module:function' or "
                           "'file.py:function') and workflow.params.command ('python my_agent.py')")
-    timeout = p.get("timeout_s")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
-        raise ConfigError(f"workflow.params.timeout_s must be a number of seconds in (0, 86400], got {timeout!r}")
-    port = p.get("port")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"workflow.params.port must be an integer in 0..65535 (0: any free port), got {port!r}")
+    check_limits(p)
     return p
 
 
-def _task_payload(task: Task) -> dict:
-    return {"id": task.id, "question": task.question}
+def task_payload(task: Task) -> dict:
+    """What a program is given of its task: ``id``, ``question`` and ``meta`` (the task's row: its source's other
+    fields, such as a verifiers row or a tool environment's reset arguments; the gold ``answer`` is not given)."""
+    return {"id": task.id, "question": task.question, "meta": dict(task.meta)}
+
+
+async def call_program(fn: Any, args: tuple, timeout: float, kind: str, what: str) -> Any:
+    """``fn(*args)`` through the user-code service: in a thread of its own (an ``async def`` on an event loop of its
+    own, in its own thread, shared by the episodes), with a deadline on the whole call; whatever it raises,
+    ``SystemExit`` included, fails this episode only (``ExternalAgentError``, ``ProgramTimeout``)."""
+    try:
+        return await call_async(fn, args, timeout, kind=kind, what=what)
+    except UserCodeTimeout:
+        raise ProgramTimeout(f"{what} did not return within {timeout:g} s") from None
+    except ConfigError:
+        raise
+    except ExternalAgentError:
+        raise
+    except Exception as e:  # the program's own error: this episode fails, with its reason
+        raise ExternalAgentError(f"{what} raised {type(e).__name__}: {str(e)[:500]}") from e
 
 
 async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:
-    """The ``entry`` function through the user-code service: in a thread of its own (an ``async def`` on an event
-    loop of its own, in its own thread, shared by the episodes), with a deadline on the whole call; whatever it
-    raises, ``SystemExit`` included, fails this episode only."""
+    """The ``entry`` function (``call_program``), called with ``task_payload(task)`` and ``client_kwargs``."""
     fn = import_object(spec, "workflow.params.entry")
     if not callable(fn):
         raise ConfigError(f"workflow.params.entry {spec!r} is not callable")
-    try:
-        return await call_async(fn, (_task_payload(task), dict(client_kwargs)), timeout, kind="program", what=spec)
-    except UserCodeTimeout:
-        raise ProgramTimeout(f"{spec} did not return within {timeout:g} s") from None
-    except ConfigError:
-        raise
-    except Exception as e:  # the program's own error: this episode fails, with its reason
-        raise ExternalAgentError(f"{spec} raised {type(e).__name__}: {str(e)[:500]}") from e
+    return await call_program(fn, (task_payload(task), dict(client_kwargs)), timeout, "program", spec)
 
 
 async def _run_command(command: str, task: Task, session: Any, timeout: float, env: dict) -> Any:
@@ -121,7 +144,7 @@ async def _run_command(command: str, task: Task, session: Any, timeout: float, e
     child_env = {**os.environ, **{str(k): str(v) for k, v in env.items()}, "OPENAI_BASE_URL": session.base_url,
                  "OPENAI_API_KEY": session.key, "MASRL_EPISODE_KEY": session.key}
     try:
-        run = await run_command(argv, json.dumps(_task_payload(task)).encode() + b"\n", child_env, timeout,
+        run = await run_command(argv, json.dumps(task_payload(task), default=str).encode() + b"\n", child_env, timeout,
                                 max_output=MAX_OUTPUT)
     except OSError as e:
         raise ConfigError(f"workflow.params.command {command!r} cannot start ({e})") from None
@@ -159,7 +182,7 @@ def _mark_invalid(result: Any, responses: dict, where: str) -> None:
             turn.valid = False
 
 
-def _finish(team: Team, result: Any, where: str, responses: dict | None = None) -> Episode:
+def program_episode(team: Team, result: Any, where: str, responses: dict | None = None) -> Episode:
     """The program's result as the episode: an answer scored by the task, or its own reward (``responses``:
     the session's response id -> turns, for ``invalid_calls``)."""
     _mark_invalid(result, responses or {}, where)
@@ -180,27 +203,48 @@ def _finish(team: Team, result: Any, where: str, responses: dict | None = None) 
                    info={"reward_from": "program", "external_calls": len(team.turns)})
 
 
+async def on_gateway(team: Team, run: Callable[[Any], Awaitable[Any]], where: str, kind: str,
+                     finish: Callable[[Any, Any], Episode]) -> Episode:
+    """``finish(await run(session), session)`` with a session of its own on the process's gateway, closed at the
+    end however the call ends; a failure names ``kind`` (``program``, ``environment``: counted in
+    ``usercode/<kind>/*``) and ``where``."""
+    p = team.params
+    gw = gateway(p["host"], p["port"], float(p["timeout_s"]))
+    session = gw.open(team)
+    try:
+        result = await run(session)
+        if not team.turns:
+            raise NoModelCallError(f"{where} made no model call (no request reached masrl's gateway): the episode "
+                                   "has nothing to train; the program must send its chat completions to the "
+                                   "base_url it is given, with an agent's name as `model`")
+        episode = finish(result, session)
+    except ExternalAgentError as e:
+        e.program_kind, e.program_name = kind, where
+        raise
+    finally:
+        gw.close(session)
+    episode.info.update(program="ok", program_kind=kind, program_name=where)
+    return episode
+
+
 @register_workflow("external", agents=(), prompts={},
                    params={"entry": None, "command": None, "timeout_s": 300.0, "host": "127.0.0.1", "port": 0,
-                           "env": {}},
+                           "env": {}, "max_error_share": 1.0},
                    check=_params)  # the same check at start (masrl train, masrl config show), before any model
 async def external(task: Task, team: Team) -> Episode:
     """External program: an OpenAI-API agent program per episode, served by masrl's gateway (agents: the
     config's; see the module docstring)."""
     p = _params(team)
-    gw = gateway(p["host"], p["port"], float(p["timeout_s"]))
-    session = gw.open(team)
-    try:
-        if p["entry"] is not None:
-            result = await _run_entry(p["entry"], task, session.client_kwargs, float(p["timeout_s"]))
-            where = p["entry"]
-        else:
-            result = await _run_command(p["command"], task, session, float(p["timeout_s"]), p.get("env") or {})
-            where = f"command {p['command']!r}"
-    finally:
-        gw.close(session)
-    if not team.turns:
-        raise NoModelCallError(f"{where} made no model call (no request reached masrl's gateway): the episode has "
-                               "nothing to train; the program must send its chat completions to the base_url it is "
-                               "given, with an agent's name as `model`")
-    return _finish(team, result, where, session.responses)
+    timeout = float(p["timeout_s"])
+    if p["entry"] is not None:
+        where = p["entry"]
+
+        def run(session):
+            return _run_entry(where, task, session.client_kwargs, timeout)
+    else:
+        where = f"command {p['command']!r}"
+
+        def run(session):
+            return _run_command(p["command"], task, session, timeout, p.get("env") or {})
+    return await on_gateway(team, run, where, "program",
+                            lambda result, session: program_episode(team, result, where, session.responses))

@@ -118,8 +118,9 @@ async def run_search(retriever, query: str, topk: int) -> list[Passage]:
 
 
 def _check_params(p: dict, need_retriever: bool = True) -> None:
-    """The workflow's params; at start (``need_retriever=False``) a missing retriever is not refused: the task
-    may supply it (``synthetic_kb``, the search QA tasks), and each episode checks it again."""
+    """The workflow's params. At start a retriever the task supplies (``synthetic_kb``, the search QA tasks:
+    ``register_task(..., supplies=("retriever",))``) stands in as set; ``need_retriever=False`` when the task does
+    not say what it supplies (an entry-point task without ``supplies``: each episode checks it again)."""
     for key in ("untagged_verdict", "untagged_last_turn"):
         if p[key] not in VERDICTS:
             raise ConfigError(f"search_verifier_router: {key} must be 'yes' or 'no', got {p[key]!r}")
@@ -134,7 +135,8 @@ def _check_params(p: dict, need_retriever: bool = True) -> None:
 
 
 @register_workflow("search_verifier_router", agents=("Verifier", "Search", "Answer"), prompts=SEARCH_PROMPTS,
-                   params=SEARCH_PARAMS, check=lambda team: _check_params({**SEARCH_PARAMS, **team.params}, need_retriever=False))
+                   params=SEARCH_PARAMS, check=lambda team: _check_params({**SEARCH_PARAMS, **team.params},
+                                                                          team.task_supplies is not None))
 async def search_verifier_router(task: Task, team: Team) -> Episode:
     """Dr. MAS search: Verifier routes to Search (<search>) or Answer (<answer>), up to max_turns."""
     p = {**SEARCH_PARAMS, **team.params}

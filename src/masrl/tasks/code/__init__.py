@@ -1,14 +1,14 @@
-"""Code tasks: MBPP / HumanEval loaders, code extraction and the code reward (programs run in
-``masrl.sandbox``).
+"""Code tasks: MBPP / HumanEval loaders and the code reward (``masrl.codecheck``: programs run in
+``masrl.sandbox``, checked against the hidden tests outside it).
 
 See docs/sandbox.md for the threat model and how pass/fail is decided outside the sandbox.
 """
 import warnings
 
+from masrl.codecheck.extract import extract_code
+from masrl.codecheck.scoring import make_code_score, score_code, score_many
 from masrl.io.rows import MalformedRowWarning
 from masrl.tasks.code.data import load_humaneval, load_mbpp
-from masrl.tasks.code.extract import extract_code
-from masrl.tasks.code.scoring import make_code_score, score_code, score_many
 
 __all__ = ["MalformedRowWarning", "load_humaneval", "load_mbpp", "extract_code", "make_code_score", "score_code",
            "score_many"]

@@ -11,7 +11,7 @@ HumanEval  code/HumanEval.jsonl(.gz)        test (all 164 problems)
 ``Task.question`` is what the model sees: the MBPP problem text plus the signature of the
 function to write (and, with ``show_tests=True``, the three asserts as in the original MBPP
 prompt), or the HumanEval prompt (signature + docstring to complete). ``Task.answer`` holds the
-hidden tests, as a dict read by ``masrl.tasks.code.scoring.score_code``::
+hidden tests, as a dict read by ``masrl.codecheck.scoring.score_code``::
 
     {"kind": "mbpp", "tests": [assert, ...], "setup": str, "entry_point": str,
      "remote_names": [...], "challenge_tests": [...]}
@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 
 from masrl.catalog import DataNotFoundError, get_hint
+from masrl.codecheck.scoring import free_names
 from masrl.paths import data_file
 from masrl.io.rows import MalformedRowWarning  # noqa: F401 - re-exported (the one warning class)
 from masrl.io.rows import BadRow, RowPos, read_rows
@@ -85,30 +86,6 @@ def _top_level_names(tree: ast.Module, imports: bool = True) -> set[str]:
             for a in node.names:
                 names.add((a.asname or a.name).split(".")[0])
     return names
-
-
-def free_names(trees: list[ast.AST]) -> list[str]:
-    """Names read but never bound inside the given test snippets, in first-use order."""
-    bound: set[str] = set()
-    used: list[str] = []
-    for tree in trees:
-        for n in ast.walk(tree):
-            if isinstance(n, ast.Name):
-                if isinstance(n.ctx, ast.Load):
-                    if n.id not in used:
-                        used.append(n.id)
-                else:
-                    bound.add(n.id)
-            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound.add(n.name)
-            elif isinstance(n, ast.arg):
-                bound.add(n.arg)
-            elif isinstance(n, (ast.Import, ast.ImportFrom)):
-                for a in n.names:
-                    bound.add((a.asname or a.name).split(".")[0])
-            elif isinstance(n, ast.ExceptHandler) and n.name:
-                bound.add(n.name)
-    return [u for u in used if u not in bound]
 
 
 def _called_names(trees: list[ast.AST]) -> list[str]:

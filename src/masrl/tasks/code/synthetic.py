@@ -4,7 +4,7 @@ Each task asks for ``def f(xs)`` over a list of small integers, from a template 
 "sum of the even x in xs", "count of x in xs with x>K", "xs with each x times K", ... The hidden tests
 (``assert f([...]) == ...``, ``n_tests`` per task) are computed from the template's reference solution
 on random lists; the reward is the share of them passed, run in masrl's sandbox like MBPP
-(``masrl.tasks.code.scoring``). Held-out tasks are (template, K) pairs that no training task has.
+(``masrl.codecheck.scoring``). Held-out tasks are (template, K) pairs that no training task has.
 
 The teacher writes imperfect demonstrations for the cold-start SFT: the reference solution in a fenced
 block, with probability ``slip_rate`` one with a wrong constant or comparison; verdicts for an
@@ -115,7 +115,7 @@ def code_synth_score(mode: str = "fraction", timeout_s: float = 1.0, cache_entri
     microseconds), ``3 * timeout_s`` for a whole answer, so a looping program costs seconds, not ``n_tests``
     times the MBPP default of 5 s. ``cache_entries``: results kept for identical programs
     (``ScoreCache``; None: its default, 0: none)."""
-    from masrl.tasks.code.scoring import DEFAULT_CACHE_ENTRIES, make_code_score
+    from masrl.codecheck.scoring import DEFAULT_CACHE_ENTRIES, make_code_score
 
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0.05 <= timeout_s <= 60:
         raise ConfigError(f"task.params.timeout_s for code_synth must be a number of seconds in [0.05, 60], "

@@ -13,7 +13,7 @@ import time
 
 from masrl.sandbox import Sandbox
 from masrl.tasks.code.data import load_humaneval, load_mbpp
-from masrl.tasks.code.scoring import score_many
+from masrl.codecheck.scoring import score_many
 
 
 def verify(tasks, sandbox: Sandbox, mode: str = "all", timeout_s: float = 10.0) -> dict:
