@@ -125,7 +125,11 @@ def test_recipe_on_a_tiny_model_trains_exports_and_judges_the_team(tmp_path, mon
                  "sft.batch_size=4", "eval.limit=4", "task.train_limit=16", "agents.Judge.max_new_tokens=2",
                  "--output-dir", "run"]) == 0
     metrics = [json.loads(line) for line in Path("run/metrics.jsonl").read_text().splitlines()]
-    assert any("eval/test/avg@n" in m for m in metrics) and any("sft/judge/loss" in m for m in metrics)
+    assert any("sft/judge/loss" in m for m in metrics)
+    # no RL step: one evaluation (after SFT), which is also the final one (the same weights and seed)
+    assert [m["step"] for m in metrics if m.get("phase") == "eval"] == [0]
+    report = json.loads(Path("run/report.json").read_text())
+    assert report["eval"]["final"] == report["eval"]["sft"] and "avg@n" in report["eval"]["final"]
     assert main(["export", "run", "--out", "judges/kb", "--merge-lora"]) == 0
     folder = Path("judges/kb/judge")
     assert (folder / "config.json").is_file() and not (folder / "adapter_config.json").exists()
