@@ -144,3 +144,17 @@ def test_recipe_on_a_tiny_model_trains_exports_and_judges_the_team(tmp_path, mon
     assert score.backend.endpoint == f"local judge {str(folder)!r}"
     out = score.score_batch([(task, task.answer[0])])[0]
     assert score.stats.calls == 1 and "heldout_correct" in out and out.get("reason") in (None, "judge_unparsed")
+
+
+def test_the_recipe_configs_validate(tmp_path, capsys):
+    """`masrl config show` on the judge's training config, and on the team's with its judge folder missing: one
+    clear line naming the key, exit 2 (the recipe's export comes first)."""
+    from masrl.cli import main
+
+    assert main(["config", "show", str(REPO / "examples" / "judge_train_smollm2.yaml")]) == 0
+    shown = capsys.readouterr().out
+    assert "name: kb_fact_check" in shown and "name: verdict" in shown
+    assert main(["config", "show", str(REPO / "examples" / "judge_kb_team_trained.yaml"),
+                 f"task.params.reward.judge.model={tmp_path / 'no_judge'}"]) == 2
+    err = capsys.readouterr().err
+    assert "task.params.reward.judge.model" in err and "Traceback" not in err
