@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -177,7 +178,7 @@ def main() -> None:
     SPREAD = "sd" if args.sd else "half_width_95"
     runs = load(args.sweep)
     summary = summarize(runs)
-    meta = {"command": args.command, "summary_command": "python " + " ".join(sys.argv), "judge": args.judge,
+    meta = {"command": args.command, "summary_command": "python " + shlex.join(sys.argv), "judge": args.judge,
             "commit": git_sha() or "unknown", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": cpu_model(), "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     args.out.mkdir(parents=True, exist_ok=True)
