@@ -3,7 +3,8 @@ never sees, after SFT and after RL, over seeds; and the two over RL steps.
 
     python benchmarks/study/judge_kb_summary.py runs/study/judge_kb [--out benchmarks/study/judge_kb]
     python benchmarks/study/judge_kb_summary.py runs/study/judge_kb_trained --out benchmarks/study/judge_kb_trained \
-        --judge "the trained SmolLM2 judge" --command "masrl sweep benchmarks/study/judge_kb_trained.yaml --jobs 1 --nice 10"
+        --judge "the trained SmolLM2 judge" \
+        --command "masrl sweep benchmarks/study/judge_kb_trained.yaml --jobs 1 --nice 10"
 
 For every run (``<sweep>/<cell>/seed<k>/``): ``report.json`` gives the held-out evaluations (after SFT = before RL,
 and after RL): ``avg@n`` is the share of sampled answers the judge calls correct, ``heldout_check`` the share exact
