@@ -118,8 +118,8 @@ def test_recipe_on_a_tiny_model_trains_exports_and_judges_the_team(tmp_path, mon
 
     monkeypatch.chdir(tmp_path)
     tiny = ["policies.judge.model=tiny", "policies.judge.tiny.hidden_size=32",
-            "policies.judge.tiny.num_hidden_layers=1", "policies.judge.tiny.num_attention_heads=2", "policies.judge.tiny.num_key_value_heads=2",
-            "policies.judge.tiny.intermediate_size=64"]
+            "policies.judge.tiny.num_hidden_layers=1", "policies.judge.tiny.num_attention_heads=2",
+            "policies.judge.tiny.num_key_value_heads=2", "policies.judge.tiny.intermediate_size=64"]
     quiet = ["logging.tensorboard=false", "logging.plots=false", "logging.progress=false"]
     assert main(["train", str(REPO / "examples" / "judge_train_smollm2.yaml"), *tiny, *quiet, "sft.steps=2",
                  "sft.batch_size=4", "eval.limit=4", "task.train_limit=16", "agents.Judge.max_new_tokens=2",
