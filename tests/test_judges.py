@@ -410,8 +410,11 @@ def test_remote_call_budget_counts_errors_without_stopping_a_partial_step(server
 def test_missing_httpx_names_the_judge_extra(monkeypatch):
     import sys
 
+    from masrl.errors import MissingExtra
+
     monkeypatch.setitem(sys.modules, "httpx", None)
-    with pytest.raises(ImportError, match=r"pip install masrl\[judge\]"):
+    # the one form every missing extra has (masrl.errors.missing_extra): an ImportError too, exit 2 at the CLI
+    with pytest.raises(MissingExtra, match=r"needs httpx: pip install 'masrl\[judge\]'$"):
         judges.build_judge({"remote": {"base_url": "http://127.0.0.1:9/v1", "model": "m2", "api_key_env": None}}, {})
 
 

@@ -2,12 +2,17 @@
 never sees, after SFT and after RL, over seeds; and the two over RL steps.
 
     python benchmarks/study/judge_kb_summary.py runs/study/judge_kb [--out benchmarks/study/judge_kb]
+    python benchmarks/study/judge_kb_summary.py runs/study/judge_kb_trained --out benchmarks/study/judge_kb_trained \
+        --judge "the trained SmolLM2 judge" \
+        --command "masrl sweep benchmarks/study/judge_kb_trained.yaml --jobs 1 --nice 10"
 
 For every run (``<sweep>/<cell>/seed<k>/``): ``report.json`` gives the held-out evaluations (after SFT = before RL,
 and after RL): ``avg@n`` is the share of sampled answers the judge calls correct, ``heldout_check`` the share exact
 match calls correct on the same samples, ``heldout_agreement`` how often the two agree; and the run's judge totals
-(calls, unparsed replies, share of the step time, length correlation). ``metrics.jsonl`` gives the same pair per
-RL step on the training samples (``team/accuracy``: judged correct; ``judge/heldout_check``). Writes
+(calls, unparsed replies, share of the step time, length correlation); the judge's approve rate and its agreement
+on the answers exact match passes and on those it fails; the sweep's record (``<cell>/seed<k>.json``) the run's wall
+time. ``metrics.jsonl`` gives the same pair per RL step on the training samples (``team/accuracy``: judged correct;
+``judge/heldout_check``). Mean ± half-width of the 95% Student-t interval over seeds (± sd with ``--sd``). Writes
 ``summary.json``, ``summary.md`` and ``judge_vs_check.png`` under ``--out``.
 """
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from masrl.monitoring.logger import read_metrics
+from masrl.sweep.stats import mean_ci
 from masrl.versions import git_sha
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,23 +35,29 @@ from _benchutil import cpu_model  # noqa: E402
 
 STAGES = (("sft", "sft"), ("final", "rl"))  # report.json's label, the suffix of a metric
 EVAL_KEYS = (("avg@n", "judge accuracy"), ("heldout_check", "held-out check (exact match)"),
-             ("heldout_agreement", "judge agrees with exact match"))
+             ("heldout_agreement", "judge agrees with exact match"), ("judge_approve_rate", "judge approve rate"),
+             ("heldout_agreement_right", "agreement on answers exact match passes"),
+             ("heldout_agreement_wrong", "agreement on answers exact match fails"))
 
 
 def load(sweep: Path) -> dict[int, dict]:
     runs = {}
     for report in sorted(sweep.glob("*/seed*/report.json")):
         seed = int(report.parent.name.removeprefix("seed"))
+        record = report.parent.with_suffix(".json")  # the sweep's record of the run: its wall time
+        wall = json.loads(record.read_text()).get("wall_s") if record.is_file() else None
         runs[seed] = {"report": json.loads(report.read_text()), "records": read_metrics(report.parent),
-                      "cell": report.parent.parent.name}
+                      "cell": report.parent.parent.name, "wall_s": wall}
     if not runs:
         raise SystemExit(f"{sweep}: no finished run (no */seed*/report.json)")
     return runs
 
 
 def mean_sd(values: list[float]) -> dict:
+    ci = mean_ci(values)
     return {"n": len(values), "mean": statistics.fmean(values),
-            "sd": statistics.stdev(values) if len(values) > 1 else None, "values": values}
+            "sd": statistics.stdev(values) if len(values) > 1 else None, "half_width_95": ci.half_width,
+            "values": values}
 
 
 def summarize(runs: dict[int, dict]) -> dict:
@@ -56,7 +69,8 @@ def summarize(runs: dict[int, dict]) -> dict:
         row.update({"judge_calls": judge.get("calls"), "judge_unparsed": judge.get("unparsed"),
                     "judge_errors": judge.get("errors"),
                     "judge_share_pct": 100 * judge["share_of_step_time"] if judge.get("share_of_step_time") else None,
-                    "length_corr_mean": judge.get("length_corr_mean"), "rl_steps": run["report"]["steps"]})
+                    "length_corr_mean": judge.get("length_corr_mean"), "rl_steps": run["report"]["steps"],
+                    "wall_s": run["wall_s"]})
         per_seed[seed] = row
     for name in next(iter(per_seed.values())):
         values = [row[name] for row in per_seed.values() if row.get(name) is not None]
@@ -107,28 +121,35 @@ def plot(runs: dict[int, dict], path: Path) -> Path:
     return path
 
 
+SPREAD = "half_width_95"  # or "sd" (--sd)
+
+
 def fmt(m: dict | None, digits: int = 1) -> str:
     if m is None:
         return "–"
-    sd = "" if m["sd"] is None else f" ± {m['sd']:.{digits}f}"
-    return f"{m['mean']:.{digits}f}{sd}"
+    spread = m.get(SPREAD)
+    return f"{m['mean']:.{digits}f}" + ("" if spread is None else f" ± {spread:.{digits}f}")
 
 
 def to_markdown(summary: dict, meta: dict) -> str:
     m, seeds = summary["metrics"], summary["seeds"]
+    spread = "half-width of the 95% Student-t interval" if SPREAD == "half_width_95" else "sd"
     lines = [f"# Judged search team on the synthetic knowledge base ({len(seeds)} seeds)", "",
              f"Command: `{meta['command']}`, then `{meta['summary_command']}`.",
              f"masrl commit `{meta['commit']}`, {meta['date']}, CPU: {meta['cpu']}, load average at the end "
              f"{meta['loadavg']}.", "",
-             "Held-out evaluation (after SFT = before RL, and after RL): the share of sampled answers the frozen "
-             "SmolLM2-135M-Instruct judge calls correct (the reward), the share exact match calls correct "
-             "(never seen by the judge), and how often the two agree. Mean ± sd over seeds, in %.", "",
+             f"Held-out evaluation (after SFT = before RL, and after RL): the share of sampled answers {meta['judge']} "
+             "calls correct (the reward), the share exact match calls correct (never seen by the judge), how often "
+             "the two agree (overall, on the answers exact match passes and on those it fails) and the judge's "
+             f"approve rate. Mean ± {spread} over seeds, in %.", "",
              "| metric | after SFT | after RL | change |", "|---|---|---|---|"]
     for key, label in EVAL_KEYS:
         before, after = m.get(f"{key}_sft"), m.get(f"{key}_rl")
         diffs = [summary["per_seed"][s][f"{key}_rl"] - summary["per_seed"][s][f"{key}_sft"] for s in seeds
                  if f"{key}_rl" in summary["per_seed"][s] and f"{key}_sft" in summary["per_seed"][s]]
         lines.append(f"| {label} | {fmt(before)} | {fmt(after)} | {fmt(mean_sd(diffs) if diffs else None)} |")
+    if m.get("wall_s"):
+        lines += ["", f"Wall time per run (RL and both evaluations): {fmt(m['wall_s'], 0)} s."]
     lines += ["", "Per seed (after SFT → after RL, %):", "",
               "| seed | judge accuracy | exact match | agreement | judge calls | unparsed | judge share of step time | length corr |",
               "|---|---|---|---|---|---|---|---|"]
@@ -151,10 +172,14 @@ def main() -> None:
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/study/judge_kb"))
     parser.add_argument("--command", default="masrl sweep benchmarks/study/judge_kb.yaml --jobs 1 --nice 19")
+    parser.add_argument("--judge", default="the frozen SmolLM2-135M-Instruct judge", help="the judge, in words")
+    parser.add_argument("--sd", action="store_true", help="± sd over seeds instead of the 95%% t half-width")
     args = parser.parse_args()
+    global SPREAD
+    SPREAD = "sd" if args.sd else "half_width_95"
     runs = load(args.sweep)
     summary = summarize(runs)
-    meta = {"command": args.command, "summary_command": "python " + " ".join(sys.argv),
+    meta = {"command": args.command, "summary_command": "python " + shlex.join(sys.argv), "judge": args.judge,
             "commit": git_sha() or "unknown", "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": cpu_model(), "loadavg": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,8 @@ class TaskConfig(_Strict):
     """Where tasks come from: a synthetic task, a registered benchmark, or ``dataset`` (your own files)."""
 
     name: str = Field("arithmetic", description=(
-        "task source: arithmetic, synthetic_kb, a math/QA/code benchmark name (gsm8k_train, nq_search, mbpp, ...) "
+        "task source: arithmetic, synthetic_kb, kb_fact_check (a judge's yes/no fact checks), a math/QA/code "
+        "benchmark name (gsm8k_train, nq_search, mbpp, ...) "
         "or dataset (your files or a Hugging Face dataset: train, test, format, fields, reward in params)"))
     params: dict[str, Any] = Field(default_factory=dict, description=(
         "the source's options (dataset: {train: PATH or hf:ID[:split], test: ..., format: jsonl|json|parquet|hf, "

@@ -310,7 +310,10 @@ class Trainer:
                     break
             progress.close()
             if cfg.eval.before_after and self.source.test and not final_done:
-                self.logger.log(self.step, self.evaluate("final"), phase="eval")
+                if self.step == 0 and "sft" in self.history:  # no RL step: the same weights and evaluation seed
+                    self.history["final"] = self.history["sft"]
+                else:
+                    self.logger.log(self.step, self.evaluate("final"), phase="eval")
             if self.rolled_back_to is None and (not cfg.trainer.save_every or self.step % cfg.trainer.save_every):
                 self.save(self.step)
         except WorkerGroupError as e:

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from masrl.errors import ConfigError
+from masrl.errors import ConfigError, missing_extra
 from masrl.judges.backends import NO_REPLY, Reply
 from masrl.judges.config import RemoteOptions
 from masrl.judges.verdicts import top_logprob_masses
@@ -34,7 +34,7 @@ class RemoteJudge:
         try:
             import httpx
         except ImportError:
-            raise ImportError("a remote judge (task.params.reward.judge.remote) needs httpx: pip install masrl[judge]") from None
+            raise missing_extra("a remote judge (task.params.reward.judge.remote) needs httpx", "judge") from None
         self.opts, self.system_prompt, self.max_new_tokens = opts, system_prompt, max_new_tokens
         self.url = opts.base_url.rstrip("/") + "/chat/completions"
         self.endpoint = self.url

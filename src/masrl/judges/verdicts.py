@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from masrl.tasks.parsing import parse_yes_no  # noqa: F401  (a judge verdict; the fact-check task reads it too)
 from masrl.usercode.numbers import probability_of_logprob
 
 YES_WORDS = ("yes", "Yes", "YES")
@@ -18,7 +19,6 @@ NO_WORDS = ("no", "No", "NO")
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
 _SCORE_LABEL = re.compile(rf"(?i)\b(?:score|rating)\s*[:=]?\s*({_NUMBER})")
 _FIRST_NUMBER = re.compile(_NUMBER)
-_YES_NO = re.compile(r"(?i)\b(yes|no)\b")
 _BRACKETED = re.compile(r"(?i)\[\[\s*(A|B|tie)\s*\]\]")
 _BARE_CHOICE = re.compile(r"\b(A|B)\b|(?i:\btie\b)")
 
@@ -33,14 +33,6 @@ def parse_score(text: str, lo: float, hi: float) -> float | None:
     if not lo <= value <= hi:
         return None
     return (value - lo) / (hi - lo)
-
-
-def parse_yes_no(text: str) -> float | None:
-    """1.0 for the first standalone ``yes``, 0.0 for ``no`` (any case), else None."""
-    found = _YES_NO.search(text)
-    if found is None:
-        return None
-    return 1.0 if found.group(1).lower() == "yes" else 0.0
 
 
 def parse_choice(text: str) -> str | None:

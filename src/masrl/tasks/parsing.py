@@ -11,6 +11,7 @@ MAX_SCAN = 200_000  # characters; longer outputs are scanned from their tail
 
 _BRACE = re.compile(r"[{}]")
 _BOXED = re.compile(r"\\boxed")
+_YES_NO = re.compile(r"(?i)\b(yes|no)\b")
 
 
 def extract_boxed(text: object) -> str | None:
@@ -39,3 +40,11 @@ def extract_boxed(text: object) -> str | None:
         if i < len(text) and text[i] == "{" and i in closing:
             return text[i + 1:closing[i]].strip()
     return None
+
+
+def parse_yes_no(text: object) -> float | None:
+    """1.0 for the first standalone ``yes``, 0.0 for ``no`` (any case), else None (a judge's yes/no verdict)."""
+    found = _YES_NO.search(text) if isinstance(text, str) else None
+    if found is None:
+        return None
+    return 1.0 if found.group(1).lower() == "yes" else 0.0

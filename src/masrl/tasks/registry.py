@@ -106,6 +106,24 @@ def _synthetic_kb(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
                       {"retriever": synthetic_kb_retriever(seed, **params)})
 
 
+@register_task("kb_fact_check")
+def _kb_fact_check(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """Yes/no fact checks over the synthetic knowledge base (``masrl.tasks.fact_check``): a judge's data."""
+    from masrl.tasks.fact_check import kb_fact_check, verdict_score, verdict_teacher
+
+    params = dict(cfg.params)
+    seed = int(params.pop("seed", 0))
+    if sft_teacher:
+        raise ConfigError(f"sft.teacher for kb_fact_check: no options (the teacher replies the gold verdict), "
+                          f"got {sorted(sft_teacher)}")
+    try:
+        train = kb_fact_check(seed, "train", **params)
+        test = kb_fact_check(seed, "test", **params)
+    except TypeError as e:
+        raise ConfigError(f"task.params for kb_fact_check: {e}") from None
+    return TaskSource("kb_fact_check", train, test, verdict_score, verdict_teacher)
+
+
 def _qa_benchmark(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     import masrl.tasks.synthetic_kb  # noqa: F401 - registers the "synthetic_kb" retriever spec
     from masrl.retrieval import resolve_retriever

@@ -106,7 +106,7 @@ SIZE_KEYS = ("n_people", "n_companies", "n_cities", "test_fraction", "relations"
              "name_length")
 
 
-def _kb_args(sizes: dict) -> dict:
+def kb_args(sizes: dict) -> dict:
     """Generator arguments in hashable form (a YAML list of relations becomes a tuple)."""
     out = dict(sizes)
     if out.get("relations") is not None:
@@ -211,7 +211,7 @@ def synthetic_kb(seed: int = 0, split: str = "train", **sizes) -> tuple[list[Tas
     ``split_by``, ``question_style``, ``name_length`` (see ``generate_kb``).
     Fresh copies are returned, so callers may modify them.
     """
-    kb = generate_kb(seed, **_kb_args(sizes))
+    kb = generate_kb(seed, **kb_args(sizes))
     if split == "all":
         tasks = kb.splits["train"] + kb.splits["test"]
     elif split in kb.splits:
@@ -258,7 +258,7 @@ class SyntheticKBTeacher:
 
     def __init__(self, seed: int = 0, *, think: bool = False, quote: bool = False, answer_noise: float = 0.0,
                  verifier_noise: float = 0.0, **sizes):
-        kb = generate_kb(seed, **_kb_args(sizes))
+        kb = generate_kb(seed, **kb_args(sizes))
         self.passages = {p.id: p for p in kb.passages}
         self.think = think
         self.quote = quote
