@@ -18,8 +18,8 @@ r"""Math answer scoring: last ``\boxed{}`` of the response vs the gold answer, v
 5. math-verify ``parse`` (gold wrapped as ``\boxed{gold}``, falling back to ``$gold$``) and
    ``verify(gold, pred)``. math-verify's own signal-based timeouts are disabled
    (``parsing_timeout=None``, ``timeout_seconds=None``) because they raise outside the main
-   thread. In the main thread we arm our own ``ITIMER_REAL`` alarm (``TIMEOUT_S`` seconds for
-   parse + verify, restoring any timer that was already set, e.g. pytest-timeout's); in other
+   thread. In the main thread we arm our own ``ITIMER_REAL`` alarm (``masrl.usercode.alarm``; ``TIMEOUT_S`` seconds
+   for parse + verify, restoring any timer that was already set, e.g. pytest-timeout's); in other
    threads only the safety screen protects against pathological inputs.
 
 Results of (gold, prediction) pairs are memoised (LRU), since a group of samples often
@@ -30,14 +30,12 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import signal
-import threading
-import time
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from masrl.types import Task
 from masrl.tasks.parsing import extract_boxed
+from masrl.usercode.alarm import AlarmTimeout, call_with_alarm
 
 __all__ = ["TIMEOUT_S", "MAX_PRED_CHARS", "math_score", "normalize_number", "is_equiv", "extract_prediction"]
 
@@ -47,10 +45,6 @@ TIMEOUT_S = 5.0  # seconds for parse + verify of one (gold, prediction) pair, ma
 MAX_PRED_CHARS = 400  # longer boxed contents are not parsed (no gold answer in the shipped data exceeds 300)
 
 _THINK_END = "</think>"
-
-
-class _MathTimeout(BaseException):
-    """Raised by our alarm handler; a BaseException so that math-verify's ``except Exception`` lets it through."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,31 +200,6 @@ def _math_verify():
     return _MV
 
 
-def _call_with_alarm(fn, seconds: float):
-    """Run ``fn()`` under an ITIMER_REAL alarm when in the main thread (else without one)."""
-    if (seconds is None or seconds <= 0 or threading.current_thread() is not threading.main_thread()
-            or not hasattr(signal, "setitimer")):
-        return fn()
-
-    def handler(signum, frame):
-        raise _MathTimeout()
-
-    try:
-        old_handler = signal.signal(signal.SIGALRM, handler)
-    except ValueError:  # not the main interpreter
-        return fn()
-    start = time.monotonic()
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old_handler)
-        if old_delay > 0:  # give the previous timer (e.g. pytest-timeout) its remaining time back
-            remaining = max(old_delay - (time.monotonic() - start), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, remaining, old_interval)
-
-
 @functools.lru_cache(maxsize=8192)
 def _parse_gold(gold: str):
     mv = _math_verify()
@@ -282,8 +251,8 @@ def is_equiv(gold: str, pred: str) -> tuple[bool, str]:
         if normalize_number(gold) is not None and unevaluated(pred):
             return False, "unevaluated"
         _math_verify()  # the first call imports math-verify and sympy (seconds): not on the timeout's clock
-        return _call_with_alarm(lambda: _verify(gold, pred), TIMEOUT_S)
-    except _MathTimeout:
+        return call_with_alarm(lambda: _verify(gold, pred), TIMEOUT_S)
+    except AlarmTimeout:
         return False, "timeout"
     except RecursionError:
         return False, "error: RecursionError"
