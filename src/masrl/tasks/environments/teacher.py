@@ -23,11 +23,11 @@ format the gateway parses). Demonstrations, as with every teacher, are one SFT r
 from __future__ import annotations
 
 import inspect
+import json
 import random
 from typing import Any, Callable
 
 from masrl.errors import ConfigError
-from masrl.tools.parsing import render_tool_call
 from masrl.types import Task
 
 
@@ -54,7 +54,9 @@ class EnvTeacher:
         row = dict(task.meta.get("row") or {})
         out = self.fn(agent, [dict(m) for m in messages], row, self.rng, **self.options)
         if isinstance(out, dict) and isinstance(out.get("name"), str):
-            return render_tool_call(out["name"], out.get("arguments") or {})
+            # the Hermes format (as masrl.tools.render_tool_call writes it: tasks sit below tools)
+            return "<tool_call>\n" + json.dumps({"name": out["name"], "arguments": dict(out.get("arguments") or {})}) \
+                + "\n</tool_call>"
         if not isinstance(out, str):
             raise ConfigError(f"{self.what}: the teacher returned {type(out).__name__}; expected the message text or "
                               "a tool call {'name': ..., 'arguments': {...}}")
