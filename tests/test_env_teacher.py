@@ -99,3 +99,27 @@ def test_a_teacher_with_the_wrong_signature_or_without_a_task_teacher_is_one_cle
         verifiers_source(TaskConfig(name="verifiers", params={"env": env, "teacher": f"{tmp_path / 'my_env.py'}:"
                                                                                       "teacher"}), {"nope": 1})
     assert verifiers_source(TaskConfig(name="verifiers", params={"env": env}), {}).teacher is None
+
+
+def test_the_arithmetic_example_environment_and_its_teacher_agree_with_its_rubric():
+    pytest.importorskip("verifiers", reason="the verifiers extra is not installed: pip install masrl[verifiers]")
+    import ast
+
+    from masrl.tasks.environments.verifiers_env import load_environment, rows_to_tasks
+
+    path = EXAMPLES / "verifiers_arith.py"
+    tree = ast.parse(path.read_text())
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "masrl" in ast.dump(n) for n in ast.walk(tree))
+    env = load_environment(f"{path}:load_environment", {"num_train": 30, "num_eval": 10})
+    train, test = rows_to_tasks(env.get_dataset(), "a"), rows_to_tasks(env.get_eval_dataset(), "a")
+    assert len(train) == 30 and len(test) == 10 and not {t.question for t in train} & {t.question for t in test}
+    from masrl.usercode.imports import import_object
+
+    teacher = import_object(f"{path}:teacher", "teacher")
+    row = {"question": "7-3+9", "answer": "13"}
+    assert teacher("Solver", [], row, random.Random(0)) == "7-3=4\n4+9=13\n\\boxed{13}"
+    slipped = teacher("Solver", [], row, random.Random(0), slip_rate=1.0)
+    assert slipped.startswith("7-3=4\n4+9=13\n\\boxed{") and not slipped.endswith("{13}")
+    score = next(f for f in env.rubric._get_reward_funcs() if f.__name__ == "correct_answer")
+    assert [score(completion=[{"role": "assistant", "content": t}], answer="13") for t in
+            ("7-3=4\n4+9=13\n\\boxed{13}", slipped)] == [1.0, 0.0]
