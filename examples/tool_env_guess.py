@@ -42,3 +42,28 @@ def train_rows() -> list[dict]:
 
 def test_rows() -> list[dict]:
     return [{"prompt": "Find the hidden number. Call guess(n).", "target": t, "id": t} for t in range(1, 10)]
+
+
+def teacher(agent, messages, row, rng, slip_rate: float = 0.0):
+    """A demonstration: bisect the range the answers so far leave (a slip guesses anywhere in it)."""
+    low, high = int(row.get("low", 1)), int(row.get("high", 9))
+    guesses = [m for m in messages if m.get("role") == "assistant" and m.get("tool_calls")]
+    replies = [m.get("content") for m in messages if m.get("role") == "tool"]
+    for call, reply in zip(guesses, replies):
+        n = _guessed(call["tool_calls"][0])
+        if reply == "higher":
+            low = max(low, n + 1)
+        elif reply == "lower":
+            high = min(high, n - 1)
+    if high < low:
+        low, high = int(row.get("low", 1)), int(row.get("high", 9))
+    n = rng.randint(low, high) if rng.random() < slip_rate else (low + high) // 2
+    return {"name": "guess", "arguments": {"n": n}}
+
+
+def _guessed(call: dict) -> int:
+    import json
+
+    arguments = call.get("function", call).get("arguments")
+    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    return int(arguments["n"])

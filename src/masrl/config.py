@@ -394,7 +394,7 @@ class SFTConfig(_Strict):
         "rejection-sampled SFT: drop these agents' demonstrations whose own answer scores incorrect "
         "(they still appear as context in later prompts)"))
     concurrency: int = Field(8, gt=0, le=1024, description=(
-        "workflow external: programs run at once to collect the demonstrations, each task drawing the teacher's "
+        "workflow external and environment: programs (episodes) run at once to collect the demonstrations, each task drawing the teacher's "
         "noise from its own stream (1: one after another from one stream, as a built-in workflow's); collection "
         "stops once every policy has steps x batch_size demonstrations, all SFT draws"))
 

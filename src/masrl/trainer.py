@@ -369,7 +369,7 @@ def demonstrations(trainer: Trainer) -> list[Row]:
     behind the gateway, slow per task): ``sft.concurrency`` programs at once, with progress and ETA, and only the
     tasks that give every policy the ``sft.steps x sft.batch_size`` rows SFT draws."""
     cfg = trainer.cfg
-    external = cfg.workflow.name == "external"
+    external = cfg.workflow.name in ("external", "environment")  # episodes of programs behind the gateway
     progress = Progress(trainer.show_progress and external, "demonstrations", len(trainer.source.train))
 
     def on_task(done: int, turns: int, expected: int) -> None:

@@ -41,7 +41,7 @@ from masrl.errors import ConfigError
 from masrl.tasks.source import TaskSource
 from masrl.types import Task
 
-_KNOWN = {"env", "url", "train", "test", "max_turns", "reward"}
+_KNOWN = {"env", "url", "train", "test", "max_turns", "reward", "teacher"}
 _NOT_TOOLS = {"reset", "step", "state", "close", "reward", "done"}
 
 
@@ -188,6 +188,7 @@ def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.usercode.imports import import_object
 
     from masrl.tasks.environments import require
+    from masrl.tasks.environments.teacher import load_teacher
 
     require("openai", "openai", "task tool_env")  # the episodes' client
     params = cfg.params
@@ -213,5 +214,6 @@ def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     name = str(params["env"]).rpartition(":")[2] if cls is not None else "openenv"
     train = row_tasks(_rows(params["train"], "task.params.train"), name)
     test = row_tasks(_rows(params["test"], "task.params.test"), name) if params.get("test") else list(train)
-    return TaskSource("tool_env", train, test, _score, None,
+    teacher = load_teacher(params.get("teacher"), sft_teacher)
+    return TaskSource("tool_env", train, test, _score, teacher,
                       {"env_episode": ToolGame(cls, reward, max_turns, params.get("url"))})

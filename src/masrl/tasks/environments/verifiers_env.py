@@ -31,10 +31,11 @@ from typing import Any
 from masrl.config import TaskConfig
 from masrl.errors import ConfigError
 from masrl.tasks.environments import require
+from masrl.tasks.environments.teacher import load_teacher
 from masrl.tasks.source import TaskSource
 from masrl.types import Task
 
-_KNOWN = {"env", "env_args", "sampling_args"}
+_KNOWN = {"env", "env_args", "sampling_args", "teacher"}
 
 
 def load_environment(spec: str, env_args: dict) -> Any:
@@ -149,4 +150,5 @@ def verifiers_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     except ValueError:  # no eval dataset
         test = list(train)
     episode = VerifiersEpisode(env, params.get("sampling_args") or {})
-    return TaskSource("verifiers", train, test, _score, None, {"env_episode": episode})
+    teacher = load_teacher(params.get("teacher"), sft_teacher)
+    return TaskSource("verifiers", train, test, _score, teacher, {"env_episode": episode})
