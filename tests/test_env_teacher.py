@@ -123,3 +123,17 @@ def test_the_arithmetic_example_environment_and_its_teacher_agree_with_its_rubri
     score = next(f for f in env.rubric._get_reward_funcs() if f.__name__ == "correct_answer")
     assert [score(completion=[{"role": "assistant", "content": t}], answer="13") for t in
             ("7-3=4\n4+9=13\n\\boxed{13}", slipped)] == [1.0, 0.0]
+
+
+def test_a_teacher_is_user_code_its_exit_comes_back_as_an_error_not_the_end_of_the_run(tmp_path):
+    from masrl.types import Task
+    from masrl.usercode.calls import UserCodeExit
+    from masrl.usercode.teacher import load_teacher
+
+    (tmp_path / "t.py").write_text("import sys\ndef teacher(agent, messages, row, rng):\n    sys.exit(0)\n"
+                                   "def good(agent, messages, row, rng):\n    return {'name': 'f', 'arguments': {'x': 1}}\n")
+    task = Task(id="t0", question="q", answer=None, meta={"row": {}})
+    with pytest.raises(UserCodeExit):
+        load_teacher(f"{tmp_path / 't.py'}:teacher", {})("A", "prompt", task)
+    reply = load_teacher(f"{tmp_path / 't.py'}:good", {})("A", "prompt", task)
+    assert reply == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'

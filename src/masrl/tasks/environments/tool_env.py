@@ -188,7 +188,7 @@ def tool_env_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     from masrl.usercode.imports import import_object
 
     from masrl.tasks.environments import require
-    from masrl.tasks.environments.teacher import load_teacher
+    from masrl.usercode.teacher import load_teacher
 
     require("openai", "openai", "task tool_env")  # the episodes' client
     params = cfg.params

@@ -31,7 +31,7 @@ from typing import Any
 from masrl.config import TaskConfig
 from masrl.errors import ConfigError
 from masrl.tasks.environments import require
-from masrl.tasks.environments.teacher import load_teacher
+from masrl.usercode.teacher import load_teacher
 from masrl.tasks.source import TaskSource
 from masrl.types import Task
 

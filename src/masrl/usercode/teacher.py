@@ -18,7 +18,9 @@ environment, answering the agent's calls while the environment's own episodes ru
 * ``options``: ``sft.teacher`` without ``seed``.
 
 It returns the text to write, or one tool call ``{"name": ..., "arguments": {...}}`` (written in the Hermes
-format the gateway parses). Demonstrations, as with every teacher, are one SFT row per agent call.
+format the gateway parses). Demonstrations, as with every teacher, are one SFT row per agent call. The function is
+user code: each reply runs in a worker of the service with a deadline (``TIMEOUT_S``), and what it raises,
+``SystemExit`` included, fails that demonstration episode only.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ from typing import Any, Callable
 
 from masrl.errors import ConfigError
 from masrl.types import Task
+from masrl.usercode.calls import call_in_thread
+from masrl.usercode.imports import import_object
+
+TIMEOUT_S = 60.0  # one reply of the teacher (the episode it answers has its own deadline, workflow.params.timeout_s)
 
 
 class EnvTeacher:
@@ -52,7 +58,9 @@ class EnvTeacher:
     def reply(self, agent: str, prompt: Any, task: Task) -> str:
         messages = prompt.messages if hasattr(prompt, "messages") else [{"role": "user", "content": str(prompt)}]
         row = dict(task.meta.get("row") or {})
-        out = self.fn(agent, [dict(m) for m in messages], row, self.rng, **self.options)
+        # user code: in a worker of the service (its exceptions, SystemExit included, come back as errors)
+        out = call_in_thread(lambda: self.fn(agent, [dict(m) for m in messages], row, self.rng, **self.options), (),
+                             TIMEOUT_S, kind="environment", what=self.what)
         if isinstance(out, dict) and isinstance(out.get("name"), str):
             # the Hermes format (as masrl.tools.render_tool_call writes it: tasks sit below tools)
             return "<tool_call>\n" + json.dumps({"name": out["name"], "arguments": dict(out.get("arguments") or {})}) \
@@ -67,8 +75,6 @@ def load_teacher(spec: Any, options: dict, what: str = "task.params.teacher") ->
     """The ``Teacher`` of ``task.params.teacher`` (None when unset)."""
     if spec is None:
         return None
-    from masrl.usercode.imports import import_object
-
     if not isinstance(spec, str) or ":" not in spec:
         raise ConfigError(f"{what} must be 'module:function' or 'file.py:function', got {spec!r}")
     fn = import_object(spec, what)
