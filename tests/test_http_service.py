@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="masrl's servers run on the server extra: pip install masrl[server]")
 
-from conftest import read_response  # noqa: E402
+from conftest import drip, read_response  # noqa: E402
 from masrl.http import guard as guard_module  # noqa: E402
 from masrl.http.app import add_route, json_app  # noqa: E402
 from masrl.http.server import HttpLimits, ServerThread, listen, read_body  # noqa: E402
@@ -100,18 +100,7 @@ def test_a_trickled_head_is_closed_at_the_deadline(server):
     with _connect(server) as sock:
         start = time.monotonic()
         sock.sendall(b"POST /echo/k HTTP/1.1\r\n")
-        sock.settimeout(0.2)
-        reply = b""
-        for byte in b"X-Slow: " + b"a" * 30:
-            try:
-                sock.sendall(bytes([byte]))
-                reply += sock.recv(65536)
-            except socket.timeout:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if reply:
-                break
+        reply = drip(sock, b"X-Slow: " + b"a" * 30, 0.2)
     assert 0.9 <= time.monotonic() - start < 3, time.monotonic() - start
     assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply, reply
 
