@@ -7,8 +7,8 @@ same script measures any version of the gateway (PYTHONPATH=... of the sources t
 
 With ``--arm NAME=SRC[,PYTHON]`` (twice or more) it measures each version in its own process, alternately
 (A B A B ...) for ``--rounds`` rounds, and prints each run and the mean, median, min and max per version of the
-gateway's CPU per request (server thread + session loop) and of the client's (a gauge of the machine's load:
-the client's work is the same in every arm). ``PYTHON``: the interpreter of that arm (an environment with or
+gateway's CPU per request (server thread + session loop) and of the client's (the same work in every arm, yet
+charged more or less CPU by the load: a gauge of it) and of the whole process (every thread: client and server). ``PYTHON``: the interpreter of that arm (an environment with or
 without httptools / uvloop); default this one.
 
     python3 benchmarks/gateway_request_cost.py --requests 500 --rounds 6 \
@@ -71,7 +71,7 @@ def _alternate(args) -> int:
             print(f"round {r + 1} {name:>10}: gateway {run['gateway']:.2f} ms, client {run['client']:.2f} ms cpu per "
                   f"request ({', '.join(f'{k} {v:.2f}' for k, v in sorted(run['threads'].items()))}; "
                   f"load {os.getloadavg()[0]:.1f})", flush=True)
-    for what in ("gateway", "client"):
+    for what in ("gateway", "client", "total"):
         for name, rs in runs.items():
             v = [r[what] for r in rs]
             print(f"{what:>7} {name:>10}: mean {statistics.mean(v):.2f}, median {statistics.median(v):.2f}, "
@@ -108,7 +108,7 @@ def main() -> int:
     per = {k: 1000 * (after[k] - before.get(k, 0.0)) / args.requests for k in after}
     if args.json:
         print(json.dumps({"gateway": per.get("server", 0) + per.get("session-loop", 0),
-                          "client": per.get("MainThread", 0), "threads": per}))
+                          "client": per.get("MainThread", 0), "total": sum(per.values()), "threads": per}))
         return 0
     print("ms cpu per request: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items())))
     print(f"gateway (server + session loop): {per.get('server', 0) + per.get('session-loop', 0):.2f} ms cpu per request")
