@@ -4,12 +4,25 @@ the gateway's server thread(s), the session's loop). Only the public interface (
 same script measures any version of the gateway (PYTHONPATH=... of the sources to measure).
 
     PYTHONPATH=src python3 benchmarks/gateway_request_cost.py --requests 1000
+
+With ``--arm NAME=SRC[,PYTHON]`` (twice or more) it measures each version in its own process, alternately
+(A B A B ...) for ``--rounds`` rounds, and prints each run and the mean, median, min and max per version of the
+gateway's CPU per request (server thread + session loop) and of the client's (the same work in every arm, yet
+charged more or less CPU by the load: a gauge of it) and of the whole process (every thread: client and server). ``PYTHON``: the interpreter of that arm (an environment with or
+without httptools / uvloop); default this one.
+
+    python3 benchmarks/gateway_request_cost.py --requests 500 --rounds 6 \
+        --arm before=../old-checkout/src --arm now=src,.venv/bin/python
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import statistics
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -41,11 +54,43 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+def _alternate(args) -> int:
+    arms = {}
+    for arm in args.arm:
+        name, _, where = arm.partition("=")
+        src, _, python = where.partition(",")
+        arms[name] = (os.path.abspath(src), python or sys.executable)
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    for r in range(args.rounds):
+        for name, (src, python) in arms.items():
+            env = dict(os.environ, PYTHONPATH=src)
+            got = subprocess.run([python, __file__, "--requests", str(args.requests), "--json"], env=env,
+                                 capture_output=True, text=True, check=True)
+            run = json.loads(got.stdout.strip().splitlines()[-1])
+            runs[name].append(run)
+            print(f"round {r + 1} {name:>10}: gateway {run['gateway']:.2f} ms, client {run['client']:.2f} ms cpu per "
+                  f"request ({', '.join(f'{k} {v:.2f}' for k, v in sorted(run['threads'].items()))}; "
+                  f"load {os.getloadavg()[0]:.1f})", flush=True)
+    for what in ("gateway", "client", "total"):
+        for name, rs in runs.items():
+            v = [r[what] for r in rs]
+            print(f"{what:>7} {name:>10}: mean {statistics.mean(v):.2f}, median {statistics.median(v):.2f}, "
+                  f"min {min(v):.2f}, max {max(v):.2f} ms cpu per request over {len(v)} runs")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--arm", action="append", default=[], help="NAME=SRC[,PYTHON]: alternate versions")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
-    print_header(threads=1)
+    if args.arm:
+        print_header(threads=1)
+        return _alternate(args)
+    if not args.json:
+        print_header(threads=1)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, name="session-loop", daemon=True).start()
     gw = Gateway()
@@ -61,6 +106,10 @@ def main() -> int:
         after = _thread_cpu()
     gw.shutdown()
     per = {k: 1000 * (after[k] - before.get(k, 0.0)) / args.requests for k in after}
+    if args.json:
+        print(json.dumps({"gateway": per.get("server", 0) + per.get("session-loop", 0),
+                          "client": per.get("MainThread", 0), "total": sum(per.values()), "threads": per}))
+        return 0
     print("ms cpu per request: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(per.items())))
     print(f"gateway (server + session loop): {per.get('server', 0) + per.get('session-loop', 0):.2f} ms cpu per request")
     return 0

@@ -159,6 +159,23 @@ def read_response(sock) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
+def drip(sock, data: bytes, interval_s: float) -> bytes:
+    """Send ``data`` one byte every ``interval_s`` until the server answers or closes: what it answered."""
+    sock.settimeout(interval_s)
+    reply = b""
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+            reply += sock.recv(65536)
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        if reply:
+            break
+    return reply
+
+
 def hang_up(address, request: bytes, reset: bool) -> None:
     """Connect to ``address``, send ``request`` (maybe nothing) and go away: closed, or reset when ``reset``."""
     sock = socket.create_connection(address, timeout=5)

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from conftest import drip
 from masrl.retrieval import BM25Retriever, HttpRetriever, Passage, RetrieverError
 from masrl.retrieval.server import BackgroundServer, ServerLimits
 
@@ -441,18 +442,7 @@ def test_a_dripping_head_times_out_from_its_start(head_server):
     s = _stall(head_server, b"G")
     try:
         start = time.monotonic()
-        s.settimeout(0.25)
-        reply = b""
-        for byte in b"ET /health HTTP/1.1\r\n":  # one byte every 0.25 s: never a whole head within 1 s
-            try:
-                s.sendall(bytes([byte]))
-                reply += s.recv(65536)
-            except socket.timeout:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            if reply:
-                break
+        reply = drip(s, b"ET /health HTTP/1.1\r\n", 0.25)  # one byte every 0.25 s: never a whole head within 1 s
         assert 0.9 <= time.monotonic() - start < 1.6
         assert _status_and_error(reply)[0] == 408
     finally:

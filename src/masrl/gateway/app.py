@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
+from starlette.requests import Request
 
 from masrl.gateway.errors import error_body
-from masrl.http.app import add_route, json_app
+from masrl.http.app import JsonApp, add_route, json_app
 
 if TYPE_CHECKING:
     from masrl.gateway.server import Gateway
@@ -17,7 +17,7 @@ CHAT, COMPLETIONS, MODELS = "/v1/chat/completions", "/v1/completions", "/v1/mode
 API = f"the gateway serves POST {CHAT}, POST {COMPLETIONS} and GET {MODELS}"
 
 
-def create_app(gateway: "Gateway") -> FastAPI:
+def create_app(gateway: "Gateway") -> JsonApp:
     app = json_app("masrl gateway", error_body, API)
     for route, method in ((CHAT, "POST"), (COMPLETIONS, "POST"), (MODELS, "GET")):
         for path in (route, "/e/{key}" + route):  # the key: the path's, or else the Authorization header's

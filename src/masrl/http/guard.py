@@ -1,4 +1,5 @@
-"""Connection limits below a server's app, in uvicorn's h11 protocol (masrl.http's servers).
+"""Connection limits below a server's app, in uvicorn's HTTP protocol (masrl.http's servers): httptools' parser
+where it is installed, h11's otherwise (``guarded_protocol``).
 
 uvicorn has no timeout on the request head, and its ``limit_concurrency`` counts every open
 connection -- so a few hundred connections that each send half a request line and wait turn every
@@ -16,13 +17,15 @@ head is complete, and:
 So stalled connections can delay nobody: a client with a whole request is served at once. The deadline is
 on the whole head: a client that trickles its header one byte at a time is closed at ``head_timeout_s`` all
 the same. A request whose body is slow is the app's to time out (``masrl.http.server.read_body``). Malformed
-HTTP is answered with a JSON 400 in the server's own error shape (``error_body``). What uvicorn's protocol
+HTTP, and a request head over ``MAX_HEAD_BYTES``, is answered with a JSON 400 in the server's own error shape
+(``error_body``). What uvicorn's protocol
 reports of a client's conduct (malformed HTTP, an upgrade it does not serve) and every hang-up is logged at
 debug level on ``masrl.http``: a client that goes away never puts a line on the server's stderr.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from http import HTTPStatus
@@ -33,6 +36,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("masrl.http")
 API = "the API is POST /retrieve and GET /health"  # the retrieval server's (its default hint)
+MAX_HEAD_BYTES = 16 * 1024  # a request line and headers (h11's own bound, applied to httptools too)
 
 
 def plain_error(status: int, message: str) -> dict:
@@ -118,10 +122,11 @@ class ConnectionGuard:
                 del self.per_peer[conn.peer]
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a request-head timeout, connection limits and JSON errors.
-
-    Build with ``functools.partial(GuardedH11Protocol, guard=ConnectionGuard(...))`` as uvicorn's ``http``."""
+class _Guarded:
+    """The guard's part of a uvicorn HTTP protocol (mixed in before uvicorn's ``H11Protocol`` or
+    ``HttpToolsProtocol``): a request-head timeout, connection limits and JSON errors. A subclass says when the
+    connection waits for a request head (``_head_pending``) and whether part of the next head has arrived
+    (``_head_begun``)."""
 
     def __init__(self, *args, guard: ConnectionGuard, **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,6 +134,12 @@ class GuardedH11Protocol(H11Protocol):
         self.guard, self.peer = guard, ""
         self._head_timer: asyncio.TimerHandle | None = None
         self._kept_alive = False  # has answered a request and waits for the next
+
+    def _head_pending(self) -> bool:
+        raise NotImplementedError
+
+    def _head_begun(self) -> bool:
+        raise NotImplementedError
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -168,14 +179,14 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.forget(self)
         if self.transport.is_closing():
             return
-        if self.conn.trailing_data[0] or not self._kept_alive:
+        if self._head_begun() or not self._kept_alive:
             write_error_and_close(self.transport, status, message, self.guard.error_body)
         else:
             self.transport.close()
 
     def _track_head(self) -> None:
-        """Waiting for a request head: while h11 has seen none of this cycle's request, and the line is open."""
-        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        """Waiting for a request head: while none of this cycle's request head is complete, and the line is open."""
+        waiting = self._head_pending() and not self.transport.is_closing()
         self._set_head_timer(waiting)
         self.guard.set_waiting(self, waiting)
 
@@ -189,3 +200,73 @@ class GuardedH11Protocol(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         self.drop(408, f"the request head did not arrive within {self.guard.head_timeout_s:g} s")
+
+
+class GuardedH11Protocol(_Guarded, H11Protocol):
+    """uvicorn's h11 protocol behind the guard (pure Python: the fallback where httptools is not installed).
+
+    Build with ``functools.partial(GuardedH11Protocol, guard=ConnectionGuard(...))`` as uvicorn's ``http``."""
+
+    def _head_pending(self) -> bool:
+        return self.conn.their_state is h11.IDLE  # h11 holds a head until it is whole
+
+    def _head_begun(self) -> bool:
+        return bool(self.conn.trailing_data[0])
+
+
+def _httptools_protocol() -> type | None:
+    """``GuardedHttpToolsProtocol``: uvicorn's httptools protocol (a C parser) behind the guard, with the request
+    head bounded at ``MAX_HEAD_BYTES`` as h11 bounds it; None when httptools is not installed."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class GuardedHttpToolsProtocol(_Guarded, HttpToolsProtocol):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._head_bytes = 0
+            self._in_head = False  # between the first byte of a request and the end of its head
+
+        def _head_pending(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete  # the newest request head: none, or answered
+
+        def _head_begun(self) -> bool:
+            return self._in_head
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._head_bytes, self._in_head = 0, True
+
+        def on_url(self, url: bytes) -> None:
+            self._count_head(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_head(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def _count_head(self, size: int) -> None:
+            self._head_bytes += size
+            if self._head_bytes > MAX_HEAD_BYTES:  # the parser turns it into an error: a JSON 400, then closed
+                raise ValueError(f"request head over {MAX_HEAD_BYTES} bytes")
+
+    return GuardedHttpToolsProtocol
+
+
+GuardedHttpToolsProtocol = _httptools_protocol()
+
+
+def guarded_protocol(guard: ConnectionGuard, http: str = "auto") -> Callable[..., asyncio.Protocol]:
+    """uvicorn's ``http`` setting behind ``guard``: httptools' parser where it is installed (``auto``,
+    ``httptools``), else h11's (``h11``, or ``auto`` without httptools)."""
+    if http not in ("auto", "httptools", "h11"):
+        raise ValueError(f"http must be auto, httptools or h11, got {http!r}")
+    if http == "httptools" and GuardedHttpToolsProtocol is None:
+        raise ImportError("httptools is not installed: pip install masrl[server]")
+    protocol = GuardedH11Protocol if http == "h11" or GuardedHttpToolsProtocol is None else GuardedHttpToolsProtocol
+    return functools.partial(protocol, guard=guard)

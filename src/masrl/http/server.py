@@ -9,7 +9,8 @@
 - ``listen`` binds IPv4 or IPv6 as the host asks (``::1``, ``[::1]``, a name) with a listen backlog of
   ``backlog``; an address it cannot use is one ``masrl.errors.UserInputError`` naming the setting the
   user gave (``--port``, ``workflow.params.port``) and what to do.
-- ``ServerThread`` runs uvicorn's loop in a daemon thread: uvicorn installs no signal handler and does not
+- ``ServerThread`` runs uvicorn's loop (uvloop's where installed) in a daemon thread, httptools parsing requests
+  where it is installed (h11 otherwise): uvicorn installs no signal handler and does not
   configure logging (its own logs go to the ``uvicorn`` loggers at ``warning``, the guard's to ``masrl.http``).
 - ``read_body`` reads a request's body (``Content-Length`` or chunked) within a size and a deadline on the
   whole body.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import logging
 import socket
 import threading
@@ -30,7 +30,7 @@ import uvicorn
 from starlette.requests import Request
 
 from masrl.errors import UserInputError
-from masrl.http.guard import API, ConnectionGuard, GuardedH11Protocol, plain_error
+from masrl.http.guard import API, ConnectionGuard, guarded_protocol, plain_error
 
 log = logging.getLogger("masrl.http")
 
@@ -68,7 +68,7 @@ class BodyError(Exception):
 
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The request body (``Content-Length`` or chunked, decoded by h11), never holding more than ``max_bytes``
+    """The request body (``Content-Length`` or chunked, decoded by the parser), never holding more than ``max_bytes``
     of it: a declared length over the limit is refused before reading (413), a chunked body as soon as it passes
     the limit (413), a body that has not all arrived within ``timeout_s`` is a 408. Raises ``BodyError``
     (or starlette's ``ClientDisconnect`` when the client hangs up)."""
@@ -147,25 +147,50 @@ def _bind_advice(error: OSError, host_setting: str, port_setting: str) -> str:
     return f"{error.strerror or error}; check {host_setting} and {port_setting}"
 
 
+HTTP = "auto"  # ServerThread's request parser: auto (httptools where installed, else h11), httptools, h11
+LOOP = "auto"  # ServerThread's event loop: auto (uvloop where installed, else asyncio), uvloop, asyncio
+
+
+def event_loop_runner(loop: str = "auto") -> Callable[[Any], Any]:
+    """``asyncio.run``, on uvloop's loop where ``loop`` is ``uvloop`` or ``auto`` and uvloop is installed."""
+    if loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"loop must be auto, uvloop or asyncio, got {loop!r}")
+    if loop == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if loop == "uvloop":
+            raise ImportError("uvloop is not installed: pip install masrl[server]") from None
+        return asyncio.run
+    return uvloop.run
+
+
 class ServerThread:
-    """``app`` served by uvicorn on ``sock`` in a daemon thread named ``name``, behind a
-    ``masrl.http.guard.GuardedH11Protocol`` with ``limits``; its errors in ``error_body``'s shape."""
+    """``app`` served by uvicorn on ``sock`` in a daemon thread named ``name``, behind the connection guard
+    (``masrl.http.guard.guarded_protocol``) with ``limits``; its errors in ``error_body``'s shape.
+
+    ``http`` picks the request parser (``auto``: httptools where installed, else h11), ``loop`` the event loop
+    (``auto``: uvloop where installed, else asyncio's); ``HTTP`` and ``LOOP`` are the defaults."""
 
     def __init__(self, app: Any, sock: socket.socket, limits: HttpLimits, *, name: str,
-                 error_body: Callable[[int, str], Any] = plain_error, api: str = API):
+                 error_body: Callable[[int, str], Any] = plain_error, api: str = API, http: str | None = None,
+                 loop: str | None = None):
         guard = ConnectionGuard(max_connections=limits.max_connections,
                                 max_per_client=limits.max_connections_per_client,
                                 head_timeout_s=limits.header_timeout_s, error_body=error_body, api=api)
-        # uvicorn's limit_concurrency would count connections still waiting for a request head: the guard limits them
-        config = uvicorn.Config(app, http=functools.partial(GuardedH11Protocol, guard=guard), limit_concurrency=None,
+        # uvicorn's limit_concurrency would count connections still waiting for a request head: the guard limits
+        # them; no proxy headers are read (the servers are called directly), no access log is written
+        config = uvicorn.Config(app, http=guarded_protocol(guard, http or HTTP), limit_concurrency=None,
                                 lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                timeout_keep_alive=limits.keep_alive_s, timeout_graceful_shutdown=2,
-                                backlog=limits.backlog)
+                                proxy_headers=False, timeout_keep_alive=limits.keep_alive_s,
+                                timeout_graceful_shutdown=2, backlog=limits.backlog)
         self.sock, self.name = sock, name
         self.address = sock.getsockname()[:2]
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's loop, once it runs
-        self.thread = threading.Thread(target=asyncio.run, args=(self._serve(),), name=name, daemon=True)
+        self.thread = threading.Thread(target=event_loop_runner(loop or LOOP), args=(self._serve(),), name=name,
+                                       daemon=True)
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()

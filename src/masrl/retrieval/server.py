@@ -22,7 +22,6 @@ traceback.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from masrl.http.guard import API, ConnectionGuard, GuardedH11Protocol
+from masrl.http.guard import API, ConnectionGuard, guarded_protocol
 from masrl.http.server import BodyError, HttpLimits, ServerThread, listen
 from masrl.http.server import read_body as read_limited_body
 from masrl.retrieval.base import Retriever
@@ -167,11 +166,11 @@ def create_app(retriever: Retriever, limits: ServerLimits | None = None):
 
 
 def uvicorn_options(retriever: Retriever, limits: ServerLimits) -> dict:
-    """uvicorn settings serving ``retriever``: the app behind ``GuardedH11Protocol``, which limits connections
+    """uvicorn settings serving ``retriever``: the app behind the connection guard, which limits connections
     itself (uvicorn's ``limit_concurrency`` would count connections still waiting for a request head)."""
     guard = ConnectionGuard(max_connections=limits.max_connections, max_per_client=limits.max_connections_per_client,
                             head_timeout_s=limits.header_timeout_s)
-    return {"app": create_app(retriever, limits), "http": functools.partial(GuardedH11Protocol, guard=guard),
+    return {"app": create_app(retriever, limits), "http": guarded_protocol(guard),
             "limit_concurrency": None}
 
 
