@@ -699,3 +699,23 @@ def test_guarded_score_batch_keeps_the_reward_contract():
     assert guarded.score_batch([(TASK, "4")])[0]["reason"] == "score_error"  # a non-finite reward
     counts = ledger.take()
     assert counts.calls == 5 and counts.failed == 3
+
+
+def test_a_judges_failure_share_is_configurable_as_every_other_kinds():
+    from masrl.judges.config import JudgeOptions, RewardModelOptions
+    from masrl.judges.stats import JudgeStats
+
+    assert JudgeOptions(model="tiny").max_error_share == 1.0 and RewardModelOptions(path="x").max_error_share == 1.0
+    with pytest.raises(ValueError, match="max_error_share"):
+        JudgeOptions(model="tiny", max_error_share=0.0)
+
+    def step(max_share: float) -> JudgeStats:
+        stats = JudgeStats("http://judge", max_share=max_share)
+        stats.calls = 4
+        stats.error("HTTP 500 from the judge")
+        stats.error("no reply within 1 s", timeout=True)
+        return stats
+
+    assert step(1.0).pop()["usercode/judge/errors"] == 1.0  # 2 of 4 failed: under the default share, counted
+    with pytest.raises(JudgeFailedError, match=r"at least 0.5 of the judge calls.*4 calls.*HTTP 500"):
+        step(0.5).pop()

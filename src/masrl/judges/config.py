@@ -71,6 +71,9 @@ class JudgeOptions(_Strict):
     system_prompt: Optional[str] = None
     scale: tuple[float, float] = Field((1.0, 10.0), description="verdict score: the stated [lo, hi] scale")
     max_new_tokens: int = Field(32, ge=1, le=4096)
+    max_error_share: float = Field(1.0, gt=0, le=1, description=(
+        "a step whose failed calls (errors and timeouts) reach this share of its calls stops the run (exit 2, one "
+        "line); 1.0: only a step where every call failed"))
     max_batch_size: int = Field(64, ge=1, description="answers judged in one generate call")
     correct_threshold: float = Field(0.5, description="a judged reward >= this counts as correct")
     check: Optional[Literal["math", "qa_em", "qa_f1"]] = Field(None, description=(
@@ -95,6 +98,9 @@ class RewardModelOptions(_Strict):
         "sigmoid(logit); none: the raw logit; minmax: (logit - min) / (max - min) over the step's batch"))
     template: Optional[str] = Field(None, description="the user message, fields {question} (default: the question)")
     batch_size: int = Field(16, ge=1)
+    max_error_share: float = Field(1.0, gt=0, le=1, description=(
+        "a step whose failed calls (errors and timeouts) reach this share of its calls stops the run (exit 2, one "
+        "line); 1.0: only a step where every call failed"))
     max_length: int = Field(1024, ge=8, description="question + answer tokens kept (the end of longer ones)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     trust_remote_code: bool = False

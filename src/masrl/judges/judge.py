@@ -40,7 +40,7 @@ class JudgeReward:
     def __init__(self, opts: JudgeOptions, backend, check: Callable | None = None):
         self.opts, self.backend, self.check = opts, backend, check
         self.template = check_template(opts.template or DEFAULT_TEMPLATES[opts.verdict], opts.verdict, "judge")
-        self.stats = JudgeStats(backend.endpoint)
+        self.stats = JudgeStats(backend.endpoint, max_share=opts.max_error_share)
         self._cache: dict[str, Reply] = {}
         self.__name__ = f"judge:{opts.verdict}"
 

@@ -58,7 +58,7 @@ class RewardModelReward:
     def __init__(self, opts: RewardModelOptions, model, tokenizer, check: Callable | None = None):
         self.opts, self.model, self.tokenizer, self.check = opts, model, tokenizer, check
         self.template = check_template(opts.template, "reward_model", "model") if opts.template else None
-        self.stats = JudgeStats(f"reward model {opts.path!r}", kind="reward_model")
+        self.stats = JudgeStats(f"reward model {opts.path!r}", kind="reward_model", max_share=opts.max_error_share)
         self.__name__ = "reward_model"
 
     def __call__(self, task: Task, answer: str | None) -> dict:

@@ -54,6 +54,7 @@ class JudgeStats:
 
     endpoint: str
     kind: str = "judge"  # the user-code kind its calls are counted as: judge | reward_model
+    max_share: float = 1.0  # the options' max_error_share: failed calls of a step that stop the run
     calls: int = 0
     errors: int = 0
     timeouts: int = 0  # of the errors: calls that got no reply within their deadline
@@ -83,9 +84,11 @@ class JudgeStats:
             self.ranked.append((reward, check))
 
     def pop(self) -> dict[str, float]:
-        """The step's metrics, then reset; ``JudgeFailedError`` when every call of the step failed."""
-        check_share(f"every judge call of the step failed: the judge at {self.endpoint}", self.calls,
-                    self.errors - self.timeouts, self.timeouts, self.first_error, 1.0, "the step",
+        """The step's metrics, then reset; ``JudgeFailedError`` when the step's failed calls reach ``max_share``."""
+        failed = "every judge call of the step failed" if self.max_share >= 1.0 else \
+            f"at least {self.max_share:g} of the judge calls of the step failed (max_error_share)"
+        check_share(f"{failed}: the judge at {self.endpoint}", self.calls,
+                    self.errors - self.timeouts, self.timeouts, self.first_error, self.max_share, "the step",
                     "check the endpoint (or the judge's model)", JudgeFailedError)
         if self.unparsed and not self.rewards:
             warnings.warn(f"{self.endpoint}: no judge reply of the step had a verdict ({self.unparsed} answers scored 0, "
