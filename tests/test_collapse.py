@@ -136,3 +136,17 @@ def test_a_resumed_monitor_stops_only_on_a_new_event():
     assert not resumed.stop_requested and len(resumed.events) == 1
     _feed(resumed, [{"team/reward": 0.5}, {"team/reward": 0.5}, {"team/reward": 0.1}], start=3)
     assert resumed.stop_requested and resumed.first_breach() == 5
+
+
+def test_rollback_with_rollouts_ahead_serves_the_restored_weights(tiny_cfg, monkeypatch, capsys):
+    """Under ``rollout.max_staleness`` the engines decode with copies of the weights: after a rollback the copy
+    (which the final evaluation decodes with) holds the restored checkpoint, and the producer is stopped."""
+    cfg, trainer, report, rows = _run(tiny_cfg, monkeypatch, "rollback",
+                                      **{"trainer.save_every": 1, "rollout.max_staleness": 1})
+    assert trainer.step == 3 and report["collapse"]["rolled_back_to"] == 1
+    assert trainer.ahead.closed and not trainer.ahead.thread.is_alive()
+    reference = Trainer(cfg)
+    ckpt.load_checkpoint(cfg.run_dir / "checkpoints" / "step_1", reference.policies, load_optimizer=False)
+    restored = reference.policies["shared"].model.state_dict()
+    served = trainer.policies["shared"].engine.inner.model.state_dict()
+    assert served.keys() == restored.keys() and all(torch.equal(served[k], restored[k]) for k in served)

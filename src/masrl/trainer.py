@@ -306,6 +306,8 @@ class Trainer:
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
                     self.save(self.step)
                 if self.collapse.stop_requested:
+                    if self.ahead:  # no batch generated for a step that will not train, none beside the restore
+                        self.ahead.close()
                     end_on_collapse(self)
                     break
             progress.close()
