@@ -63,13 +63,14 @@ def predict(b: dict[str, float]) -> dict[str, float]:
             "rollout_share": b["R"] / (b["R"] + b["U"]) if b["R"] + b["U"] else float("nan")}
 
 
-def runs_under(paths: list[Path]) -> list[Path]:
+def runs_under(paths: list[Path]) -> list[tuple[Path, bool]]:
+    """(run folder, named on the command line); a folder named that is not a run is searched for runs."""
     found = []
     for p in paths:
         if (p / "metrics.jsonl").exists():
-            found.append(p)
+            found.append((p, True))
         else:
-            found.extend(sorted(m.parent for m in p.rglob("metrics.jsonl")))
+            found.extend((m.parent, False) for m in sorted(p.rglob("metrics.jsonl")))
     return found
 
 
@@ -85,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     print("| run | k | R s | U s | O s | T s measured | rollout share | T s predicted, own devices | bound |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for run in runs:
-        b = step_breakdown(run)
+    for run, named in runs:
+        try:
+            b = step_breakdown(run)
+        except ValueError as e:  # a folder found by the search that holds no RL steps (yet): say so, go on
+            if named:
+                raise
+            print(f"skipped: {e}", file=sys.stderr)
+            continue
         p = predict(b) if b["max_staleness"] == 0 else {}
         out.append({"run": str(run), **b, **p})
         name = f"{run.parent.name}/{run.name}" if run.parent.name else run.name

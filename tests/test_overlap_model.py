@@ -41,6 +41,17 @@ def test_off_policy_run_reports_its_wait_and_mean_age(tmp_path, capsys):
     assert len(json.loads((tmp_path / "o.json").read_text())) == 1
 
 
+def test_a_folder_found_without_rl_steps_is_skipped_with_a_line(tmp_path, capsys):
+    _run(tmp_path, "k0", [(3.0, 2.0, 5.5, {}), (3.0, 2.0, 5.5, {})])
+    (tmp_path / "_stash").mkdir()
+    (tmp_path / "_stash" / "metrics.jsonl").write_text(json.dumps({"step": 0, "phase": "eval"}) + "\n")
+    assert om.main([str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "| k0 | 0 |" in captured.out.replace(f"{tmp_path.name}/", "") and "skipped:" in captured.err
+    with pytest.raises(ValueError):  # named on the command line: an error
+        om.main([str(tmp_path / "_stash")])
+
+
 def test_too_few_steps_is_one_clear_error(tmp_path):
     run = _run(tmp_path, "short", [(1.0, 1.0, 2.0, {})])
     with pytest.raises(ValueError, match="fewer than 2 RL steps"):
