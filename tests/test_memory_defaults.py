@@ -6,7 +6,8 @@ V 49152), per-agent LoRA r 16 on q/k/v/o for two agents, float32, prompts sized 
   + L*T*576*9*4 (attention probabilities) + 3*min(T*64//576, 1024)*V*4 (the LM head's chunk);
   T = 1024: 872,939,520 + 637,009,920 + 66,650,112 = 1,576,599,552 bytes, so 1024 needs M >= 12 x that;
 * keys/values per row: 2*30*192*576*4 = 26,542,080 bytes, so 64 rows need M >= 8 x 64 x that;
-* prefix cache: 256 MiB needs M >= 64 x 256 MiB = 16 GiB.
+* the prefix cache: the largest power of two (64..1024 MiB) with weights + LoRA state + activations + keys/values
+  + the cache <= M/6.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from masrl.plan.memory import apply_memory_defaults, choose_memory_defaults, for
 GiB = 2 ** 30
 ACT_1024 = 1024 * 30 * 7104 * 4 + 30 * 1024 * 576 * 9 * 4 + 3 * (1024 * 64 // 576) * 49152 * 4
 KV_ROW = 2 * 30 * 192 * 576 * 4
+MiB = 2 ** 20
+PARAMS = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 49152 * 576 + 576
+LORA = 16 * (2 * (576 + 576) + 2 * (576 + 192)) * 30 * 2  # r 16 on q/k/v/o, 30 layers, 2 agents
+PERSISTENT = (PARAMS + LORA) * 4 + LORA * 4 + 2 * LORA * 4  # weights, LoRA gradients, AdamW moments
+BASE = PERSISTENT + ACT_1024 + 64 * KV_ROW  # the predicted peak without the prefix cache, 1024 tokens, 64 rows
 
 
 def _team(*overrides: str):
@@ -30,23 +36,32 @@ def _chosen(cfg, memory: float) -> dict:
 
 def test_hand_computed_terms():
     assert ACT_1024 == 1_576_599_552 and KV_ROW == 26_542_080
+    assert PARAMS == 134_515_008 and LORA == 3_686_400 and BASE == 3_872_335_104
 
 
-@pytest.mark.parametrize("memory, tokens, rows, prefix", [
-    (23.5 * GiB, 1024, 64, 256),                                  # the 2-core development machine
-    (12 * ACT_1024 - 1, 512, 64, 256),                            # just below 1024 tokens' threshold
-    (12 * ACT_1024, 1024, 64, 256),                               # at it
-    (8 * 64 * KV_ROW - 1, 512, 32, 128),                          # just below 64 rows (12.66 GiB)
-    (16 * GiB, 512, 64, 256),                                     # prefix cache 256 MiB from 16 GiB
-    (16 * GiB - 1, 512, 64, 128),
-    (64 * GiB, 2048, 256, 1024),                                  # 4096 tokens would need 70.5 GiB
+@pytest.mark.parametrize("memory, tokens, rows", [
+    (23.5 * GiB, 1024, 64),                       # the 2-core development machine
+    (12 * ACT_1024 - 1, 512, 64),                 # just below 1024 tokens' threshold (17.62 GiB)
+    (12 * ACT_1024, 1024, 64),                    # at it
+    (8 * 64 * KV_ROW - 1, 512, 32),               # just below 64 rows (12.66 GiB)
+    (64 * GiB, 2048, 256),                        # 4096 tokens would need 70.5 GiB
 ])
-def test_smollm2_team_choices_follow_the_hand_computed_thresholds(memory, tokens, rows, prefix):
+def test_smollm2_team_micro_batch_and_rows_follow_the_hand_computed_thresholds(memory, tokens, rows):
     chosen = _chosen(_team(), memory)
     assert chosen["trainer.micro_batch_tokens"] == tokens
     assert chosen["trainer.max_rollout_batch"] == rows
-    assert chosen["rollout.prefix_cache_mib"] == prefix
-    assert chosen["trainer.tune_malloc"] is True and "policies.smol.gradient_checkpointing" not in chosen
+    assert chosen["policies.smol.gradient_checkpointing"] is False and chosen["trainer.tune_malloc"] is True
+
+
+@pytest.mark.parametrize("memory, prefix", [
+    (6 * (BASE + 256 * MiB), 256),                # 23.14 GiB
+    (6 * (BASE + 256 * MiB) - 1, 128),
+    (6 * (BASE + 128 * MiB), 128),
+    (6 * (BASE + 128 * MiB) - 1, 64),             # and 64 MiB at least, down to 17.62 GiB
+    (12 * ACT_1024, 64),
+])
+def test_the_prefix_cache_fills_what_is_left_of_a_sixth_of_the_machine(memory, prefix):
+    assert _chosen(_team(), memory)["rollout.prefix_cache_mib"] == prefix
 
 
 def test_a_small_machine_gets_checkpointing_and_the_lean_allocator():
@@ -61,14 +76,16 @@ def test_settings_the_user_gives_always_win():
     cfg = _team("trainer.micro_batch_tokens=4096", "rollout.prefix_cache_mib=1024", "trainer.tune_malloc=true",
                 "policies.smol.gradient_checkpointing=false", "trainer.max_rollout_batch=512")
     assert apply_memory_defaults(cfg, 2 * GiB) == []
-    assert (cfg.trainer.micro_batch_tokens, cfg.rollout.prefix_cache_mib, cfg.trainer.tune_malloc,
-            cfg.policies["smol"].gradient_checkpointing, cfg.trainer.max_rollout_batch) == (4096, 1024, True, False, 512)
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, cfg.rollout.prefix_cache_mib, t.tune_malloc,
+            cfg.policies["smol"].gradient_checkpointing, t.max_rollout_batch) == (4096, 1024, True, False, 512)
 
 
 def test_apply_sets_the_choices_and_one_line_names_them():
     cfg = _team()
     choices = apply_memory_defaults(cfg, int(23.5 * GiB))
-    assert (cfg.trainer.micro_batch_tokens, cfg.trainer.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (1024, 64, 256)
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (1024, 64, 256)
     line = format_memory_defaults(choices, int(23.5 * GiB))
     assert line.count("\n") == 0 and "M = 23.5 GiB" in line
     assert "trainer.micro_batch_tokens=1024" in line and "rollout.prefix_cache_mib=256" in line

@@ -10,16 +10,19 @@ what it chose; a setting the config or the command line gives is never changed. 
 * ``trainer.max_rollout_batch`` (rows decoded together per policy): the largest power of two from 16 to 512
   whose keys/values at ``PROMPT_TOKENS`` + the longest ``max_new_tokens`` fit ``M/8``. An evaluation of 200
   episodes decodes them in several calls instead of one.
-* ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB within ``M/64``.
 * ``policies.<p>.gradient_checkpointing``: on for a trainable policy whose update (weights, gradients, AdamW
-  state, activations of the chosen micro-batch) passes ``M/4``.
-* ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5x the step time) when the
-  run's predicted peak (every policy's persistent terms, the largest update's activations, the keys/values
-  and the prefix cache) still passes ``M/4``; else ``true`` (the heap keeps freed memory, ``malloc_trim`` at
-  phase boundaries hands it back between phases).
+  state, activations of the chosen micro-batch) passes ``M/4`` (it costs ~+50 % of a LoRA update's compute).
+* ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB that keeps the run's predicted
+  peak within ``M/6``: every policy's weights, gradients and AdamW state, the largest update's activations,
+  the keys/values of the rows above, and the prefix cache.
+* ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5-1.8x the step time) when that
+  predicted peak still passes ``M/4``; else ``true`` (the heap keeps freed memory, and ``malloc_trim`` at phase
+  boundaries hands it back between phases).
 
-Those fractions keep a run within a quarter of the machine. On GPUs, under Ray or with vLLM only the allocator
-setting is chosen (the others are sized for the accelerator: ``masrl plan``).
+The cheap settings are sized to a sixth of the machine (room for the system, the data and another run), the
+expensive ones come on only past a quarter. The predictions are those of ``masrl plan`` (keys/values sized for
+``PROMPT_TOKENS``-token prompts: an upper bound for short-prompt teams). On GPUs, under Ray or with vLLM only the
+allocator setting is chosen (the others are sized for the accelerator: ``masrl plan``).
 """
 from __future__ import annotations
 
@@ -73,42 +76,40 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
     change ``cfg``."""
     trainer, rollout = cfg.trainer, cfg.rollout
     local_cpu = trainer.device == "cpu" and cfg.runtime.kind != "ray" and rollout.engine == "transformers"
-    choices: list[MemoryChoice] = []
     trainable = [n for n, p in cfg.policies.items() if p.trainable]
     shapes = {n: model_shape(p, policy=n) for n, p in cfg.policies.items()}
     precision = resolve_autocast(trainer.autocast)
-    tokens = trainer.micro_batch_tokens
+    choices: list[MemoryChoice] = []
+    tokens, rows = trainer.micro_batch_tokens, trainer.max_rollout_batch
     if local_cpu and trainable and _unset(trainer, "micro_batch_tokens"):
         per_token = max(_activations(cfg, n, shapes[n], 1024, precision, False) / 1024 for n in trainable)
         tokens = _pow2_at_most(memory / 12 / per_token, 256, 4096)
         choices.append(MemoryChoice("trainer.micro_batch_tokens", tokens,
                                     f"update activations {per_token * tokens / 2**30:.2f} GiB <= M/12"))
-    rows = trainer.max_rollout_batch
     if local_cpu and _unset(trainer, "max_rollout_batch"):
         per_row = max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies)
         rows = _pow2_at_most(memory / 8 / per_row, 16, 512)
         choices.append(MemoryChoice("trainer.max_rollout_batch", rows,
                                     f"keys/values {per_row * rows / 2**30:.2f} GiB <= M/8"))
-    prefix = rollout.prefix_cache_mib
-    if local_cpu and _unset(rollout, "prefix_cache_mib"):
-        prefix = _pow2_at_most(memory / 64 / MiB, 64, 1024)
-        choices.append(MemoryChoice("rollout.prefix_cache_mib", prefix, "<= M/64"))
     checkpointing = {n: bool(cfg.policies[n].gradient_checkpointing) for n in cfg.policies}
     for n in trainable:
-        pcfg = cfg.policies[n]
-        if not local_cpu or not _unset(pcfg, "gradient_checkpointing"):
-            continue
-        update = _persistent(cfg, n) + _activations(cfg, n, shapes[n], tokens, precision, False)
-        checkpointing[n] = update > memory / 4
-        if checkpointing[n]:
-            choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", True,
-                                        f"update {update / 2**30:.2f} GiB > M/4"))
+        if local_cpu and _unset(cfg.policies[n], "gradient_checkpointing"):
+            update = _persistent(cfg, n) + _activations(cfg, n, shapes[n], tokens, precision, False)
+            checkpointing[n] = update > memory / 4
+            choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", checkpointing[n],
+                                        f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
+    base = sum(_persistent(cfg, n) for n in cfg.policies)
+    base += max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable), default=0.0)
+    if local_cpu:
+        base += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows
+    prefix = rollout.prefix_cache_mib if local_cpu else 0.0
+    if local_cpu and _unset(rollout, "prefix_cache_mib"):
+        prefix = _pow2_at_most((memory / 6 - base) / MiB, 64, 1024)
+        choices.append(MemoryChoice("rollout.prefix_cache_mib", prefix,
+                                    f"predicted peak {(base + prefix * MiB) / 2**30:.2f} GiB with it, M/6 "
+                                    f"{memory / 6 / 2**30:.2f}"))
     if _unset(trainer, "tune_malloc"):
-        peak = sum(_persistent(cfg, n) for n in cfg.policies)
-        peak += max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable),
-                    default=0.0)
-        if local_cpu:
-            peak += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows + prefix * MiB
+        peak = base + prefix * MiB
         lean = peak > memory / 4
         choices.append(MemoryChoice("trainer.tune_malloc", "lean" if lean else True,
                                     f"predicted peak {peak / 2**30:.2f} GiB {'>' if lean else '<='} M/4"))
