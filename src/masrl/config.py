@@ -445,7 +445,7 @@ class TrainerConfig(_Strict):
         "above 128 KiB is its own mapping, handed back on free (as MALLOC_MMAP_THRESHOLD_=131072): the least "
         "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults. "
         "With true the trainer hands the heap's free memory back with malloc_trim at its phase boundaries "
-        "(rollout, update, evaluation, SFT)." + _CHOSEN_BY_MEMORY))
+        "(after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

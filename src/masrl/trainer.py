@@ -212,7 +212,6 @@ class Trainer:
         """Stages 1-2 of RL step ``step`` (0-based): sample the tasks and roll out their groups (refilled under
         dynamic sampling); with the reward calls' counts."""
         cfg = self.cfg
-        trim()  # a phase boundary: the update's free heap back to the kernel (masrl.runtime.malloc)
         rng = random.Random(_step_seed(cfg.seed, step, 1))
         batch = rng.sample(self.source.train, min(cfg.trainer.batch_size, len(self.source.train)))
         tasks, groups = repeat_tasks(batch, cfg.trainer.group_size)

@@ -23,9 +23,11 @@ Results are bitwise unchanged (only where memory comes from changes). The cost: 
 freed memory instead of handing it back (its resident set stays near its peak after one), as PyTorch's CUDA
 caching allocator does on a GPU; peaks measured +2-3 % (vs_trl SmolLM2: 4.43 vs 4.33 GB) and +7 % (the
 SmolLM2 team example: 9.14 vs 8.56 GB). So the trainer calls ``trim()`` (glibc's ``malloc_trim(0)``) at its phase
-boundaries (SFT -> evaluation, rollout -> update -> rollout, around each evaluation and checkpoint save): the free
-memory of the heap, at its top and in its middle, goes back to the kernel once per phase, and each phase's peak no
-longer sits on the previous phase's leftovers; inside a phase freed blocks are still reused without page faults.
+boundaries (after SFT, before and after each evaluation, between each rollout and its update): the free memory of
+the heap, at its top and in its middle, goes back to the kernel, so that the next phase's peak does not sit on the
+previous phase's leftovers; inside a phase freed blocks are still reused without page faults. The update's own
+leftovers are not trimmed before the next rollout, which reuses them (a rollout needs less than an update; each
+trim costs the next phase one page fault per 4 KiB it touches again).
 ``trainer.tune_malloc: false`` leaves glibc's defaults.
 
 ``tune_malloc("lean")`` (``trainer.tune_malloc: lean``) does the opposite, for memory: ``M_MMAP_THRESHOLD`` =
