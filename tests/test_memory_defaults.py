@@ -81,6 +81,26 @@ def test_settings_the_user_gives_always_win():
             cfg.policies["smol"].gradient_checkpointing, t.max_rollout_batch) == (4096, 1024, True, False, 512)
 
 
+def test_memory_defaults_false_keeps_the_fixed_defaults():
+    cfg = _team("trainer.memory_defaults=false")
+    assert apply_memory_defaults(cfg, 2 * GiB) == []
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (4096, 512, 1024)
+
+
+def test_masrl_train_applies_them_before_building_and_says_so(monkeypatch, capsys):
+    import masrl.plan.memory as memory
+    from masrl import cli
+
+    monkeypatch.setattr(memory, "machine_memory", lambda: int(23.5 * GiB))
+    cfg = _team("trainer.max_rollout_batch=128")
+    cli._memory_defaults(cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[masrl] memory defaults for M = 23.5 GiB")
+    assert "trainer.micro_batch_tokens=1024" in err and "max_rollout_batch" not in err
+    assert cfg.trainer.micro_batch_tokens == 1024 and cfg.trainer.max_rollout_batch == 128
+
+
 def test_apply_sets_the_choices_and_one_line_names_them():
     cfg = _team()
     choices = apply_memory_defaults(cfg, int(23.5 * GiB))

@@ -446,6 +446,10 @@ class TrainerConfig(_Strict):
         "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults. "
         "With true the trainer hands the heap's free memory back with malloc_trim at its phase boundaries "
         "(after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
+    memory_defaults: bool = Field(True, description=(
+        "masrl train chooses the memory settings the config leaves unset (micro_batch_tokens, max_rollout_batch, "
+        "rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the machine's memory, "
+        "one line says what (masrl.plan.memory); false: their fixed defaults, the same on every machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

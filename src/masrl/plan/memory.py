@@ -1,7 +1,8 @@
 """Memory defaults: the settings a config leaves unset, chosen from the models' shapes and the machine's memory.
 
 ``masrl train`` applies them before it builds a model (``apply_memory_defaults``) and prints one line saying
-what it chose; a setting the config or the command line gives is never changed. With ``M`` the machine's memory
+what it chose; a setting the config or the command line gives is never changed, and ``trainer.memory_defaults:
+false`` keeps every fixed default (the same run on every machine). With ``M`` the machine's memory
 (``MemTotal``, or the cgroup's limit when lower), on a CPU run with the in-process engine:
 
 * ``trainer.micro_batch_tokens``: the largest power of two from 256 to 4096 whose update activations
@@ -140,6 +141,8 @@ def _kv_per_row(cfg, name: str, shape: ModelShape) -> float:
 
 def apply_memory_defaults(cfg, memory: int | None = None) -> list[MemoryChoice]:
     """Set the choices of ``choose_memory_defaults`` on ``cfg`` (for this machine's memory unless given)."""
+    if not cfg.trainer.memory_defaults:
+        return []
     memory = machine_memory() if memory is None else memory
     choices = choose_memory_defaults(cfg, memory)
     for c in choices:
