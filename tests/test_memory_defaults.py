@@ -117,6 +117,12 @@ def test_the_tiny_quickstart_keeps_its_update_and_decode_sizes():
     assert chosen["trainer.micro_batch_tokens"] == 4096 and chosen["trainer.max_rollout_batch"] == 512
 
 
-def test_gpu_runs_get_only_the_allocator_choice():
-    chosen = _chosen(_team("trainer.device=cuda"), 8 * GiB)
-    assert set(chosen) == {"trainer.tune_malloc"}
+def test_gpu_runs_keep_the_fixed_defaults():
+    assert _chosen(_team("trainer.device=cuda"), 8 * GiB) == {}
+
+
+def test_a_model_whose_shape_is_not_at_hand_keeps_the_fixed_defaults(tmp_path):
+    cfg = _team(f"policies.smol.model={tmp_path}")  # a folder without config.json
+    with pytest.warns(UserWarning, match="memory defaults: not chosen"):
+        assert apply_memory_defaults(cfg, 2 * GiB) == []
+    assert cfg.trainer.micro_batch_tokens == 4096

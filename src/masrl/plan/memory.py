@@ -22,15 +22,18 @@ false`` keeps every fixed default (the same run on every machine). With ``M`` th
 
 The cheap settings are sized to a sixth of the machine (room for the system, the data and another run), the
 expensive ones come on only past a quarter. The predictions are those of ``masrl plan`` (keys/values sized for
-``PROMPT_TOKENS``-token prompts: an upper bound for short-prompt teams). On GPUs, under Ray or with vLLM only the
-allocator setting is chosen (the others are sized for the accelerator: ``masrl plan``).
+``PROMPT_TOKENS``-token prompts: an upper bound for short-prompt teams). On GPUs, under Ray or with vLLM the
+fixed defaults stay (sized for the accelerator: ``masrl plan``), as they do for a model whose config.json is not at
+hand (a warning says so).
 """
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from masrl.errors import UserInputError
 from masrl.models.precision import resolve_autocast
 from masrl.plan import _BYTES, activation_bytes, model_shape, plan_policy
 from masrl.plan.shapes import ModelShape
@@ -77,34 +80,39 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
     change ``cfg``."""
     trainer, rollout = cfg.trainer, cfg.rollout
     local_cpu = trainer.device == "cpu" and cfg.runtime.kind != "ray" and rollout.engine == "transformers"
+    if not local_cpu:
+        return []
     trainable = [n for n, p in cfg.policies.items() if p.trainable]
-    shapes = {n: model_shape(p, policy=n) for n, p in cfg.policies.items()}
+    try:
+        shapes = {n: model_shape(p, policy=n) for n, p in cfg.policies.items()}
+    except UserInputError as e:  # a model whose config.json is not at hand: the fixed defaults (its load says why)
+        warnings.warn(f"memory defaults: not chosen, the fixed defaults stay ({e})", stacklevel=2)
+        return []
     precision = resolve_autocast(trainer.autocast)
     choices: list[MemoryChoice] = []
     tokens, rows = trainer.micro_batch_tokens, trainer.max_rollout_batch
-    if local_cpu and trainable and _unset(trainer, "micro_batch_tokens"):
+    if trainable and _unset(trainer, "micro_batch_tokens"):
         per_token = max(_activations(cfg, n, shapes[n], 1024, precision, False) / 1024 for n in trainable)
         tokens = _pow2_at_most(memory / 12 / per_token, 256, 4096)
         choices.append(MemoryChoice("trainer.micro_batch_tokens", tokens,
                                     f"update activations {per_token * tokens / 2**30:.2f} GiB <= M/12"))
-    if local_cpu and _unset(trainer, "max_rollout_batch"):
+    if _unset(trainer, "max_rollout_batch"):
         per_row = max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies)
         rows = _pow2_at_most(memory / 8 / per_row, 16, 512)
         choices.append(MemoryChoice("trainer.max_rollout_batch", rows,
                                     f"keys/values {per_row * rows / 2**30:.2f} GiB <= M/8"))
     checkpointing = {n: bool(cfg.policies[n].gradient_checkpointing) for n in cfg.policies}
     for n in trainable:
-        if local_cpu and _unset(cfg.policies[n], "gradient_checkpointing"):
+        if _unset(cfg.policies[n], "gradient_checkpointing"):
             update = _persistent(cfg, n) + _activations(cfg, n, shapes[n], tokens, precision, False)
             checkpointing[n] = update > memory / 4
             choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", checkpointing[n],
                                         f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
     base = sum(_persistent(cfg, n) for n in cfg.policies)
     base += max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable), default=0.0)
-    if local_cpu:
-        base += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows
-    prefix = rollout.prefix_cache_mib if local_cpu else 0.0
-    if local_cpu and _unset(rollout, "prefix_cache_mib"):
+    base += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows
+    prefix = rollout.prefix_cache_mib
+    if _unset(rollout, "prefix_cache_mib"):
         prefix = _pow2_at_most((memory / 6 - base) / MiB, 64, 1024)
         choices.append(MemoryChoice("rollout.prefix_cache_mib", prefix,
                                     f"predicted peak {(base + prefix * MiB) / 2**30:.2f} GiB with it, M/6 "
