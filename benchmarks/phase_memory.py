@@ -6,7 +6,8 @@ runs ``masrl train`` in this process with the trainer's phases wrapped: before e
 mark (``VmHWM``) is reset (``echo 5 > /proc/self/clear_refs``, Linux), after it the phase's peak and the resident
 set at its end are printed as one line (``[phase] NAME peak MiB / end MiB / seconds / CPU s``) and appended to
 RUN/phase_memory.jsonl. ``--limit-mib``: the process ends itself (exit 3) when its resident set passes that many
-MiB, checked every 0.1 s, so that a trial stays within a shared machine's memory.
+MiB, checked every 0.1 s, so that a trial stays within a shared machine's memory. ``--trim``: ``malloc_trim(0)``
+before every phase as well (the trainer itself trims at its phase boundaries under ``trainer.tune_malloc: true``).
 """
 from __future__ import annotations
 
