@@ -18,6 +18,9 @@ import torch
 if sys.argv[1] == "tuned":
     from masrl.runtime.malloc import tune_malloc
     assert tune_malloc()["M_MMAP_MAX"] == 0
+if sys.argv[1] == "trim":
+    from masrl.runtime.malloc import tune_malloc, trim
+    tune_malloc()
 if sys.argv[1] == "lean":
     from masrl.runtime.malloc import tune_malloc
     assert tune_malloc("lean")["M_MMAP_THRESHOLD"] == 128 << 10
@@ -36,6 +39,8 @@ rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 acts = [torch.full((8, 132, 576), 1.0) for _ in range(200)]  # 480 MiB of activations
 before = rss()
 acts = acts[::4]  # free 3 of every 4 (360 MiB); the ones kept sit between the freed ones
+if sys.argv[1] == "trim":
+    out["trimmed"] = trim()
 out["returned_mib"] = before - rss()
 print(json.dumps(out))
 """
@@ -71,6 +76,52 @@ def test_lean_malloc_hands_freed_activations_back_to_the_kernel():
     assert lean["returned_mib"] > 330, lean
     assert tuned["returned_mib"] < 50 and default["returned_mib"] < 50, (tuned, default)
     assert lean["medium"] > 0.9 * pages_medium and lean["large"] > 0.9 * 6000 * 2048 * 4 / 4096, lean
+
+
+@glibc
+def test_trim_hands_the_fast_heaps_free_memory_back_between_phases():
+    """The fast heap keeps the holes between live tensors (above); ``trim()`` at a phase boundary hands them back
+    (``malloc_trim(0)``), and inside a phase freed blocks are still reused without page faults."""
+    trimmed = _probe("trim")
+    assert trimmed["trimmed"] is True and trimmed["returned_mib"] > 330, trimmed
+    pages_medium = 8 * 132 * 576 * 4 / 4096 * 2
+    assert trimmed["medium"] < 0.02 * pages_medium and trimmed["large"] < 0.02 * 6000 * 2048 * 4 / 4096, trimmed
+
+
+def test_trim_does_nothing_outside_the_fast_mode(monkeypatch):
+    for applied in (None, {"mode": "lean"}):
+        monkeypatch.setattr(malloc, "_applied", applied)
+        assert malloc.trim() is False
+
+
+@glibc
+def test_trimming_at_phase_boundaries_leaves_a_run_bitwise_the_same(tmp_path, monkeypatch):
+    """The tiny team, SFT + 2 RL steps + both evaluations, with and without ``trim()`` at the trainer's phase
+    boundaries (the fast mode applied in this process): every logged value but times and memory equal."""
+    import json
+
+    import masrl.trainer as trainer_mod
+    from masrl.config import load_config
+
+    if malloc.tune_malloc()["mode"] != "fast":
+        pytest.skip("this process runs another allocator mode")
+    real_trim, calls = malloc.trim, []
+
+    def runs(trim_fn, name):
+        monkeypatch.setattr(trainer_mod, "trim", trim_fn)
+        cfg = load_config("examples/quickstart.yaml", [
+            "sft.steps=2", "sft.batch_size=8", "trainer.total_steps=2", "trainer.batch_size=2", "trainer.group_size=2",
+            "eval.limit=2", "eval.n=2", "trainer.threads=1", f"output_dir={tmp_path / name}"])
+        with trainer_mod.Trainer(cfg, progress=False) as t:
+            t.fit()
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith("perf/") and "seconds" not in k and "time" not in k}
+                for r in rows]
+
+    plain = runs(lambda: False, "plain")
+    trimmed = runs(lambda: calls.append(1) or real_trim(), "trimmed")
+    assert len(calls) == 7  # after SFT, before and after each of the 2 evaluations, before each of the 2 updates
+    assert trimmed == plain
 
 
 def test_an_unknown_mode_is_refused():

@@ -42,6 +42,10 @@ def _bool_in_number_slot(annotation: Any, value: Any) -> bool:
     return False
 
 
+_CHOSEN_BY_MEMORY = (" `masrl train` chooses it from the model and the machine's memory when the config leaves it "
+                     "unset (masrl.plan.memory; one line says what)")
+
+
 class _Strict(BaseModel):
     """Unknown keys are errors; NaN/inf are not numbers; neither are booleans (YAML 1.1 reads
     ``on``/``off``/``yes``/``no`` as booleans, which pydantic would take as 1/0)."""
@@ -171,7 +175,9 @@ class PolicyConfig(_Strict):
                                                                            "(None: the run's seed)")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description=(
         "extra arguments of the tokenizer's chat template (Qwen3: {enable_thinking: false})"))
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (memory for time)")
+    gradient_checkpointing: bool = Field(False, description=(
+        "recompute activations in backward (memory for time, ~+50 % of a LoRA update's compute);"
+        + _CHOSEN_BY_MEMORY))
 
     @model_validator(mode="after")
     def _tiny_has_its_own_tokenizer(self):
@@ -349,7 +355,7 @@ class RolloutConfig(_Strict):
     prefix_cache_mib: float = Field(1024.0, gt=0.0, description=(
         "memory for the stored keys/values per policy; the size decides which prefixes are reused, and a reused "
         "prefix's keys/values differ from a recomputed one's by float rounding, so another size can change the "
-        "sampled tokens (not bitwise the same run)"))
+        "sampled tokens (not bitwise the same run);" + _CHOSEN_BY_MEMORY))
     continuous_batching: bool = Field(False, description=(
         "transformers engine: one running decode batch per policy that admits each agent call as its episode "
         "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "
@@ -410,7 +416,8 @@ class TrainerConfig(_Strict):
     minibatches: int = Field(1, gt=0, description="optimizer steps per epoch (the turns split in this many parts)")
     micro_batch_tokens: int = Field(4096, gt=0, description=(
         "padded tokens (rows x longest row) per forward/backward micro-batch; on the CPU quickstart 4096 takes "
-        "0.75-0.84x the update time of 16384 and 0.8-0.9 GB instead of 1.5-1.6 GB peak RSS (benchmarks/RESULTS.md)"))
+        "0.75-0.84x the update time of 16384 and 0.8-0.9 GB instead of 1.5-1.6 GB peak RSS (benchmarks/RESULTS.md);"
+        + _CHOSEN_BY_MEMORY))
     logprob_chunk_tokens: int = Field(1024, ge=0, description=(
         "> 0: the update, old/reference log-prob passes and SFT compute response-token log-probs and entropy "
         "from the last hidden states, this many tokens at a time (LM head, log-softmax and gather per chunk; "
@@ -436,12 +443,20 @@ class TrainerConfig(_Strict):
         "instead of a fresh mmap per large tensor that is faulted in page by page (a SmolLM2-135M update: ~360k "
         "-> ~3.5k page faults, 8.1 -> 5.6 CPU s); the heap stays near its high-water mark. lean: every block "
         "above 128 KiB is its own mapping, handed back on free (as MALLOC_MMAP_THRESHOLD_=131072): the least "
-        "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults"))
+        "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults. "
+        "With true the trainer hands the heap's free memory back with malloc_trim at its phase boundaries "
+        "(after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
+    memory_defaults: bool = Field(True, description=(
+        "masrl train chooses the memory settings the config leaves unset (micro_batch_tokens, max_rollout_batch, "
+        "rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the machine's memory, "
+        "one line says what (masrl.plan.memory); false: their fixed defaults, the same on every machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")
     skip_nonfinite: bool = Field(True, description="skip an optimizer step whose gradient is NaN/inf")
-    max_rollout_batch: int = Field(512, gt=0, description="most sequences decoded together per policy")
+    max_rollout_batch: int = Field(512, gt=0, description=(
+        "most sequences decoded together per policy (an engine call with more decodes them in several batches);"
+        + _CHOSEN_BY_MEMORY))
     autocast: Optional[Literal["auto", "bfloat16", "float16", "float32"]] = Field("auto", description=(
         "mixed precision for the update's forward/backward (torch.autocast; float32 master weights, "
         "gradients and optimizer state, loss math in float32). auto: bfloat16 on a CUDA device with native "

@@ -43,7 +43,7 @@ from masrl.rollout.versioned import RolloutsAhead
 from masrl.team_runner import TeamRunner
 from masrl.training import checkpoint as ckpt
 from masrl.runtime import WorkerGroupError
-from masrl.runtime.malloc import tune_malloc
+from masrl.runtime.malloc import trim, tune_malloc
 from masrl.training.batch_select import BatchSelector, agent_ids, shape_scores
 from masrl.training.conversation import merge_extending_rows
 from masrl.training.sft import collect_demonstrations
@@ -147,6 +147,7 @@ class Trainer:
         rows = {name: rows[name] for name, policy in self.policies.items() if policy.cfg.trainable and rows.get(name)}
         if self.cfg.trainer.merge_conversations:  # an agent's extending turns as one sequence (tool output masked)
             rows = {name: merge_extending_rows(r) for name, r in rows.items()}
+        trim()  # a phase boundary: the rollout's free heap back to the kernel (masrl.runtime.malloc)
         return self.runtime.update(self.policies, rows, step=self.step, guard=self.spikes.guard,
                                    track_kl=self.cfg.monitoring.kl_to_base)
 
@@ -173,9 +174,11 @@ class Trainer:
         """The held-out split and every ``eval.benches`` benchmark (``TeamRunner.evaluate``, as ``masrl
         eval``). Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's."""
         ecfg = self.cfg.eval
+        trim()  # phase boundaries, before and after (masrl.runtime.malloc)
         with self.ahead.pause() if self.ahead else contextlib.nullcontext():  # no batch generated meanwhile
             results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,
                                          seed=_step_seed(self.cfg.seed, 0, 99))
+        trim()
         self.history[label] = results["test"]
         return {f"eval/{bench}/{k}": v for bench, summary in results.items() for k, v in summary.items()}
 
@@ -203,6 +206,7 @@ class Trainer:
 
         self.runtime.sft(self.policies, rows, on_step=on_step)
         progress.close()
+        trim()
 
     def collect(self, step: int) -> tuple[list[Episode], object]:
         """Stages 1-2 of RL step ``step`` (0-based): sample the tasks and roll out their groups (refilled under

@@ -1,0 +1,170 @@
+"""Memory defaults: the settings a config leaves unset, chosen from the models' shapes and the machine's memory.
+
+``masrl train`` applies them before it builds a model (``apply_memory_defaults``) and prints one line saying
+what it chose; a setting the config or the command line gives is never changed, and ``trainer.memory_defaults:
+false`` keeps every fixed default (the same run on every machine). With ``M`` the machine's memory
+(``MemTotal``, or the cgroup's limit when lower), on a CPU run with the in-process engine:
+
+* ``trainer.micro_batch_tokens``: the largest power of two from 256 to 4096 whose update activations
+  (``masrl.plan.activation_bytes``, the largest trainable policy, without checkpointing) fit ``M/12``. The
+  update's activations grow with the micro-batch, its speed hardly does past a few hundred tokens.
+* ``trainer.max_rollout_batch`` (rows decoded together per policy): the largest power of two from 16 to 512
+  whose keys/values at ``PROMPT_TOKENS`` + the longest ``max_new_tokens`` fit ``M/8``. An evaluation of 200
+  episodes decodes them in several calls instead of one.
+* ``policies.<p>.gradient_checkpointing``: on for a trainable policy whose update (weights, gradients, AdamW
+  state, activations of the chosen micro-batch) passes ``M/4`` (it costs ~+50 % of a LoRA update's compute).
+* ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB that keeps the run's predicted
+  peak within ``M/6``: every policy's weights, gradients and AdamW state, the largest update's activations,
+  the keys/values of the rows above, and the prefix cache.
+* ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5-1.8x the step time) when that
+  predicted peak still passes ``M/4``; else ``true`` (the heap keeps freed memory, and ``malloc_trim`` at phase
+  boundaries hands it back between phases).
+
+The cheap settings are sized to a sixth of the machine (room for the system, the data and another run), the
+expensive ones come on only past a quarter. The predictions are those of ``masrl plan`` (keys/values sized for
+``PROMPT_TOKENS``-token prompts: an upper bound for short-prompt teams). On GPUs, under Ray or with vLLM the
+fixed defaults stay (sized for the accelerator: ``masrl plan``), as they do for a model whose config.json is not at
+hand (a warning says so).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from masrl.errors import UserInputError
+from masrl.models.precision import resolve_autocast
+from masrl.plan import _BYTES, activation_bytes, model_shape, plan_policy
+from masrl.plan.shapes import ModelShape
+
+PROMPT_TOKENS = 512  # prompt length the keys/values are sized for (as ``masrl plan --prompt-tokens``)
+MiB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    key: str  # dotted config key
+    value: Any
+    why: str
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: ``MemTotal``, or the cgroup's ``memory.max`` when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total
+
+
+def _pow2_at_most(limit: float, low: int, high: int) -> int:
+    """The largest power of two in ``low..high`` that is <= ``limit`` (``low`` when none is)."""
+    value = high
+    while value > low and value > limit:
+        value //= 2
+    return value
+
+
+def _unset(section, key: str) -> bool:
+    return key not in section.model_fields_set
+
+
+def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
+    """The settings ``cfg`` leaves unset, chosen for a machine of ``memory`` bytes (the rules above). Does not
+    change ``cfg``."""
+    trainer, rollout = cfg.trainer, cfg.rollout
+    local_cpu = trainer.device == "cpu" and cfg.runtime.kind != "ray" and rollout.engine == "transformers"
+    if not local_cpu:
+        return []
+    trainable = [n for n, p in cfg.policies.items() if p.trainable]
+    try:
+        shapes = {n: model_shape(p, policy=n) for n, p in cfg.policies.items()}
+    except UserInputError as e:  # a model whose config.json is not at hand: the fixed defaults (its load says why)
+        warnings.warn(f"memory defaults: not chosen, the fixed defaults stay ({e})", stacklevel=2)
+        return []
+    precision = resolve_autocast(trainer.autocast)
+    choices: list[MemoryChoice] = []
+    tokens, rows = trainer.micro_batch_tokens, trainer.max_rollout_batch
+    if trainable and _unset(trainer, "micro_batch_tokens"):
+        per_token = max(_activations(cfg, n, shapes[n], 1024, precision, False) / 1024 for n in trainable)
+        tokens = _pow2_at_most(memory / 12 / per_token, 256, 4096)
+        choices.append(MemoryChoice("trainer.micro_batch_tokens", tokens,
+                                    f"update activations {per_token * tokens / 2**30:.2f} GiB <= M/12"))
+    if _unset(trainer, "max_rollout_batch"):
+        per_row = max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies)
+        rows = _pow2_at_most(memory / 8 / per_row, 16, 512)
+        choices.append(MemoryChoice("trainer.max_rollout_batch", rows,
+                                    f"keys/values {per_row * rows / 2**30:.2f} GiB <= M/8"))
+    checkpointing = {n: bool(cfg.policies[n].gradient_checkpointing) for n in cfg.policies}
+    for n in trainable:
+        if _unset(cfg.policies[n], "gradient_checkpointing"):
+            update = _persistent(cfg, n) + _activations(cfg, n, shapes[n], tokens, precision, False)
+            checkpointing[n] = update > memory / 4
+            choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", checkpointing[n],
+                                        f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
+    base = sum(_persistent(cfg, n) for n in cfg.policies)
+    base += max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable), default=0.0)
+    base += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows
+    prefix = rollout.prefix_cache_mib
+    if _unset(rollout, "prefix_cache_mib"):
+        prefix = _pow2_at_most((memory / 6 - base) / MiB, 64, 1024)
+        choices.append(MemoryChoice("rollout.prefix_cache_mib", prefix,
+                                    f"predicted peak {(base + prefix * MiB) / 2**30:.2f} GiB with it, M/6 "
+                                    f"{memory / 6 / 2**30:.2f}"))
+    if _unset(trainer, "tune_malloc"):
+        peak = base + prefix * MiB
+        lean = peak > memory / 4
+        choices.append(MemoryChoice("trainer.tune_malloc", "lean" if lean else True,
+                                    f"predicted peak {peak / 2**30:.2f} GiB {'>' if lean else '<='} M/4"))
+    return choices
+
+
+def _persistent(cfg, name: str) -> float:
+    terms = plan_policy(cfg, name, PROMPT_TOKENS, cuda=False).terms
+    return terms["weights"] + terms["grads"] + terms["optimizer"]
+
+
+def _activations(cfg, name: str, shape: ModelShape, tokens: int, precision: str | None, ckpt: bool) -> float:
+    pcfg = cfg.policies[name]
+    act_b = _BYTES[precision] if precision else _BYTES[pcfg.dtype]
+    seq = PROMPT_TOKENS + _max_new(cfg, name)
+    targets = list(pcfg.lora.target_modules) if pcfg.lora else None
+    return activation_bytes(shape, tokens, seq, tokens * _max_new(cfg, name) // seq, act_b, ckpt, True, targets,
+                            cfg.trainer.logprob_chunk_tokens)
+
+
+def _max_new(cfg, name: str) -> int:
+    return max((a.max_new_tokens for a in cfg.agents.values() if a.policy == name), default=256)
+
+
+def _kv_per_row(cfg, name: str, shape: ModelShape) -> float:
+    return 2 * shape.layers * shape.kv_dim * (PROMPT_TOKENS + _max_new(cfg, name)) * _BYTES[cfg.policies[name].dtype]
+
+
+def apply_memory_defaults(cfg, memory: int | None = None) -> list[MemoryChoice]:
+    """Set the choices of ``choose_memory_defaults`` on ``cfg`` (for this machine's memory unless given)."""
+    if not cfg.trainer.memory_defaults:
+        return []
+    memory = machine_memory() if memory is None else memory
+    choices = choose_memory_defaults(cfg, memory)
+    for c in choices:
+        *path, key = c.key.split(".")
+        section = cfg
+        for part in path:
+            section = section[part] if isinstance(section, dict) else getattr(section, part)
+        setattr(section, key, c.value)
+    return choices
+
+
+def format_memory_defaults(choices: list[MemoryChoice], memory: int) -> str:
+    """One line: ``[masrl] memory defaults for M = 23.4 GiB: key value (why), ...``."""
+    if not choices:
+        return ""
+    items = ", ".join(f"{c.key}={str(c.value).lower()} ({c.why})" for c in choices)
+    return f"[masrl] memory defaults for M = {memory / 2**30:.1f} GiB (unset settings; set one to override): {items}"

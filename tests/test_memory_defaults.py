@@ -1,0 +1,128 @@
+"""masrl.plan.memory: the memory settings a config leaves unset, chosen from the model and the machine's memory.
+
+The thresholds below are computed by hand for SmolLM2-135M (h 576, L 30, 9 heads, 3 kv heads of 64, i 1536,
+V 49152), per-agent LoRA r 16 on q/k/v/o for two agents, float32, prompts sized 512 + 64 tokens:
+* activations of T tokens: T*L*(5h + 2k + 2.5i)*4 (LoRA on attention only: 7,104 values per layer and token)
+  + L*T*576*9*4 (attention probabilities) + 3*min(T*64//576, 1024)*V*4 (the LM head's chunk);
+  T = 1024: 872,939,520 + 637,009,920 + 66,650,112 = 1,576,599,552 bytes, so 1024 needs M >= 12 x that;
+* keys/values per row: 2*30*192*576*4 = 26,542,080 bytes, so 64 rows need M >= 8 x 64 x that;
+* the prefix cache: the largest power of two (64..1024 MiB) with weights + LoRA state + activations + keys/values
+  + the cache <= M/6.
+"""
+from __future__ import annotations
+
+import pytest
+
+from masrl.config import load_config
+from masrl.plan.memory import apply_memory_defaults, choose_memory_defaults, format_memory_defaults
+
+GiB = 2 ** 30
+ACT_1024 = 1024 * 30 * 7104 * 4 + 30 * 1024 * 576 * 9 * 4 + 3 * (1024 * 64 // 576) * 49152 * 4
+KV_ROW = 2 * 30 * 192 * 576 * 4
+MiB = 2 ** 20
+PARAMS = 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536 + 2 * 576) + 49152 * 576 + 576
+LORA = 16 * (2 * (576 + 576) + 2 * (576 + 192)) * 30 * 2  # r 16 on q/k/v/o, 30 layers, 2 agents
+PERSISTENT = (PARAMS + LORA) * 4 + LORA * 4 + 2 * LORA * 4  # weights, LoRA gradients, AdamW moments
+BASE = PERSISTENT + ACT_1024 + 64 * KV_ROW  # the predicted peak without the prefix cache, 1024 tokens, 64 rows
+
+
+def _team(*overrides: str):
+    return load_config("examples/smollm2_arith_team.yaml", ["trainer.autocast=float32", *overrides])
+
+
+def _chosen(cfg, memory: float) -> dict:
+    return {c.key: c.value for c in choose_memory_defaults(cfg, int(memory))}
+
+
+def test_hand_computed_terms():
+    assert ACT_1024 == 1_576_599_552 and KV_ROW == 26_542_080
+    assert PARAMS == 134_515_008 and LORA == 3_686_400 and BASE == 3_872_335_104
+
+
+@pytest.mark.parametrize("memory, tokens, rows", [
+    (23.5 * GiB, 1024, 64),                       # the 2-core development machine
+    (12 * ACT_1024 - 1, 512, 64),                 # just below 1024 tokens' threshold (17.62 GiB)
+    (12 * ACT_1024, 1024, 64),                    # at it
+    (8 * 64 * KV_ROW - 1, 512, 32),               # just below 64 rows (12.66 GiB)
+    (64 * GiB, 2048, 256),                        # 4096 tokens would need 70.5 GiB
+])
+def test_smollm2_team_micro_batch_and_rows_follow_the_hand_computed_thresholds(memory, tokens, rows):
+    chosen = _chosen(_team(), memory)
+    assert chosen["trainer.micro_batch_tokens"] == tokens
+    assert chosen["trainer.max_rollout_batch"] == rows
+    assert chosen["policies.smol.gradient_checkpointing"] is False and chosen["trainer.tune_malloc"] is True
+
+
+@pytest.mark.parametrize("memory, prefix", [
+    (6 * (BASE + 256 * MiB), 256),                # 23.14 GiB
+    (6 * (BASE + 256 * MiB) - 1, 128),
+    (6 * (BASE + 128 * MiB), 128),
+    (6 * (BASE + 128 * MiB) - 1, 64),             # and 64 MiB at least, down to 17.62 GiB
+    (12 * ACT_1024, 64),
+])
+def test_the_prefix_cache_fills_what_is_left_of_a_sixth_of_the_machine(memory, prefix):
+    assert _chosen(_team(), memory)["rollout.prefix_cache_mib"] == prefix
+
+
+def test_a_small_machine_gets_checkpointing_and_the_lean_allocator():
+    # 2 GiB: 256-token micro-batches, and the update (weights 0.55 GB + LoRA state + activations) passes M/4
+    chosen = _chosen(_team(), 2 * GiB)
+    assert chosen["trainer.micro_batch_tokens"] == 256
+    assert chosen["policies.smol.gradient_checkpointing"] is True
+    assert chosen["trainer.tune_malloc"] == "lean"
+
+
+def test_settings_the_user_gives_always_win():
+    cfg = _team("trainer.micro_batch_tokens=4096", "rollout.prefix_cache_mib=1024", "trainer.tune_malloc=true",
+                "policies.smol.gradient_checkpointing=false", "trainer.max_rollout_batch=512")
+    assert apply_memory_defaults(cfg, 2 * GiB) == []
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, cfg.rollout.prefix_cache_mib, t.tune_malloc,
+            cfg.policies["smol"].gradient_checkpointing, t.max_rollout_batch) == (4096, 1024, True, False, 512)
+
+
+def test_memory_defaults_false_keeps_the_fixed_defaults():
+    cfg = _team("trainer.memory_defaults=false")
+    assert apply_memory_defaults(cfg, 2 * GiB) == []
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (4096, 512, 1024)
+
+
+def test_masrl_train_applies_them_before_building_and_says_so(monkeypatch, capsys):
+    import masrl.plan.memory as memory
+    from masrl import cli
+
+    monkeypatch.setattr(memory, "machine_memory", lambda: int(23.5 * GiB))
+    cfg = _team("trainer.max_rollout_batch=128")
+    cli._memory_defaults(cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[masrl] memory defaults for M = 23.5 GiB")
+    assert "trainer.micro_batch_tokens=1024" in err and "max_rollout_batch" not in err
+    assert cfg.trainer.micro_batch_tokens == 1024 and cfg.trainer.max_rollout_batch == 128
+
+
+def test_apply_sets_the_choices_and_one_line_names_them():
+    cfg = _team()
+    choices = apply_memory_defaults(cfg, int(23.5 * GiB))
+    t = cfg.trainer
+    assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (1024, 64, 256)
+    line = format_memory_defaults(choices, int(23.5 * GiB))
+    assert line.count("\n") == 0 and "M = 23.5 GiB" in line
+    assert "trainer.micro_batch_tokens=1024" in line and "rollout.prefix_cache_mib=256" in line
+    assert apply_memory_defaults(cfg, int(23.5 * GiB)) == []  # all set now: a second pass changes nothing
+
+
+def test_the_tiny_quickstart_keeps_its_update_and_decode_sizes():
+    chosen = _chosen(load_config("examples/quickstart.yaml", ["trainer.autocast=float32"]), 23.5 * GiB)
+    assert chosen["trainer.micro_batch_tokens"] == 4096 and chosen["trainer.max_rollout_batch"] == 512
+
+
+def test_gpu_runs_keep_the_fixed_defaults():
+    assert _chosen(_team("trainer.device=cuda"), 8 * GiB) == {}
+
+
+def test_a_model_whose_shape_is_not_at_hand_keeps_the_fixed_defaults(tmp_path):
+    cfg = _team(f"policies.smol.model={tmp_path}")  # a folder without config.json
+    with pytest.warns(UserWarning, match="memory defaults: not chosen"):
+        assert apply_memory_defaults(cfg, 2 * GiB) == []
+    assert cfg.trainer.micro_batch_tokens == 4096
