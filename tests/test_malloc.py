@@ -111,7 +111,8 @@ def test_trimming_at_phase_boundaries_leaves_a_run_bitwise_the_same(tmp_path, mo
         monkeypatch.setattr(trainer_mod, "trim", trim_fn)
         cfg = load_config("examples/quickstart.yaml", [
             "sft.steps=2", "sft.batch_size=8", "trainer.total_steps=2", "trainer.batch_size=2", "trainer.group_size=2",
-            "eval.limit=2", "eval.n=2", "trainer.threads=1", f"output_dir={tmp_path / name}"])
+            "eval.limit=2", "eval.n=2", "trainer.threads=1", "trainer.memory_defaults=true",
+            f"output_dir={tmp_path / name}"])
         with trainer_mod.Trainer(cfg, progress=False) as t:
             t.fit()
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]

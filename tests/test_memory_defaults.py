@@ -27,7 +27,8 @@ BASE = PERSISTENT + ACT_1024 + 64 * KV_ROW  # the predicted peak without the pre
 
 
 def _team(*overrides: str):
-    return load_config("examples/smollm2_arith_team.yaml", ["trainer.autocast=float32", *overrides])
+    return load_config("examples/smollm2_arith_team.yaml", ["trainer.autocast=float32", "trainer.memory_defaults=true",
+                                                             *overrides])
 
 
 def _chosen(cfg, memory: float) -> dict:
@@ -84,6 +85,7 @@ def test_settings_the_user_gives_always_win():
 def test_memory_defaults_false_keeps_the_fixed_defaults():
     cfg = _team("trainer.memory_defaults=false")
     assert apply_memory_defaults(cfg, 2 * GiB) == []
+    assert apply_memory_defaults(load_config("examples/smollm2_arith_team.yaml"), 2 * GiB) == []  # off by default
     t = cfg.trainer
     assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (4096, 512, 1024)
 

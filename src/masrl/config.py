@@ -42,8 +42,8 @@ def _bool_in_number_slot(annotation: Any, value: Any) -> bool:
     return False
 
 
-_CHOSEN_BY_MEMORY = (" `masrl train` chooses it from the model and the machine's memory when the config leaves it "
-                     "unset (masrl.plan.memory; one line says what)")
+_CHOSEN_BY_MEMORY = (" with trainer.memory_defaults: true, `masrl train` chooses it from the model and the machine's "
+                     "memory when the config leaves it unset (masrl.plan.memory; one line says what)")
 
 
 class _Strict(BaseModel):
@@ -444,12 +444,14 @@ class TrainerConfig(_Strict):
         "-> ~3.5k page faults, 8.1 -> 5.6 CPU s); the heap stays near its high-water mark. lean: every block "
         "above 128 KiB is its own mapping, handed back on free (as MALLOC_MMAP_THRESHOLD_=131072): the least "
         "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults. "
-        "With true the trainer hands the heap's free memory back with malloc_trim at its phase boundaries "
-        "(after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
-    memory_defaults: bool = Field(True, description=(
-        "masrl train chooses the memory settings the config leaves unset (micro_batch_tokens, max_rollout_batch, "
-        "rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the machine's memory, "
-        "one line says what (masrl.plan.memory); false: their fixed defaults, the same on every machine"))
+        "With true and trainer.memory_defaults the trainer hands the heap's free memory back with malloc_trim at "
+        "its phase boundaries (after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
+    memory_defaults: bool = Field(False, description=(
+        "true: masrl train chooses the memory settings the config leaves unset (micro_batch_tokens, "
+        "max_rollout_batch, rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the "
+        "machine's memory, one line says what, and hands the heap's free memory back at the trainer's phase "
+        "boundaries (masrl.plan.memory; a run then depends on the machine's memory, and the end-to-end peak and "
+        "time are not yet measured); false: the fixed defaults, the same run on every machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

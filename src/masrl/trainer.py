@@ -147,7 +147,7 @@ class Trainer:
         rows = {name: rows[name] for name, policy in self.policies.items() if policy.cfg.trainable and rows.get(name)}
         if self.cfg.trainer.merge_conversations:  # an agent's extending turns as one sequence (tool output masked)
             rows = {name: merge_extending_rows(r) for name, r in rows.items()}
-        trim()  # a phase boundary: the rollout's free heap back to the kernel (masrl.runtime.malloc)
+        phase_trim(self.cfg)  # a phase boundary: the rollout's free heap back to the kernel (masrl.runtime.malloc)
         return self.runtime.update(self.policies, rows, step=self.step, guard=self.spikes.guard,
                                    track_kl=self.cfg.monitoring.kl_to_base)
 
@@ -174,11 +174,11 @@ class Trainer:
         """The held-out split and every ``eval.benches`` benchmark (``TeamRunner.evaluate``, as ``masrl
         eval``). Returns flat ``eval/<bench>/<metric>`` values; ``history[label]`` keeps the held-out split's."""
         ecfg = self.cfg.eval
-        trim()  # phase boundaries, before and after (masrl.runtime.malloc)
+        phase_trim(self.cfg)  # phase boundaries, before and after (masrl.runtime.malloc)
         with self.ahead.pause() if self.ahead else contextlib.nullcontext():  # no batch generated meanwhile
             results = self.team.evaluate(["test", *ecfg.benches], ks=ecfg.k, n=ecfg.n, limit=ecfg.limit,
                                          seed=_step_seed(self.cfg.seed, 0, 99))
-        trim()
+        phase_trim(self.cfg)
         self.history[label] = results["test"]
         return {f"eval/{bench}/{k}": v for bench, summary in results.items() for k, v in summary.items()}
 
@@ -206,7 +206,7 @@ class Trainer:
 
         self.runtime.sft(self.policies, rows, on_step=on_step)
         progress.close()
-        trim()
+        phase_trim(self.cfg)
 
     def collect(self, step: int) -> tuple[list[Episode], object]:
         """Stages 1-2 of RL step ``step`` (0-based): sample the tasks and roll out their groups (refilled under
@@ -416,6 +416,13 @@ def resume_from_checkpoint(trainer: Trainer) -> int:
     trainer.signal.load_state_dict(state.get("signal", {}))
     print(f"[masrl] resumed from {path} (step {state['step']})")
     return int(state["step"])
+
+
+def phase_trim(cfg) -> None:
+    """``trainer.memory_defaults``: the heap's free memory back to the kernel at a phase boundary (under the fast
+    allocator; bitwise the same results, each trim costs the next phase its page faults again)."""
+    if cfg.trainer.memory_defaults:
+        trim()
 
 
 def end_on_collapse(trainer: Trainer) -> None:
