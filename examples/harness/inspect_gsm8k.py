@@ -4,7 +4,10 @@
     OPENAI_API_KEY=unused inspect eval examples/harness/inspect_gsm8k.py --model openai/RUN_NAME \
         --model-base-url http://127.0.0.1:8000/v1 --limit 50 --temperature 0
 
-The score: the number in the reply's last \\boxed{} equals the gold answer after GSM8K's `####`.
+Any other JSONL of `question` / `answer` rows (the answer a number, or a worked answer ending `#### N` as in
+GSM8K), e.g. the held-out rows `benchmarks/harness_agreement.py` writes: add `-T data_file=PATH`.
+
+The score: the number in the reply's last \\boxed{} equals the gold answer (after GSM8K's `####`).
 """
 import json
 import os
@@ -24,7 +27,7 @@ def _data_file() -> Path:
     return root / "math" / "gsm8k_test.jsonl"
 
 
-def gsm8k_samples(path: Path | None = None, limit: int | None = None) -> list[Sample]:
+def gsm8k_samples(path: Path | str | None = None, limit: int | None = None) -> list[Sample]:
     samples = []
     with open(path or _data_file(), encoding="utf-8") as f:
         for i, line in enumerate(f):
@@ -32,7 +35,7 @@ def gsm8k_samples(path: Path | None = None, limit: int | None = None) -> list[Sa
                 break
             row = json.loads(line)
             samples.append(Sample(input=row["question"], id=i,
-                                  target=row["answer"].rsplit("####", 1)[1].strip().replace(",", "")))
+                                  target=str(row["answer"]).rsplit("####", 1)[-1].strip().replace(",", "")))
     return samples
 
 
@@ -47,5 +50,7 @@ def boxed_number():
 
 
 @task
-def masrl_gsm8k(limit: int | None = None) -> Task:
-    return Task(dataset=MemoryDataset(gsm8k_samples(limit=limit)), solver=generate(), scorer=boxed_number())
+def masrl_gsm8k(limit: int | None = None, data_file: str | None = None) -> Task:
+    """GSM8K's test rows from the shared data, or the rows of ``data_file``."""
+    return Task(dataset=MemoryDataset(gsm8k_samples(data_file, limit=limit)), solver=generate(),
+                scorer=boxed_number())
