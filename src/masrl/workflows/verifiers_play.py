@@ -1,0 +1,147 @@
+"""The episodes of a verifiers environment, played against masrl's gateway (``workflow: environment``).
+
+``VerifiersPlayer`` runs a v0 environment's own ``run_rollout`` with an ``AsyncOpenAI`` client on the episode's
+gateway session; ``V1Player`` runs a v1 ``Env``'s own ``run_episode`` (``setup``, ``run``, ``finalize``), each
+role's model calls reaching the gateway through verifiers' interception server with ``model`` = the masrl agent
+the role maps to (``masrl.tasks.environments.verifiers_v1``). Both are called by the ``environment`` workflow as
+one user-code call per episode (deadline, counted failures, loud stop).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import statistics
+from typing import Any
+
+from masrl.tasks.environments.verifiers_env import VerifiersGame
+from masrl.usercode.verifiers_v1 import V1Game
+from masrl.types import Task
+
+# verifiers' own errors for a reply that carries nothing (an untrained model's empty reply): the episode is invalid
+# like any failed rollout, counted, without a traceback of its own
+EMPTY_REPLY_ERRORS = ("EmptyModelResponseError",)
+
+
+class EnvironmentRolloutError(RuntimeError):
+    """The environment's rollout ended with its own error (``reason``: the error's type name)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _rollout_input(task: Task) -> dict:
+    row = task.meta["row"]
+    return {k: row[k] for k in ("prompt", "example_id", "answer", "info", "task") if row.get(k) is not None}
+
+
+def _answer(completion: Any) -> str | None:
+    if isinstance(completion, str):
+        return completion
+    for message in reversed(completion or []):
+        get = message.get if isinstance(message, dict) else lambda key: getattr(message, key, None)
+        if get("role") == "assistant":
+            content = get("content")
+            return content if isinstance(content, str) else str(content or "")
+    return None
+
+
+def numbers(values: dict) -> dict[str, float]:
+    return {str(k): float(v) for k, v in (values or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class VerifiersPlayer:
+    """One episode of a v0 environment: its ``run_rollout`` with a client on the episode's gateway session."""
+
+    def __init__(self, game: VerifiersGame):
+        self.env, self.sampling_args = game.env, game.sampling_args
+
+    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
+        import openai
+        import verifiers as vf
+
+        async with openai.AsyncOpenAI(max_retries=0, timeout=None, **client_kwargs) as raw:
+            client = vf.OpenAIChatCompletionsClient(raw)
+            output = await self.env.run_rollout(_rollout_input(task), client, agent, dict(self.sampling_args))
+        error = output.get("error")
+        if error:
+            kind = type(error).__name__ if isinstance(error, BaseException) else str(error).partition(":")[0]
+            raise EnvironmentRolloutError(f"the environment's rollout ended with an error: {str(error)[:300]}", kind)
+        reward = float(output.get("reward") or 0.0)
+        threshold = float(getattr(self.env, "pass_threshold", 0.5))  # verifiers' pass@k threshold
+        return {"reward": reward, "correct": reward >= threshold, "answer": _answer(output.get("completion")),
+                "metrics": numbers(output.get("metrics")),
+                "info": {"stop_condition": output.get("stop_condition"),
+                         "is_truncated": bool(output.get("is_truncated"))}}
+
+
+class V1Player:
+    """One episode of a v1 ``Env``: ``env.run_episode(task, ctx)`` with the run's client on the episode's gateway
+    session. The Env's serving resources (its interception server, shared tool servers) are entered once per event
+    loop (the user-code service runs every episode of the environment on one loop) on a copy of the Env of that
+    loop, and shared by its concurrent episodes, as verifiers' own runners do."""
+
+    def __init__(self, game: V1Game):
+        self.game = game
+        self._served: dict[Any, asyncio.Future] = {}
+
+    async def _serve(self) -> Any:
+        env = copy.copy(self.game.env)
+        serving = env.serving()
+        await serving.__aenter__()  # held for the loop's life: its episodes share it
+        env._masrl_serving = serving
+        return env
+
+    async def _env(self) -> Any:
+        loop = asyncio.get_running_loop()
+        for old in [k for k in self._served if k.is_closed()]:
+            del self._served[old]
+        if loop not in self._served:
+            self._served[loop] = loop.create_task(self._serve())
+        return await asyncio.shield(self._served[loop])
+
+    async def __call__(self, task: Task, client_kwargs: dict, agent: str | None) -> dict:
+        import verifiers.v1 as vf
+
+        env = await self._env()
+        client = vf.EvalClientConfig(base_url=client_kwargs["base_url"], api_key_var="MASRL_GATEWAY_KEY")
+        ctx = vf.ModelContext(model=next(iter(self.game.roles.values())), client=client)
+        episode = await env.run_episode(self.game.task(task.meta["row"]), ctx)
+        failed = list(episode.errors) + [e for t in episode.traces if not t.ok for e in t.errors[-1:]]
+        if failed or not episode.ok:
+            first = failed[0] if failed else None
+            what = f"{first.type}: {first.message}" if first else "a trace did not complete"
+            raise EnvironmentRolloutError(f"the environment's episode failed: {what[:300]}",
+                                          first.type if first else "incomplete")
+        return self.results(episode)
+
+    def results(self, episode: Any) -> dict:
+        """The episode's reward (the mean reward of its trainable traces, of every trace when none is: verifiers'
+        own rule), each trace's reward on the turns its model calls made (``turn_rewards``), and every named reward
+        and metric per role, averaged over the role's traces."""
+        scored = [t for t in episode.traces if t.agent.trainable] or episode.traces
+        reward = statistics.fmean(t.reward for t in scored)
+        named: dict[str, list[float]] = {}
+        turn_rewards: dict[str, float] = {}
+        for t in episode.traces:
+            agent = self.game.roles.get(t.agent.name, t.agent.name)
+            values = {**numbers({k: r.score for k, r in t.rewards.items() if r is not None}), **numbers(t.metrics),
+                      "reward": t.reward}
+            for name, value in values.items():
+                named.setdefault(f"{agent}/{name}", []).append(value)
+            if t.agent.trainable and any(r is not None for r in t.rewards.values()):
+                turn_rewards.update({rid: float(t.reward) for rid in t.info.get("masrl_response_ids", ())})
+        return {"reward": reward, "correct": reward >= self.game.pass_threshold, "answer": scored[-1].last_reply,
+                "metrics": {k: statistics.fmean(v) for k, v in named.items()}, "turn_rewards": turn_rewards,
+                "info": {"env_traces": len(episode.traces)}}
+
+
+def player(game: Any) -> Any:
+    """The episode function of an environment task's game (the tool environment's is ``ToolPlayer``)."""
+    if isinstance(game, VerifiersGame):
+        return VerifiersPlayer(game)
+    if isinstance(game, V1Game):  # one per game: its serving resources outlive an episode
+        game.player = game.player or V1Player(game)
+        return game.player
+    return game
