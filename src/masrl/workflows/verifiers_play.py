@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import statistics
 from typing import Any
 
@@ -17,17 +18,33 @@ from masrl.tasks.environments.verifiers_env import VerifiersGame
 from masrl.usercode.verifiers_v1 import V1Game
 from masrl.types import Task
 
-# verifiers' own errors for a reply that carries nothing (an untrained model's empty reply): the episode is invalid
-# like any failed rollout, counted, without a traceback of its own
-EMPTY_REPLY_ERRORS = ("EmptyModelResponseError",)
+# verifiers' error for a reply that carries nothing (an untrained model's empty reply): the episode is invalid like
+# any failed rollout, counted in rollout/empty_replies, and reported in one line per run instead of a traceback
+EMPTY_REPLY = "EmptyModelResponseError"
 
 
 class EnvironmentRolloutError(RuntimeError):
-    """The environment's rollout ended with its own error (``reason``: the error's type name)."""
+    """The environment's rollout ended with its own error."""
 
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
+
+class EmptyReplyError(EnvironmentRolloutError):
+    """The environment's rollout ended on an empty model reply (``reason``: counted apart, no traceback)."""
+
+    reason = "empty_reply"
+
+
+class _QuietEmptyReplies(logging.Filter):
+    """Drops verifiers' own per-rollout line for an empty reply (masrl reports those once per run)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("Aborted rollout due to") and EMPTY_REPLY in record.getMessage())
+
+
+def quiet_empty_replies(env: Any) -> None:
+    """On the environment's own logger (where verifiers logs the line)."""
+    logger = getattr(env, "logger", None)
+    if isinstance(logger, logging.Logger) and not any(isinstance(f, _QuietEmptyReplies) for f in logger.filters):
+        logger.addFilter(_QuietEmptyReplies())
 
 
 def _rollout_input(task: Task) -> dict:
@@ -56,6 +73,7 @@ class VerifiersPlayer:
 
     def __init__(self, game: VerifiersGame):
         self.env, self.sampling_args = game.env, game.sampling_args
+        quiet_empty_replies(game.env)
 
     async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
         import openai
@@ -66,8 +84,10 @@ class VerifiersPlayer:
             output = await self.env.run_rollout(_rollout_input(task), client, agent, dict(self.sampling_args))
         error = output.get("error")
         if error:
-            kind = type(error).__name__ if isinstance(error, BaseException) else str(error).partition(":")[0]
-            raise EnvironmentRolloutError(f"the environment's rollout ended with an error: {str(error)[:300]}", kind)
+            kind = error.get("error") if isinstance(error, dict) else type(error).__name__  # a dict once serialized
+            message = error.get("message", error) if isinstance(error, dict) else error
+            raise (EmptyReplyError if kind == EMPTY_REPLY else EnvironmentRolloutError)(
+                f"the environment's rollout ended with an error: {kind}: {str(message)[:300]}")
         reward = float(output.get("reward") or 0.0)
         threshold = float(getattr(self.env, "pass_threshold", 0.5))  # verifiers' pass@k threshold
         return {"reward": reward, "correct": reward >= threshold, "answer": _answer(output.get("completion")),
@@ -112,8 +132,7 @@ class V1Player:
         if failed or not episode.ok:
             first = failed[0] if failed else None
             what = f"{first.type}: {first.message}" if first else "a trace did not complete"
-            raise EnvironmentRolloutError(f"the environment's episode failed: {what[:300]}",
-                                          first.type if first else "incomplete")
+            raise EnvironmentRolloutError(f"the environment's episode failed: {what[:300]}")
         return self.results(episode)
 
     def results(self, episode: Any) -> dict:
