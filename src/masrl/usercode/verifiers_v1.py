@@ -6,7 +6,6 @@ to. ``task: verifiers_v1`` (``masrl.tasks.environments.verifiers_v1``) builds it
 """
 from __future__ import annotations
 
-import asyncio
 import sys
 import types
 from typing import Any
@@ -55,7 +54,6 @@ class V1Game:
 
     def __init__(self, env: Any, roles: dict[str, str], frozen: set[str], pass_threshold: float):
         self.env, self.roles, self.frozen, self.pass_threshold = env, roles, frozen, pass_threshold
-        self.player = None
 
     def task(self, row: dict) -> Any:
         """The Env's task of a row (``task.meta["row"]``: the task's data)."""
@@ -102,7 +100,7 @@ def frozen_agents(vf: Any, env: Any, roles: dict[str, str]) -> set[str]:
     agents = env._episode_agents(ctx, [], None, None)
     what = f"{type(env).__name__}.setup"
     try:
-        call_in_thread(lambda: asyncio.run(env.setup(agents)), (), 60.0, kind="environment", what=what)
+        call_in_thread(env.setup, (agents,), 60.0, kind="environment", what=what)  # on a loop of its own
     except Exception as e:  # the Env's own code, run once at load
         raise ConfigError(f"task.params.env: {what} raised {type(e).__name__}: {str(e)[:300]}") from None
     return {roles[name] for name, agent in agents._agents.items() if not agent.trainable}

@@ -8,7 +8,6 @@ one user-code call per episode (deadline, counted failures, loud stop).
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import statistics
@@ -98,36 +97,20 @@ class VerifiersPlayer:
 
 class V1Player:
     """One episode of a v1 ``Env``: ``env.run_episode(task, ctx)`` with the run's client on the episode's gateway
-    session. The Env's serving resources (its interception server, shared tool servers) are entered once per event
-    loop (the user-code service runs every episode of the environment on one loop) on a copy of the Env of that
-    loop, and shared by its concurrent episodes, as verifiers' own runners do."""
+    session, inside the Env's serving resources (its interception server, shared tool servers: ``Env.serving()``),
+    entered for the episode on a copy of the Env (nothing outlives the episode or is shared between episodes)."""
 
     def __init__(self, game: V1Game):
         self.game = game
-        self._served: dict[Any, asyncio.Future] = {}
-
-    async def _serve(self) -> Any:
-        env = copy.copy(self.game.env)
-        serving = env.serving()
-        await serving.__aenter__()  # held for the loop's life: its episodes share it
-        env._masrl_serving = serving
-        return env
-
-    async def _env(self) -> Any:
-        loop = asyncio.get_running_loop()
-        for old in [k for k in self._served if k.is_closed()]:
-            del self._served[old]
-        if loop not in self._served:
-            self._served[loop] = loop.create_task(self._serve())
-        return await asyncio.shield(self._served[loop])
 
     async def __call__(self, task: Task, client_kwargs: dict, agent: str | None) -> dict:
         import verifiers.v1 as vf
 
-        env = await self._env()
         client = vf.EvalClientConfig(base_url=client_kwargs["base_url"], api_key_var="MASRL_GATEWAY_KEY")
         ctx = vf.ModelContext(model=next(iter(self.game.roles.values())), client=client)
-        episode = await env.run_episode(self.game.task(task.meta["row"]), ctx)
+        env = copy.copy(self.game.env)
+        async with env.serving():
+            episode = await env.run_episode(self.game.task(task.meta["row"]), ctx)
         failed = list(episode.errors) + [e for t in episode.traces if not t.ok for e in t.errors[-1:]]
         if failed or not episode.ok:
             first = failed[0] if failed else None
@@ -160,7 +143,6 @@ def player(game: Any) -> Any:
     """The episode function of an environment task's game (the tool environment's is ``ToolPlayer``)."""
     if isinstance(game, VerifiersGame):
         return VerifiersPlayer(game)
-    if isinstance(game, V1Game):  # one per game: its serving resources outlive an episode
-        game.player = game.player or V1Player(game)
-        return game.player
+    if isinstance(game, V1Game):
+        return V1Player(game)
     return game
