@@ -61,6 +61,8 @@ class SolveCheck(vf.Env[SolveCheckConfig]):
 
     async def run(self, task, agents):
         solution = await agents.solver.run(task)
+        if not solution.ok:  # a failed run is data on its trace; this Env cannot review it
+            raise RuntimeError(f"the solver's run failed: {solution.last_error}")
         review = vf.TaskData(prompt=f"{task.data.prompt}\n{solution.last_reply}\nright?")
         await agents.checker.run(vf.Task(review))
 
@@ -68,7 +70,8 @@ class SolveCheck(vf.Env[SolveCheckConfig]):
         by_agent = {t.agent.name: t for t in episode.traces}
         solver, checker = by_agent["solver"], by_agent["checker"]
         said_yes = checker.last_reply.strip().lower().startswith("y")
-        solver.record_metric("checker_agrees", float(said_yes == (solver.rewards["correct_answer"].score == 1.0)))
+        correct = solver.rewards.get("correct_answer")
+        solver.record_metric("checker_agrees", float(said_yes == (correct is not None and correct.score == 1.0)))
 
 
 __all__ = ["ArithTaskset", "SolveCheck"]

@@ -111,7 +111,7 @@ class V1Player:
         env = copy.copy(self.game.env)
         async with env.serving():
             episode = await env.run_episode(self.game.task(task.meta["row"]), ctx)
-        failed = list(episode.errors) + [e for t in episode.traces if not t.ok for e in t.errors[-1:]]
+        failed = [e for t in episode.traces if not t.ok for e in t.errors[-1:]] + list(episode.errors)  # cause first
         if failed or not episode.ok:
             first = failed[0] if failed else None
             what = f"{first.type}: {first.message}" if first else "a trace did not complete"
