@@ -130,8 +130,8 @@ class GatheringScheduler:
     """The rollout scheduler's ``run`` and ``stats`` for episodes whose calls go to a scripted backend."""
 
     def __init__(self):
-        import types
-        self.stats = types.SimpleNamespace(episode_errors=0)
+        from masrl.rollout.scheduler import RolloutStats
+        self.stats = RolloutStats()
 
     def run(self, coroutines):
         import asyncio

@@ -64,6 +64,20 @@ def load_tool_env(n=4):
 
 def load_broken(n=4):
     return 42
+
+
+class EmptyOnOdd(vf.SingleTurnEnv):
+    """An untrained model's empty reply, as verifiers reports it, on the odd rows."""
+
+    async def get_model_response(self, state, prompt, **kw):
+        response = await super().get_model_response(state, prompt, **kw)
+        if int(state["answer"]) % 4 == 2:
+            raise vf.EmptyModelResponseError("Model returned no content and did not call any tools")
+        return response
+
+
+def load_empty_on_odd(n=4):
+    return EmptyOnOdd(dataset=Dataset.from_list(rows(n)), rubric=vf.Rubric(funcs=[lambda completion, **kw: 1.0]))
 '''
 
 
@@ -126,6 +140,24 @@ def test_a_tool_environment_runs_through_the_gateway(tiny_cfg, tmp_path):
     for ep in episodes:
         assert ep.error is None and ep.turns and ep.reward == 1.0
         assert "total_tool_calls" in ep.info["env_metrics"]
+
+
+def test_empty_replies_are_counted_and_reported_in_one_line_per_run(tiny_cfg, tmp_path, caplog, capfd):
+    import logging
+
+    from masrl.rollout.runner import rollout_metrics
+    from masrl.trainer import Trainer
+
+    cfg = _cfg(tiny_cfg, tmp_path, "load_empty_on_odd")
+    with Trainer(cfg) as trainer, caplog.at_level(logging.INFO):
+        runs = [trainer.rollout(trainer.source.train[:4], [0, 1, 2, 3], seed=s) for s in (1, 2)]
+    for episodes in runs:
+        assert [e.valid for e in episodes] == [True, False, True, False]
+        assert [e.info.get("reason") for e in episodes if not e.valid] == ["empty_reply"] * 2
+        assert rollout_metrics(episodes)["rollout/empty_replies"] == 2.0
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("masrl")]
+    assert [r.exc_info for r in records] == [None] and "empty model reply" in records[0].getMessage()
+    assert "Aborted rollout" not in capfd.readouterr().err  # verifiers' own line per episode is dropped
 
 
 def test_bad_environment_specs_are_one_clear_error(tiny_cfg, tmp_path):

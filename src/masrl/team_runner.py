@@ -60,8 +60,20 @@ def check_team(cfg: RunConfig):
 
 
 def load_tasks(cfg: RunConfig) -> TaskSource:
-    """The task's data (train and held-out splits), its score function and teacher: the task source."""
-    return load_task_source(cfg.task, cfg.sft.teacher)
+    """The task's data (train and held-out splits), its score function and teacher: the task source. An
+    environment that names its agents (``source.agents``) is checked against the config's: the same names, and an
+    agent it never trains served by a policy with ``trainable: false``."""
+    source = load_task_source(cfg.task, cfg.sft.teacher)
+    if source.agents is not None:
+        if set(source.agents) != set(cfg.agents):
+            raise ConfigError(f"task {cfg.task.name}: the environment's agents are {sorted(source.agents)} and the "
+                              f"config's {sorted(cfg.agents)}; name the same agents (task.params.agents renames)")
+        trained = [a for a, ok in source.agents.items() if not ok and cfg.policies[cfg.agents[a].policy].trainable]
+        if trained:
+            raise ConfigError(f"task {cfg.task.name}: the environment marks agent(s) {trained} frozen "
+                              f"(trainable = False) but their policy is trainable; serve them by a policy with "
+                              f"trainable: false")
+    return source
 
 
 def fit_context(tasks, policies, agents) -> tuple[list, list[str]]:

@@ -191,9 +191,16 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
     failures = sorted(failures, key=lambda f: f[0].episode_id)
     first, error = failures[0]
     where = f"episode {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
-    if scheduler.stats.episode_errors == 0:
+    empty = sum(e.info.get("reason") == "empty_reply" for e, _ in failures)
+    if empty and not scheduler.stats.empty_replies:  # an untrained model's empty reply: one line per run
+        log.warning("%d of %d episodes ended with an empty model reply (%s); they are invalid (reward 0, not trained) "
+                    "and counted in rollout/empty_replies, without a traceback", empty, len(episodes), first.error)
+    if scheduler.stats.episode_errors == scheduler.stats.empty_replies and empty < len(failures):
+        first, error = next((e, x) for e, x in failures if e.info.get("reason") != "empty_reply")
+        where = f"episode {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
         log.error("%s raised; the episode is invalid (reward 0, not trained), the other episodes go on; later "
                   "failures are counted in rollout/episode_errors without a traceback", where, exc_info=error)
+    scheduler.stats.empty_replies += empty
     scheduler.stats.episode_errors += len(failures)
     if len(failures) == len(episodes) and all(e.info.get("reason") == "no_model_call" for e, _ in failures):
         raise EpisodeError(f"no episode of the rollout made a model call ({len(failures)} of {len(episodes)} counted "
@@ -204,8 +211,9 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
         raise EpisodeError(f"every episode of the rollout failed ({len(failures)} of {len(episodes)}), so there is "
                            f"nothing to train on; the first: {first.error} in {where}; fix the workflow "
                            "(the traceback of the first failure is logged above)")
-    log.warning("%d of %d episodes failed and are invalid (reward 0, not trained); the first: %s in %s",
-                len(failures), len(episodes), first.error, where)
+    if empty < len(failures):
+        log.warning("%d of %d episodes failed and are invalid (reward 0, not trained); the first: %s in %s",
+                    len(failures), len(episodes), first.error, where)
 
 
 def program_counts(episodes: Sequence[Episode]) -> dict[str, Counter]:
@@ -235,14 +243,16 @@ def check_programs(episodes: Sequence[Episode], spec: WorkflowSpec, max_share: f
 
 def rollout_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """Per-rollout counts: ``rollout/episode_errors`` (invalid episodes), ``rollout/episodes_without_calls``
-    (agent programs that called no model), ``tool/<count>`` summed over the episodes' tool calls
+    (agent programs that called no model), ``rollout/empty_replies`` (an environment's rollouts that ended on an
+    empty model reply), ``tool/<count>`` summed over the episodes' tool calls
     (``ToolCounts``) and ``tool/abandoned_threads`` (tool threads still running past
     their deadline); the same counts as ``usercode/tool/*`` and, for agent programs, ``usercode/program/*``."""
     tools: Counter = Counter()
     for e in episodes:
         tools.update(e.tool_counts)
     out = {"rollout/episode_errors": float(sum(not e.valid for e in episodes)),
-           "rollout/episodes_without_calls": float(sum(e.info.get("reason") == "no_model_call" for e in episodes))}
+           "rollout/episodes_without_calls": float(sum(e.info.get("reason") == "no_model_call" for e in episodes)),
+           "rollout/empty_replies": float(sum(e.info.get("reason") == "empty_reply" for e in episodes))}
     out.update({f"tool/{f.name}": float(tools[f.name]) for f in fields(ToolCounts)})
     out["tool/abandoned_threads"] = float(abandoned_tool_threads())
     out.update(usercode_metrics("tool", tools["calls"], tools["errors"], tools["timeouts"]))

@@ -37,6 +37,7 @@ class RolloutStats:
     batch_sizes: list[int] = field(default_factory=list)
     decode_steps: int = 0  # continuous batching: engine steps (each admits, decodes one token per row)
     episode_errors: int = 0  # episodes whose workflow raised (masrl.rollout.runner.run_episodes)
+    empty_replies: int = 0  # of which an environment's rollout ended on an empty model reply (logged once)
 
 
 # (episode index, calls so far) of the episode whose code is running; asyncio tasks that an episode

@@ -191,6 +191,14 @@ def _verifiers(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     return verifiers_source(cfg, sft_teacher)
 
 
+@register_task("verifiers_v1", supplies=("env_episode",))
+def _verifiers_v1(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
+    """A verifiers v1 Env, one or several agents (masrl.tasks.environments.verifiers_v1)."""
+    from masrl.tasks.environments.verifiers_v1 import verifiers_v1_source
+
+    return verifiers_v1_source(cfg, sft_teacher)
+
+
 @register_task("tool_env", supplies=("env_episode",))
 def _tool_env(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
     """A class per episode whose public methods are tools (masrl.tasks.environments.tool_env)."""

@@ -18,3 +18,4 @@ class TaskSource:
     score: ScoreFn
     teacher: Teacher | None = None
     workflow_params: dict[str, Any] = field(default_factory=dict)  # runtime objects (e.g. a retriever)
+    agents: dict[str, bool] | None = None  # an environment's agents -> may it train them (checked at start)

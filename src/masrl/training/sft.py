@@ -187,7 +187,8 @@ def run_sft(policies: Mapping[str, Policy], rows: Sequence[Row], cfg: SFTConfig,
     """
     by_policy: dict[str, list[Row]] = defaultdict(list)
     for r in rows:
-        by_policy[r.policy].append(r)
+        if policies[r.policy].cfg.trainable:  # a frozen policy's demonstrations (an environment's fixed judge) stay out
+            by_policy[r.policy].append(r)
     rngs = {name: random.Random(seed) for name in by_policy}  # per policy: same batches in any runtime
     optims, unfrozen = {}, {}
     for name in by_policy:

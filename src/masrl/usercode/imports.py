@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,11 @@ def _import_file(path: Path, spec: str, what: str):
                           f"folder, {Path.cwd()})")
     loader_spec = importlib.util.spec_from_file_location(f"masrl_user_{path.stem}", path)
     module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module.__name__] = module  # importable by its name (verifiers resolves a taskset's id so)
     try:
         loader_spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 - the user's file fails (or exits) when imported: say which and why
+        sys.modules.pop(module.__name__, None)
         raise ConfigError(f"{what} {spec!r}: importing {path} failed ({import_failure(e)})") from None
     _FILE_MODULES[path] = module
     return module

@@ -22,7 +22,6 @@ import json
 from typing import Any
 
 from masrl.errors import ConfigError
-from masrl.tasks.environments import agent_param
 from masrl.tasks.environments.tool_env import ToolGame
 from masrl.types import Episode, Task
 from masrl.usercode.calls import call_async
@@ -30,6 +29,20 @@ from masrl.workflows.base import Team, register_workflow
 from masrl.workflows.common import check_params
 from masrl.workflows.external import (ExternalAgentError, call_program, check_limits, on_gateway,
                                       program_episode)
+from masrl.workflows.verifiers_play import V1Game, player
+
+
+def agent_param(params: dict, agents: tuple[str, ...], key: str = "agent") -> str:
+    """The agent that plays a single-agent environment: ``workflow.params.agent``, or the config's only agent."""
+    agent = params.get(key)
+    if agent is None:
+        if len(agents) != 1:
+            raise ConfigError(f"the environment has one player and the config names agents {list(agents)}: set "
+                              f"workflow.params.{key} to the one that plays it")
+        return agents[0]
+    if agent not in agents:
+        raise ConfigError(f"workflow.params.{key} {agent!r} is not one of the config's agents {list(agents)}")
+    return agent
 
 
 def _check(team: Team) -> None:
@@ -37,7 +50,7 @@ def _check(team: Team) -> None:
     check_limits(team.params, "environment")
     if team.task_supplies is not None and team.params.get("env_episode") is None:  # at start: the task says
         raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
-                          "verifiers or tool_env")
+                          "verifiers, verifiers_v1 or tool_env")
 
 
 @register_workflow("environment", agents=(), prompts={},
@@ -48,13 +61,12 @@ async def environment(task: Task, team: Team) -> Episode:
     """Environment: an episode of a verifiers or tool environment task, played through masrl's gateway (agents:
     the config's)."""
     _check(team)
-    run = team.params.get("env_episode")
-    if isinstance(run, ToolGame):
-        run = ToolPlayer(run, team.tool_timeout_s)
+    game = team.params.get("env_episode")
+    run = ToolPlayer(game, team.tool_timeout_s) if isinstance(game, ToolGame) else player(game)
     if not callable(run):
         raise ConfigError("workflow environment plays the episodes of an environment task: set task.name to "
-                          "verifiers or tool_env")
-    agent = agent_param(team.params, team.agents)
+                          "verifiers, verifiers_v1 or tool_env")
+    agent = None if isinstance(game, V1Game) else agent_param(team.params, team.agents)  # v1: each role its own
     timeout = float(team.params["timeout_s"])
     where = f"environment {task.meta.get('data_source') or type(run).__name__}"
 
@@ -70,6 +82,9 @@ async def environment(task: Task, team: Team) -> Episode:
     def finish(kept: dict, session: Any) -> Episode:
         taken = {k: kept[k] for k in ("reward", "answer", "invalid_calls") if k in kept}
         episode = program_episode(team, taken, where, session.responses)
+        for response_id, reward in (kept.get("turn_rewards") or {}).items():  # a v1 trace's own reward
+            for turn in session.responses.get(response_id, ()):
+                turn.reward = float(reward)
         episode.info.update(kept.get("info") or {})
         episode.info["env_metrics"] = dict(kept.get("metrics") or {})
         if "correct" in kept:

@@ -123,7 +123,10 @@ async def call_program(fn: Any, args: tuple, timeout: float, kind: str, what: st
     except ExternalAgentError:
         raise
     except Exception as e:  # the program's own error: this episode fails, with its reason
-        raise ExternalAgentError(f"{what} raised {type(e).__name__}: {str(e)[:500]}") from e
+        error = ExternalAgentError(f"{what} raised {type(e).__name__}: {str(e)[:500]}")
+        if isinstance(getattr(e, "reason", None), str):  # e.g. empty_reply (masrl.workflows.verifiers_play)
+            error.reason = e.reason
+        raise error from e
 
 
 async def _run_entry(spec: str, task: Task, client_kwargs: dict, timeout: float) -> Any:

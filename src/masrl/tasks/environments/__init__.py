@@ -1,5 +1,5 @@
 """Environments written for other frameworks, as masrl tasks: ``verifiers`` (Prime Intellect's verifiers v0
-environments) and ``tool_env`` (a class per episode whose public methods are tools: TRL's ``environment_factory``
+environments), ``verifiers_v1`` (its v1 ``Env``: tasksets, several agents) and ``tool_env`` (a class per episode whose public methods are tools: TRL's ``environment_factory``
 shape, and OpenEnv ``Environment`` classes run in-process or reached by URL).
 
 Each builds a ``TaskSource`` whose tasks keep the environment's row (prompt, answer, info)
@@ -23,18 +23,3 @@ def require(module: str, extra: str, what: str) -> Any:
         return importlib.import_module(module)
     except ImportError as e:
         raise missing_extra(f"{what} needs the package {module!r} ({e})", extra) from None
-
-
-def agent_param(params: dict, agents: tuple[str, ...], key: str = "agent") -> str:
-    """The agent that plays a single-agent environment: ``workflow.params.agent``, or the config's only agent."""
-    from masrl.errors import ConfigError
-
-    agent = params.get(key)
-    if agent is None:
-        if len(agents) != 1:
-            raise ConfigError(f"the environment has one player and the config names agents {list(agents)}: set "
-                              f"workflow.params.{key} to the one that plays it")
-        return agents[0]
-    if agent not in agents:
-        raise ConfigError(f"workflow.params.{key} {agent!r} is not one of the config's agents {list(agents)}")
-    return agent

@@ -19,10 +19,8 @@ gateway and ``model`` = the agent, so every model call is a recorded turn; the r
 reward and each rubric function's score is kept in ``episode.info["env_metrics"]`` (logged as ``env/<name>``); an
 episode is correct (accuracy, pass@k) when its reward reaches the environment's ``pass_threshold`` (0.5 by default).
 A rollout that ends with the environment's own error (``state["error"]``) fails its episode with that reason.
-
-Built against verifiers 0.3.1 (the release that installs beside openai 3: 0.4 requires openai < 3). Its v1 API
-(tasksets, multi-agent ``Env``) is not adapted here. Environments that need remote sandboxes (Prime, Modal,
-Docker) are out of scope: they run only where those services are reachable.
+Built against verifiers 0.3.1 (0.4 requires openai < 3); its v1 ``Env`` is ``task: verifiers_v1``. Environments
+that need remote sandboxes (Prime, Modal, Docker) are out of scope: they run only where those services are reachable.
 """
 from __future__ import annotations
 
@@ -84,45 +82,11 @@ def rows_to_tasks(dataset: Any, name: str, limit: int | None = None) -> list[Tas
     return tasks
 
 
-def _rollout_input(task: Task) -> dict:
-    row = task.meta["row"]
-    return {k: row[k] for k in ("prompt", "example_id", "answer", "info", "task") if row.get(k) is not None}
-
-
-def _answer(completion: Any) -> str | None:
-    if isinstance(completion, str):
-        return completion
-    for message in reversed(completion or []):
-        get = message.get if isinstance(message, dict) else lambda key: getattr(message, key, None)
-        if get("role") == "assistant":
-            content = get("content")
-            return content if isinstance(content, str) else str(content or "")
-    return None
-
-
-class VerifiersEpisode:
-    """One episode: the environment's ``run_rollout`` with a client on the episode's gateway session."""
+class VerifiersGame:
+    """A v0 environment and the sampling arguments of its rollouts: ``masrl.workflows.verifiers_play`` plays it."""
 
     def __init__(self, env: Any, sampling_args: dict):
         self.env, self.sampling_args = env, dict(sampling_args)
-
-    async def __call__(self, task: Task, client_kwargs: dict, agent: str) -> dict:
-        import openai
-        import verifiers as vf
-
-        async with openai.AsyncOpenAI(max_retries=0, timeout=None, **client_kwargs) as raw:
-            client = vf.OpenAIChatCompletionsClient(raw)
-            output = await self.env.run_rollout(_rollout_input(task), client, agent, dict(self.sampling_args))
-        error = output.get("error")
-        if error:
-            raise RuntimeError(f"the environment's rollout ended with an error: {str(error)[:300]}")
-        metrics = {str(k): float(v) for k, v in (output.get("metrics") or {}).items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        reward = float(output.get("reward") or 0.0)
-        threshold = float(getattr(self.env, "pass_threshold", 0.5))  # verifiers' pass@k threshold
-        return {"reward": reward, "correct": reward >= threshold, "answer": _answer(output.get("completion")),
-                "metrics": metrics, "info": {"stop_condition": output.get("stop_condition"),
-                                             "is_truncated": bool(output.get("is_truncated"))}}
 
 
 def _score(task: Task, answer: str | None) -> dict:
@@ -149,6 +113,6 @@ def verifiers_source(cfg: TaskConfig, sft_teacher: dict) -> TaskSource:
         test = rows_to_tasks(env.get_eval_dataset(), name, cfg.test_limit)
     except ValueError:  # no eval dataset
         test = list(train)
-    episode = VerifiersEpisode(env, params.get("sampling_args") or {})
+    episode = VerifiersGame(env, params.get("sampling_args") or {})
     teacher = load_teacher(params.get("teacher"), sft_teacher)
     return TaskSource("verifiers", train, test, _score, teacher, {"env_episode": episode})

@@ -1,0 +1,149 @@
+"""verifiers v1 Envs as masrl tasks (task: verifiers_v1, workflow: environment): a two-role Env written against the
+real verifiers.v1 API (a Solver and a frozen Checker) runs its episodes through its own run/finalize, every role's
+model calls reaching masrl's gateway as turns of the masrl agent the role maps to; the frozen role's policy is not
+trained; the traces' rewards reach the batch; a raising Env is counted and stops the run by the share rule.
+Skipped without the verifiers extra (pip install masrl[verifiers])."""
+import json
+
+import pytest
+
+vf = pytest.importorskip("verifiers.v1", reason="the verifiers extra is not installed: pip install masrl[verifiers]")
+pytest.importorskip("openai", reason="the environment's client is the openai package: pip install masrl[openai]")
+
+ENV_MODULE = '''
+import verifiers.v1 as vf
+
+
+class SumData(vf.TaskData):
+    answer: str = ""
+
+
+class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def correct(self, task, trace) -> float:
+        return float(trace.last_reply.strip() == task.answer)
+
+    @vf.reward(weight=0.5)
+    async def brevity(self, task, trace) -> float:
+        return 1.0 / (1.0 + len(trace.last_reply))
+
+    @vf.metric
+    async def length(self, task, trace) -> float:
+        return float(len(trace.last_reply))
+
+
+class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
+    def load(self):
+        for i in range(4):
+            yield SumTask(SumData(idx=i, prompt=f"{i}+{i}=", answer=str(2 * i)), self.config.task)
+
+
+class CheckConfig(vf.EnvConfig):
+    solver: vf.AgentConfig = vf.AgentConfig()
+    checker: vf.AgentConfig = vf.AgentConfig()
+    fail: bool = False
+
+
+class SolveAndCheck(vf.Env[CheckConfig]):
+    """The solver answers; the checker (frozen) reads the answer; finalize records the checker's verdict."""
+
+    async def setup(self, agents):
+        agents.checker.trainable = False
+
+    async def run(self, task, agents):
+        if self.config.fail:
+            raise RuntimeError("broken environment")
+        solution = await agents.solver.run(task)
+        question = f"{task.data.prompt}{solution.last_reply} ok?"
+        await agents.checker.run(SumTask(SumData(prompt=question, answer="yes")))
+
+    async def finalize(self, task, episode):
+        by_agent = {t.agent.name: t for t in episode.traces}
+        by_agent["solver"].record_metric("checker_said_yes", float(by_agent["checker"].last_reply == "yes"))
+
+
+__all__ = ["SumTaskset", "SolveAndCheck"]
+
+
+def load_environment(fail=False):
+    return SolveAndCheck(CheckConfig(taskset={"id": __name__}, fail=fail))
+'''
+
+
+def _cfg(tiny_cfg, tmp_path, **over):
+    from masrl.config import config_from_dict
+
+    (tmp_path / "two_roles.py").write_text(ENV_MODULE)
+    d = tiny_cfg(**{"task": {"name": "verifiers_v1", "params": {
+                        "env": f"{tmp_path / 'two_roles.py'}:load_environment",
+                        "agents": {"solver": "Solver", "checker": "Checker"}}},
+                    "workflow": {"name": "environment", "params": {"timeout_s": 120}}, "sft.steps": 0,
+                    "trainer.total_steps": 1, "trainer.batch_size": 2, "trainer.group_size": 2,
+                    "eval.before_after": False, "logging.plots": False, **over})
+    d["agents"] = {"Solver": {"policy": "shared", "max_new_tokens": 6},
+                   "Checker": {"policy": "judge", "max_new_tokens": 4}}
+    d["policies"]["judge"] = {**d["policies"]["shared"], "trainable": False}
+    return config_from_dict(d)
+
+
+def test_roles_play_as_masrl_agents_and_the_frozen_role_is_not_trained(tiny_cfg, tmp_path):
+    import torch
+
+    from masrl.trainer import Trainer
+
+    cfg = _cfg(tiny_cfg, tmp_path)
+    with Trainer(cfg) as trainer:
+        task = trainer.source.train[1]
+        assert (task.question, task.answer, task.meta["row"]["idx"]) == ("1+1=", "2", 1)
+        episodes = trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
+        for ep in episodes:
+            assert ep.error is None and [t.agent for t in ep.turns] == ["Solver", "Checker"]
+            solver, checker = ep.turns
+            assert solver.policy == "shared" and checker.policy == "judge"
+            assert len(solver.response_ids) == len(solver.logprobs) > 0
+            reply = solver.text.strip()
+            reward = float(reply == ep.task.answer) + 0.5 / (1.0 + len(reply))
+            # the episode's reward is the trainable (solver) trace's: the Env's own weighted reward functions over
+            # the sampled text; the frozen checker's turn carries no reward of its own; finalize read its reply
+            assert ep.reward == pytest.approx(reward) and solver.reward == pytest.approx(reward)
+            assert checker.reward is None
+            metrics = ep.info["env_metrics"]
+            assert metrics["Solver/length"] == len(reply)
+            assert metrics["Solver/brevity"] == pytest.approx(1 / (1 + len(reply)))
+            assert metrics["Solver/checker_said_yes"] == float(checker.text == "yes")
+            assert "Checker/correct" in metrics and ep.answer == solver.text.strip()
+        frozen = {k: v.clone() for k, v in trainer.policies["judge"].model.state_dict().items()}
+        trained = {k: v.clone() for k, v in trainer.policies["shared"].model.state_dict().items()}
+        trainer.fit()
+        assert all(torch.equal(v, trainer.policies["judge"].model.state_dict()[k]) for k, v in frozen.items())
+        assert any(not torch.equal(v, trainer.policies["shared"].model.state_dict()[k]) for k, v in trained.items())
+    rows = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert len(train) == 1 and "env/Solver/correct" in train[0] and "env/Solver/checker_said_yes" in train[0]
+    assert "agent/Checker/reward_mean" in train[0]
+
+
+def test_a_frozen_role_on_a_trainable_policy_and_unknown_roles_are_refused_at_start(tiny_cfg, tmp_path):
+    from masrl.errors import ConfigError
+    from masrl.team_runner import load_tasks
+
+    cfg = _cfg(tiny_cfg, tmp_path)
+    cfg.agents["Checker"].policy = "shared"
+    with pytest.raises(ConfigError, match=r"marks agent\(s\) \['Checker'\] frozen.*trainable: false"):
+        load_tasks(cfg)
+    with pytest.raises(ConfigError, match="does not declare; its roles: \\['solver', 'checker'\\]"):
+        load_tasks(_cfg(tiny_cfg, tmp_path, **{"task.params.agents": {"judge": "Checker"}}))
+    with pytest.raises(ConfigError, match="environment's agents are \\['Solver', 'checker'\\]"):
+        load_tasks(_cfg(tiny_cfg, tmp_path, **{"task.params.agents": {"solver": "Solver"}}))
+    with pytest.raises(ConfigError, match="not a verifiers.v1 Env"):
+        load_tasks(_cfg(tiny_cfg, tmp_path, **{"task.params.env": f"{tmp_path / 'two_roles.py'}:SumData"}))
+
+
+def test_a_raising_env_fails_its_episodes_counted_and_stops_the_run_by_the_share_rule(tiny_cfg, tmp_path):
+    from masrl.rollout.runner import EpisodeError
+    from masrl.trainer import Trainer
+
+    cfg = _cfg(tiny_cfg, tmp_path, **{"task.params.env_args": {"fail": True}})
+    with Trainer(cfg) as trainer:
+        with pytest.raises(EpisodeError, match="broken environment"):
+            trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
