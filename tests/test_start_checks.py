@@ -95,5 +95,5 @@ def test_the_start_check_knows_which_workflow_params_the_task_supplies(tmp_path,
     capsys.readouterr()
     env = tiny_cfg(**{"workflow": {"name": "environment"}, "task": {"name": "arithmetic"},
                       "agents": {"Player": {"policy": "shared", "max_new_tokens": 8}}})
-    with pytest.raises(ConfigError, match="set task.name to verifiers or tool_env"):
+    with pytest.raises(ConfigError, match="set task.name to verifiers, verifiers_v1 or tool_env"):
         check_team(config_from_dict(env))
