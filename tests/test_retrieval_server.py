@@ -465,17 +465,30 @@ def test_a_keep_alive_connection_with_half_a_second_request_is_closed(head_serve
         s.close()
 
 
+def _serving(guard) -> int:
+    """Connections the guard counts open and not waiting for a request head (read from the test's thread: retried
+    if the server's loop changes the sets meanwhile)."""
+    while True:
+        try:
+            return sum(len(c) for c in list(guard.per_peer.values())) - len(guard.waiting)
+        except RuntimeError:
+            continue
+
+
 @pytest.mark.parametrize("limits,needle", [
-    (ServerLimits(max_connections_per_client=2, body_timeout_s=1.0), "the limit per client is 2"),
-    (ServerLimits(max_connections=2, body_timeout_s=1.0), "the server limit is 2")])
+    (ServerLimits(max_connections_per_client=2, body_timeout_s=5.0), "the limit per client is 2"),
+    (ServerLimits(max_connections=2, body_timeout_s=5.0), "the server limit is 2")])
 def test_connections_over_the_limit_while_all_serve_are_refused(limits, needle):
     with BackgroundServer(BM25Retriever(PASSAGES), limits) as srv:
         wait_until_answers(srv.url)
         busy = [_stall(srv, b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{") for _ in range(2)]
         try:
-            time.sleep(0.2)  # both heads are in: these two are serving (their bodies are awaited)
+            deadline = time.monotonic() + 4.0  # both heads are in: these two are serving (their bodies are awaited)
+            while _serving(srv._server.guard) < 2:
+                assert time.monotonic() < deadline, "the two request heads were not read within 4 s"
+                time.sleep(0.01)
             extra = _stall(srv, b"")
-            closed = _until_closed([extra], timeout=0.8)  # refused at once, before the body timeout frees one
+            closed = _until_closed([extra], timeout=4.0)  # refused at once, before the body timeout frees one
             extra.close()
             assert extra in closed
             status, error = _status_and_error(closed[extra][1])

@@ -179,6 +179,7 @@ class ServerThread:
         guard = ConnectionGuard(max_connections=limits.max_connections,
                                 max_per_client=limits.max_connections_per_client,
                                 head_timeout_s=limits.header_timeout_s, error_body=error_body, api=api)
+        self.guard = guard  # its open and waiting connections (read by tests; changed only in the server's loop)
         # uvicorn's limit_concurrency would count connections still waiting for a request head: the guard limits
         # them; no proxy headers are read (the servers are called directly), no access log is written
         config = uvicorn.Config(app, http=guarded_protocol(guard, http or HTTP), limit_concurrency=None,
