@@ -685,3 +685,19 @@ def test_report_refuses_a_damaged_prior_before_writing(tmp_path, capsys, content
     prior.write_text(content)
     _fails_with_one_line(["sweep", "report", out, "--prior", prior], capsys, f"--prior {prior}")
     assert not (out / "summary.json").exists()
+
+
+@pytest.mark.skipif(not sweep_run.autogroup_enabled(), reason="Linux autogroup scheduling is off here")
+def test_nice_reaches_the_runs_autogroup_where_autogroup_scheduling_is_on(tmp_path):
+    """Under autogroup, `nice -n 7` alone ranks a run only within the sweep's own session; the run gets a session
+    whose autogroup has the level, so it yields to other sessions' work too. The child waits (5 s deadline) for
+    the parent to set it, then prints what it sees."""
+    child = ("import time; t = time.monotonic() + 5\n"
+             "while 'nice 7' not in open('/proc/self/autogroup').read() and time.monotonic() < t: time.sleep(0.01)\n"
+             "import os; print(open('/proc/self/autogroup').read().strip(), os.getsid(0) == os.getpid())")
+    log, ours = tmp_path / "run.log", Path("/proc/self/autogroup").read_text()
+    rec = sweep_run.execute(["nice", "-n", "7", sys.executable, "-c", child], str(log), str(tmp_path), None, 7)
+    assert rec["rc"] == 0, log.read_text()
+    group, own_session = log.read_text().split()[-3:-1], log.read_text().split()[-1]
+    assert group == ["nice", "7"] and own_session == "True"
+    assert Path("/proc/self/autogroup").read_text() == ours  # the sweep's own session keeps its level

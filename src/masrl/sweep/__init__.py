@@ -22,7 +22,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (default: the spec's 'out')")
     p.add_argument("--jobs", type=bounded(int, 1, MAX_COUNT), default=1, help="runs at a time (default 1)")
     p.add_argument("--nice", type=bounded(int, -20, 19), default=0,
-                   help="start each run under `nice -n N` (-20..19, what nice accepts)")
+                   help="start each run under `nice -n N` (-20..19, what nice accepts); under Linux's autogroup "
+                        "scheduling each run also gets a session of its own at that level")
     p.add_argument("--ray", metavar="ADDRESS", help="run each run as a Ray task on this cluster "
                    "('auto', 'ray://host:10001', or 'local' to start one here)")
     p.add_argument("--gpus-per-run", type=bounded(float, 0, MAX_GPUS_PER_RUN), default=0.0, help="with --ray: GPUs each run's task asks for")

@@ -109,15 +109,34 @@ def run_argv(run: Run, nice: int) -> list[str]:
 _RUNNING: set[subprocess.Popen] = set()  # this process's runs in flight (terminated when the sweep is interrupted)
 
 
-def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None) -> dict:
+def autogroup_enabled() -> bool:
+    """Linux's autogroup scheduling is on: the CPU is shared between sessions first, and a process's nice value
+    ranks it only within its own session (``nice -n 10`` alone then takes nothing back from another session)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def execute(argv: list[str], log_path: str, cwd: str, env: dict | None = None, nice: int = 0) -> dict:
     """Run one process, stdout+stderr to ``log_path``; its exit code, wall and CPU seconds, and its peak resident
     set (``ru_maxrss`` from ``wait4``: the largest of the process and the children it waited for; Linux keeps the
-    high-water mark across exec, so it is at least this process's resident set at the fork)."""
+    high-water mark across exec, so it is at least this process's resident set at the fork).
+
+    ``nice`` (the argv already starts with ``nice -n``): under autogroup scheduling the run gets a session of its own
+    whose autogroup is given the same level, so that it yields to (or takes from) other sessions' work as asked."""
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     started, t0 = time.time(), time.monotonic()
+    own_group = bool(nice) and autogroup_enabled()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, start_new_session=own_group)
+        if own_group:
+            try:
+                Path(f"/proc/{proc.pid}/autogroup").write_text(str(nice))
+            except OSError as e:  # a lower level needs CAP_SYS_NICE; the nice level alone still applies
+                print(f"[masrl] sweep: could not set the run's autogroup to nice {nice} ({e}); "
+                      f"it competes with other sessions at the default level", file=sys.stderr, flush=True)
         _RUNNING.add(proc)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
@@ -202,7 +221,7 @@ def run_local(runs: Sequence[Run], jobs: int, nice: int, progress: Progress) -> 
         pending = {}
         for run in runs:
             record_path(run).unlink(missing_ok=True)
-            pending[pool.submit(execute, run_argv(run, nice), str(run.log_path), os.getcwd())] = run
+            pending[pool.submit(execute, run_argv(run, nice), str(run.log_path), os.getcwd(), None, nice)] = run
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:
@@ -234,7 +253,7 @@ def run_ray(runs: Sequence[Run], address: str, gpus: float, nice: int, progress:
     pending = {}
     for run in runs:
         record_path(run).unlink(missing_ok=True)
-        pending[task.remote(run_argv(run, nice), str(run.log_path.resolve()), os.getcwd(), env)] = run
+        pending[task.remote(run_argv(run, nice), str(run.log_path.resolve()), os.getcwd(), env, nice)] = run
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         for ref in ready:
