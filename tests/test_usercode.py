@@ -616,3 +616,31 @@ def test_the_scan_sees_each_way_of_starting_something(tmp_path):
         psutil.Process()
     '''))
     assert [line for line, _ in _starts(sample)] == list(range(5, 18))  # not psutil.Process()
+
+
+def test_the_empty_reply_line_and_the_traceback_each_name_a_failure_of_their_own_kind(caplog):
+    """A rollout whose lowest-numbered failure is a program error and whose next is an empty model reply: the
+    one empty-reply line quotes the empty reply, and the traceback and the summary name the program error."""
+    import logging
+
+    from masrl.rollout.runner import report_failures
+    from masrl.rollout.scheduler import RolloutStats
+    from masrl.types import Episode
+
+    task = Task(id="t0", question="1+1", answer="2")
+    boom = ValueError("the environment's own bug")
+    crashed = Episode(task=task, turns=[], reward=0.0, episode_id=0, error=f"ValueError: {boom}")
+    empty = Episode(task=task, turns=[], reward=0.0, episode_id=1, info={"reason": "empty_reply"},
+                    error="EmptyModelResponseError: Model returned no content")
+    ok = Episode(task=task, turns=[], reward=1.0, episode_id=2)
+    scheduler = SimpleNamespace(stats=RolloutStats())
+    with caplog.at_level(logging.INFO, logger="masrl"):
+        report_failures(SimpleNamespace(name="environment"), [crashed, empty, ok],
+                        [(empty, RuntimeError("empty")), (crashed, boom)], scheduler)
+    empty_line = next(r.getMessage() for r in caplog.records if "empty model reply" in r.getMessage())
+    assert "(EmptyModelResponseError: Model returned no content)" in empty_line
+    error_line = next(r for r in caplog.records if r.levelno == logging.ERROR)
+    assert error_line.getMessage().startswith("episode 0 ") and error_line.exc_info[1] is boom
+    summary = next(r.getMessage() for r in caplog.records if "episodes failed and are invalid" in r.getMessage())
+    assert "the first: ValueError: the environment's own bug in episode 0" in summary
+    assert (scheduler.stats.episode_errors, scheduler.stats.empty_replies) == (2, 1)

@@ -193,14 +193,17 @@ def report_failures(spec: WorkflowSpec, episodes: Sequence[Episode], failures: l
         return f"episode {e.episode_id} (task {safe_str(e.task.id, 100)!r}) of workflow {spec.name!r}"
 
     first, error = failures[0]
+    empties = [e for e, _ in failures if e.info.get("reason") == "empty_reply"]
+    others = [(e, x) for e, x in failures if e.info.get("reason") != "empty_reply"]
+    empty = len(empties)
+    if others:  # the first failure that is not an empty reply is the one to show (and to name below)
+        first, error = others[0]
     where = where_of(first)
-    empty = sum(e.info.get("reason") == "empty_reply" for e, _ in failures)
     if empty and not scheduler.stats.empty_replies:  # an untrained model's empty reply: one line per run
         log.warning("%d of %d episodes ended with an empty model reply (%s); they are invalid (reward 0, not trained) "
-                    "and counted in rollout/empty_replies, without a traceback", empty, len(episodes), first.error)
-    if scheduler.stats.episode_errors == scheduler.stats.empty_replies and empty < len(failures):
-        first, error = next((e, x) for e, x in failures if e.info.get("reason") != "empty_reply")
-        where = where_of(first)
+                    "and counted in rollout/empty_replies, without a traceback", empty, len(episodes),
+                    empties[0].error)
+    if scheduler.stats.episode_errors == scheduler.stats.empty_replies and others:
         log.error("%s raised; the episode is invalid (reward 0, not trained), the other episodes go on; later "
                   "failures are counted in rollout/episode_errors without a traceback", where, exc_info=error)
     scheduler.stats.empty_replies += empty
