@@ -175,13 +175,17 @@ def test_bad_environment_specs_are_one_clear_error(tiny_cfg, tmp_path):
 
 
 def test_the_gsm8k_example_environment_loads_shared_rows():
-    from masrl.paths import data_dir
+    import importlib.util
 
-    if not (data_dir() / "math" / "gsm8k_train.jsonl").is_file():
-        pytest.skip(f"GSM8K rows not in {data_dir()} (MASRL_DATA_DIR)")
+    example = Path(__file__).parents[1] / "examples" / "verifiers_gsm8k.py"
+    spec = importlib.util.spec_from_file_location("verifiers_gsm8k_example", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = module._data_dir()  # the example's own lookup (it imports nothing from masrl), not masrl.paths'
+    if not (data / "math" / "gsm8k_train.jsonl").is_file():
+        pytest.skip(f"GSM8K rows not in {data} (MASRL_DATA_DIR, else ../shared/data beside the checkout)")
     from masrl.tasks.environments.verifiers_env import load_environment, rows_to_tasks
 
-    env = load_environment(str(Path(__file__).parents[1] / "examples" / "verifiers_gsm8k.py") + ":load_environment",
-                           {"num_train": 3, "num_eval": 2})
+    env = load_environment(f"{example}:load_environment", {"num_train": 3, "num_eval": 2})
     tasks = rows_to_tasks(env.get_dataset(), "gsm8k")
     assert len(tasks) == 3 and tasks[0].answer == "72" and "Natalia" in tasks[0].question
