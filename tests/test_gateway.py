@@ -361,11 +361,13 @@ def test_a_burst_of_connections_waits_in_the_backlog():
     import socket
     import time
 
+    import threading
+
     gw = Gateway()
-    socks = []
-    try:
-        gw.server.loop.call_soon_threadsafe(time.sleep, 2)  # stop accepting: the connections wait in the backlog
-        time.sleep(0.2)
+    socks, busy = [], threading.Event()
+    try:  # stop accepting: the connections wait in the backlog while the server's loop is held
+        gw.server.loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(2)))
+        assert busy.wait(10), "the gateway's loop never ran the call that holds it"
         for _ in range(64):
             socks.append(socket.create_connection(gw.server.address, timeout=0.5))
         for s in socks:
