@@ -96,11 +96,34 @@ def test_masrl_train_applies_them_before_building_and_says_so(monkeypatch, capsy
 
     monkeypatch.setattr(memory, "machine_memory", lambda: int(23.5 * GiB))
     cfg = _team("trainer.max_rollout_batch=128")
-    cli._memory_defaults(cfg)
+    memory.announce_memory_defaults(cfg)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("[masrl] memory defaults for M = 23.5 GiB")
     assert "trainer.micro_batch_tokens=1024" in err and "max_rollout_batch" not in err
     assert cfg.trainer.micro_batch_tokens == 1024 and cfg.trainer.max_rollout_batch == 128
+
+
+def test_masrl_eval_applies_them_too(monkeypatch, capsys, tmp_path):
+    """`masrl eval` of a config with memory_defaults decodes with the rows, cache and allocator training chose: the
+    line is printed before the team is built (the team's build is stopped there: nothing else is under test)."""
+    import masrl.plan.memory as memory
+    import masrl.team_runner as team_runner
+    from masrl import cli
+
+    class Built(Exception):
+        pass
+
+    def stop(cfg, **kw):
+        assert cfg.trainer.max_rollout_batch == 64 and cfg.rollout.prefix_cache_mib == 256
+        raise Built
+
+    monkeypatch.setattr(memory, "machine_memory", lambda: int(23.5 * GiB))
+    monkeypatch.setattr(team_runner, "TeamRunner", stop)
+    with pytest.raises(Built):
+        cli.main(["eval", "examples/smollm2_arith_team.yaml", "trainer.memory_defaults=true", "--checkpoint", "none",
+                  "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert err.count("[masrl] memory defaults") == 1 and "trainer.max_rollout_batch=64" in err
 
 
 def test_apply_sets_the_choices_and_one_line_names_them():

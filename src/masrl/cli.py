@@ -15,6 +15,7 @@ from masrl.paths import check_output_dir, check_path_name
 
 
 def _cmd_train(args) -> int:
+    from masrl.plan.memory import announce_memory_defaults
     from masrl.trainer import Trainer, format_before_after
 
     if args.config and "=" in args.config:  # `masrl train --resume DIR key=value ...`
@@ -36,7 +37,7 @@ def _cmd_train(args) -> int:
         cfg = load_config(args.config, args.overrides)
         run_dir = Path(args.output_dir) if args.output_dir else cfg.run_dir
     check_before_build(cfg, run_dir, "--output-dir" if args.output_dir else "run folder")
-    _memory_defaults(cfg)
+    announce_memory_defaults(cfg)
     with Trainer(cfg, run_dir=run_dir) as trainer:
         report = trainer.fit(resume=bool(args.resume), overwrite=args.overwrite)
     table = format_before_after(trainer.history, cfg)
@@ -46,17 +47,6 @@ def _cmd_train(args) -> int:
     if report and report.get("export"):
         print(f"exported: {report['export']}  (Hugging Face / PEFT folders, README.md, config.yaml)")
     return 0 if report else 1
-
-
-def _memory_defaults(cfg) -> None:
-    """Settings the config leaves unset that decide the run's memory, chosen for this machine (masrl.plan.memory);
-    one line says what was chosen."""
-    from masrl.plan.memory import apply_memory_defaults, format_memory_defaults, machine_memory
-
-    memory = machine_memory()
-    line = format_memory_defaults(apply_memory_defaults(cfg, memory), memory)
-    if line:
-        print(line, file=sys.stderr)
 
 
 def check_before_build(cfg, run_dir: Path, what: str) -> None:

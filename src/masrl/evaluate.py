@@ -9,6 +9,7 @@ from masrl.config import load_config
 from masrl.errors import ConfigError, UserInputError
 from masrl.io.atomic import write_text_atomic
 from masrl.paths import check_output_dir
+from masrl.plan.memory import announce_memory_defaults
 from masrl.training.checkpoint import list_checkpoints
 
 
@@ -29,6 +30,7 @@ def run_eval(args) -> int:
     from masrl.team_runner import TeamRunner
 
     cfg = load_config(args.config, args.overrides)
+    announce_memory_defaults(cfg)  # trainer.memory_defaults: rows decoded together, cache, allocator as in training
     if (args.n is not None and args.n < 1) or (args.limit is not None and args.limit < 1):
         raise ConfigError(f"--n and --limit must be >= 1, got --n {args.n} --limit {args.limit}")
     n = args.n or cfg.eval.n

@@ -168,3 +168,14 @@ def format_memory_defaults(choices: list[MemoryChoice], memory: int) -> str:
         return ""
     items = ", ".join(f"{c.key}={str(c.value).lower()} ({c.why})" for c in choices)
     return f"[masrl] memory defaults for M = {memory / 2**30:.1f} GiB (unset settings; set one to override): {items}"
+
+
+def announce_memory_defaults(cfg) -> None:
+    """``apply_memory_defaults`` for this machine, then its one line on stderr (``masrl train`` and ``masrl eval``,
+    before they build a model)."""
+    import sys
+
+    memory = machine_memory()
+    line = format_memory_defaults(apply_memory_defaults(cfg, memory), memory)
+    if line:
+        print(line, file=sys.stderr)
