@@ -227,3 +227,22 @@ def test_chunks_are_on_by_default_and_off_by_default_under_fsdp(tiny_cfg):
     assert config_from_dict(tiny_cfg(**fsdp)).trainer.logprob_chunk_tokens == 0
     with pytest.raises(Exception, match="logprob_chunk_tokens"):  # asked for explicitly: one clear error
         config_from_dict(tiny_cfg(**fsdp, **{"trainer.logprob_chunk_tokens": 512}))
+
+
+def test_an_agents_entropy_is_a_mean_over_its_tokens_whatever_the_micro_batch_size():
+    """`agent/<a>/entropy` of one update is the same at micro-batches of 40 tokens and of 4096 (one micro-batch):
+    the mean over the agent's response tokens, not a mean of micro-batch means, which moved with the micro-batch
+    size (and so with trainer.memory_defaults)."""
+    from masrl.training.update import update_policy
+
+    rows = _rows(7, seed=5)
+    base = _model_case(False)
+    values = []
+    for tokens in (40, 4096):
+        trainer = TrainerConfig(micro_batch_tokens=tokens, autocast="float32")
+        out = update_policy(copy.deepcopy(base), rows, AlgorithmConfig(), trainer, step=0, seed=0)
+        assert not any("#" in key for key in out)  # the token counts are not metrics of their own
+        values.append({k: v for k, v in out.items() if k.endswith("/entropy")})
+    assert values[0].keys() == values[1].keys() == {"agent/A/entropy", "agent/B/entropy"}
+    for key in values[0]:
+        assert values[0][key] == pytest.approx(values[1][key], abs=1e-5)

@@ -203,15 +203,26 @@ def update_policy(policy: Policy, rows: Sequence[Row], algo: AlgorithmConfig, tr
 GLOBAL_METRICS = ("grad_norm", "grad_share", "_skipped", "grad_spike")
 
 
+# the companion key of a per-token mean (``agent/<a>/entropy`` + TOKENS): each micro-batch's token count, so that
+# the step's value is the mean over its tokens whatever the micro-batch size (not a mean of micro-batch means)
+TOKENS = "#tokens"
+
+
 def summarize_update(raw: dict[str, list[float]], policy: Policy, rows: Sequence[Row]) -> dict[str, float]:
-    """Average the per-micro-batch (or per-minibatch) values of ``update_policy_raw``."""
+    """Average the per-micro-batch (or per-minibatch) values of ``update_policy_raw``; per-token means are
+    weighted by their micro-batches' token counts."""
     out = {}
     for key, values in raw.items():
         if not values:
             continue
+        if key.endswith(TOKENS):
+            continue
         name = key if key.startswith(("agent/", "policy/")) else f"policy/{policy.name}/{key}"
+        weights = raw.get(key + TOKENS)
         if key.endswith(("_skipped", "grad_spike")):
             out[name] = float(sum(values))
+        elif weights and len(weights) == len(values) and sum(weights) > 0:  # a mean over tokens, not micro-batches
+            out[name] = sum(v * w for v, w in zip(values, weights)) / sum(weights)
         else:
             out[name] = sum(values) / len(values)
     out[f"policy/{policy.name}/lr"] = policy.optimizer.param_groups[0]["lr"]
@@ -519,7 +530,9 @@ def _per_agent_token_mean(values: torch.Tensor, mask: torch.Tensor, chunk: Seque
         sums, counts = (values.detach() * mask).sum(-1), mask.sum(-1)
         for agent in {r.agent for r in chunk}:
             idx = torch.tensor([i for i, r in enumerate(chunk) if r.agent == agent])
-            metrics[f"agent/{agent}/{name}"].append(float(sums[idx].sum() / counts[idx].sum().clamp(min=1)))
+            tokens = counts[idx].sum()
+            metrics[f"agent/{agent}/{name}"].append(float(sums[idx].sum() / tokens.clamp(min=1)))
+            metrics[f"agent/{agent}/{name}{TOKENS}"].append(float(tokens))
 
 
 def policy_logprobs(policy: Policy, batch: PackedBatch, trainer: TrainerConfig,
