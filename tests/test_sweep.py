@@ -187,7 +187,7 @@ def test_a_seed_subset_sweep_runs_those_and_lists_all_seeds(tmp_path, monkeypatc
     spec = SweepSpec.model_validate(spec_dict(seeds=[0, 1, 2]))
     started = []
 
-    def fake_execute(argv, log_path, cwd, env=None):
+    def fake_execute(argv, log_path, cwd, env=None, nice=0):
         run = next(r for r in expand_runs(spec, tmp_path) if str(r.log_path) == log_path)
         started.append(run.seed)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +258,7 @@ def test_sweep_runs_only_unfinished_runs_and_reports_failures(tmp_path, monkeypa
     finish_run(runs[0])
     started = []
 
-    def fake_execute(argv, log_path, cwd, env=None):
+    def fake_execute(argv, log_path, cwd, env=None, nice=0):
         run = next(r for r in runs if str(r.log_path) == log_path)
         started.append(run)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)

@@ -97,8 +97,10 @@ def _cmd_export(args) -> int:
 
 def _cmd_eval(args) -> int:
     from masrl.evaluate import run_eval
+    from masrl.plan.memory import announce_memory_defaults
 
-    return run_eval(args)
+    # trainer.memory_defaults: rows decoded together, cache and allocator as training chose them
+    return run_eval(args, prepare=announce_memory_defaults)
 
 
 def _cmd_plot(args) -> int:

@@ -42,8 +42,8 @@ def _bool_in_number_slot(annotation: Any, value: Any) -> bool:
     return False
 
 
-_CHOSEN_BY_MEMORY = (" with trainer.memory_defaults: true, `masrl train` chooses it from the model and the machine's "
-                     "memory when the config leaves it unset (masrl.plan.memory; one line says what)")
+_CHOSEN_BY_MEMORY = (" with trainer.memory_defaults: true, `masrl train` and `masrl eval` choose it from the model and the "
+                     "machine's memory when the config leaves it unset (masrl.plan.memory; one line says what)")
 
 
 class _Strict(BaseModel):
@@ -447,11 +447,12 @@ class TrainerConfig(_Strict):
         "With true and trainer.memory_defaults the trainer hands the heap's free memory back with malloc_trim at "
         "its phase boundaries (after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
     memory_defaults: bool = Field(False, description=(
-        "true: masrl train chooses the memory settings the config leaves unset (micro_batch_tokens, "
+        "true: masrl train and masrl eval choose the memory settings the config leaves unset (micro_batch_tokens, "
         "max_rollout_batch, rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the "
-        "machine's memory, one line says what, and hands the heap's free memory back at the trainer's phase "
-        "boundaries (masrl.plan.memory; a run then depends on the machine's memory, and the end-to-end peak and "
-        "time are not yet measured); false: the fixed defaults, the same run on every machine"))
+        "machine's memory, one line says what, and the trainer hands the heap's free memory back at its phase "
+        "boundaries (masrl.plan.memory; a run then depends on the machine's memory; the SmolLM2 team example ships "
+        "it on: 3.3 vs 7.4 GiB peak RSS, 0.97x the CPU seconds); false: the fixed defaults, the same run on every "
+        "machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

@@ -9,7 +9,6 @@ from masrl.config import load_config
 from masrl.errors import ConfigError, UserInputError
 from masrl.io.atomic import write_text_atomic
 from masrl.paths import check_output_dir
-from masrl.plan.memory import announce_memory_defaults
 from masrl.training.checkpoint import list_checkpoints
 
 
@@ -23,14 +22,17 @@ def bench_names(text: str) -> list[str]:
     return names
 
 
-def run_eval(args) -> int:
+def run_eval(args, prepare=None) -> int:
+    """``prepare(cfg)``, when given, runs on the loaded config before anything is built (``masrl eval`` passes
+    ``masrl.plan.memory.announce_memory_defaults``: the planner sits above this module)."""
     from rich.console import Console
     from rich.table import Table
 
     from masrl.team_runner import TeamRunner
 
     cfg = load_config(args.config, args.overrides)
-    announce_memory_defaults(cfg)  # trainer.memory_defaults: rows decoded together, cache, allocator as in training
+    if prepare is not None:
+        prepare(cfg)
     if (args.n is not None and args.n < 1) or (args.limit is not None and args.limit < 1):
         raise ConfigError(f"--n and --limit must be >= 1, got --n {args.n} --limit {args.limit}")
     n = args.n or cfg.eval.n
