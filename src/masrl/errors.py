@@ -8,6 +8,10 @@ masrl (or the environment) and keeps its traceback.
 
 ``ConfigError`` (here), ``DatasetLoadError``, ``CheckpointError``, ``ModelLoadError``, ``QADataError``,
 ``CorpusError`` and the ensemble's input errors subclass it.
+
+``EngineFailure`` is not the user's input: a batch the rollout engine raised on, handed to every request of it
+(``masrl.rollout.base.complete_batch``); it lives here, below the layers that answer it (the gateway's 500
+``engine_error``).
 """
 from __future__ import annotations
 
@@ -50,6 +54,16 @@ class UserInputError(Exception):
 
     def __str__(self) -> str:
         return clip_lines(super().__str__())
+
+
+class EngineFailure(RuntimeError):
+    """A policy's rollout engine raised while generating a batch, or returned another number of results than it had
+    requests: every request of that batch fails with this error (its ``__cause__``: the engine's), never waits on."""
+
+    def __init__(self, policy: str, requests: int, what: str):
+        super().__init__(f"the rollout engine of policy {policy!r} failed on a batch of {requests} requests: {what}; "
+                         "nothing was generated for them")
+        self.policy = policy
 
 
 class ConfigError(UserInputError, ValueError):

@@ -25,7 +25,9 @@ from masrl.serve_team import serve_until
 
 class ServeBatcher:
     """``scheduler.generate`` for a standing server: requests within ``window_s`` of the first pending one go to
-    their policy's engine together; one engine call at a time (engines are not thread-safe)."""
+    their policy's engine together; one engine call at a time (engines are not thread-safe). A batch the engine
+    raises on (or returns too few results for) fails each of its requests with an ``EngineFailure`` (the gateway's
+    500 ``engine_error``) and the next batch is served; a flush that is cancelled cancels the requests it holds."""
 
     def __init__(self, engines: Mapping, window_s: float = 0.005):
         self.engines, self.window_s = dict(engines), window_s
@@ -44,23 +46,26 @@ class ServeBatcher:
         return await future
 
     async def _flush(self) -> None:
+        from masrl.rollout.base import complete_batch
+
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             self._scheduled = False
             batch, self.pending = self.pending, []
-            for policy in dict.fromkeys(p for p, _, _ in batch):
-                items = [(r, f) for p, r, f in batch if p == policy]
-                self.batches.append(len(items))
-                try:
-                    results = await asyncio.to_thread(self.engines[policy].generate, [r for r, _ in items])
-                except Exception as e:  # noqa: BLE001 - each waiting request gets the error
-                    for _, future in items:
-                        if not future.done():
-                            future.set_exception(e)
-                    continue
-                for (_, future), result in zip(items, results):
-                    if not future.done():
-                        future.set_result(result)
+            try:
+                for policy in dict.fromkeys(p for p, _, _ in batch):
+                    items = [(r, f) for p, r, f in batch if p == policy and not f.done()]
+                    if not items:  # every request of it gave up (past the gateway's deadline)
+                        continue
+                    self.batches.append(len(items))
+                    try:
+                        outcome = await asyncio.to_thread(self.engines[policy].generate, [r for r, _ in items])
+                    except Exception as e:  # noqa: BLE001 - each waiting request gets the error, the next batch goes on
+                        outcome = e
+                    complete_batch([f for _, f in items], policy, outcome)
+            finally:  # cancelled mid-batch (the server stops): no request is left waiting
+                for _, _, future in batch:
+                    future.cancel()
 
 
 class _StandingTeam:

@@ -26,7 +26,7 @@ import queue
 import sys
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,9 @@ class TeamServer:
 
     def work_until(self, deadline: float | None) -> None:
         """Run the pending questions, batch by batch, until ``deadline`` (``time.monotonic()``; None: never) or an
-        interrupt (Ctrl-C)."""
+        interrupt (Ctrl-C); then every question not answered yet (the batch running, those queued) is answered
+        a 503."""
+        batch: list = []
         try:
             while deadline is None or time.monotonic() < deadline:
                 wait = 0.2 if deadline is None else min(0.2, max(deadline - time.monotonic(), 0.0))
@@ -109,6 +111,16 @@ class TeamServer:
                     self._run([b for b in batch if b[1] == temperature], temperature)
         except KeyboardInterrupt:
             pass
+        finally:
+            while True:
+                try:
+                    batch.append(self.pending.get_nowait())
+                except queue.Empty:
+                    break
+            stopped = GatewayError(503, "masrl serve --team stopped before this request's episode finished",
+                                   "server_stopped", kind="server_error")
+            for _, _, future in batch:
+                _settle(future, error=stopped)
 
     def _gather(self, batch: list) -> None:
         """Add to ``batch`` what arrives within ``window_s`` of its first question."""
@@ -129,10 +141,10 @@ class TeamServer:
                                            seed=self.runner.cfg.seed, score=_unscored, where="masrl serve --team")
         except Exception as e:  # noqa: BLE001 - every request of the batch gets the error
             for _, _, future in batch:
-                future.set_exception(e)
+                _settle(future, error=e)
             return
         for (_, _, future), episode in zip(batch, episodes):
-            future.set_result(episode)
+            _settle(future, episode)
 
     async def reply(self, body: dict, chat: bool) -> dict:
         """The response to one request's ``body``: its episode's answer (raises ``GatewayError``)."""
@@ -178,6 +190,16 @@ class TeamServer:
             return await self.reply(json_object(await read()), chat=route == CHAT)
 
         return await answer(request, respond, max_body_bytes=MAX_BODY, body_timeout_s=self.body_timeout_s)
+
+
+def _settle(future: Future, value: Any = None, error: BaseException | None = None) -> None:
+    """``future``'s outcome, unless it has one (answered, or cancelled: its request was cut short)."""
+    if future.done():
+        return
+    try:
+        future.set_exception(error) if error is not None else future.set_result(value)
+    except InvalidStateError:  # cancelled meanwhile, from the server's thread
+        pass
 
 
 def _unscored(task: Task, answer: str | None) -> dict:

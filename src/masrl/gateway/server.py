@@ -18,8 +18,11 @@ ignored; ``max_tokens``/``max_completion_tokens`` above the agent's ``max_new_to
 ``stop`` is not applied (cutting a reply would make its ids differ from what was sampled). Every field of the
 request is checked before anything is rendered (``masrl.gateway.validate``). Errors use OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``: 401 no live episode, 404 unknown agent or path,
-405 a method the path does not serve, 400 a malformed request, 413 a body over 4 MiB, 504 a call that did not
-finish within ``request_timeout_s``.
+405 a method the path does not serve, 400 a malformed request, 413 a body over 4 MiB, 500 ``engine_error`` a call
+whose batch the rollout engine failed on (the message names the policy and the engine's error; later calls are
+served), 503 ``call_ended`` a call whose episode or rollout ended before it finished, or that the gateway's shutdown
+cut short, 504 a call that did not finish within ``request_timeout_s``. No request waits on a call that can no
+longer finish.
 
 The server is the shared HTTP service (``masrl.http``): FastAPI (``masrl.gateway.app``) on uvicorn,
 whose loop runs in the gateway's own thread, behind the connection guard (``GatewayLimits``: a deadline on the
@@ -36,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from masrl.errors import EngineFailure
 from masrl.gateway import validate
 from masrl.gateway.errors import GatewayError, answer
 from masrl.tools import parse_tool_calls
@@ -143,6 +147,8 @@ class Gateway:
         self.default: EpisodeSession | None = None  # masrl serve: one standing session, no episodes
         self.default_key: str | None = None         # ... that only this key may use (None: any)
         self.max_new_tokens: dict[str, int] = {}    # agent -> its max_new_tokens (bounds max_tokens)
+        # calls in flight (on the server's loop only): the future its request awaits -> (its session, its task)
+        self._calls: dict[asyncio.Future, tuple[EpisodeSession, list[asyncio.Task]]] = {}
         http = self.limits.http()
         sock = listen(host, port, backlog=http.backlog, host_setting=host_setting, port_setting=port_setting)
         self.server = ServerThread(create_app(self), sock, http, name="masrl-gateway", error_body=error_body, api=API)
@@ -161,9 +167,12 @@ class Gateway:
         return session
 
     def close(self, session: EpisodeSession) -> None:
+        """The episode ended: its key is refused from now on, and its calls still in flight are answered 503 (and
+        cancelled)."""
         session.closed = True
         with self._lock:
             self.sessions.pop(session.key, None)
+        self._end_calls(session, "its episode ended before the call finished")
 
     def session(self, key: str | None) -> EpisodeSession:
         if self.default is not None:
@@ -182,7 +191,28 @@ class Gateway:
         return session
 
     def shutdown(self) -> None:
+        """Stop serving; calls still in flight are answered 503 first."""
+        self._end_calls(None, "the gateway is shutting down")
         self.server.stop()
+
+    def _end_calls(self, session: EpisodeSession | None, why: str) -> None:
+        """Answer the calls in flight of ``session`` (None: every one) a 503 ``call_ended`` and cancel them on
+        their episode's loop (from any thread; nothing to do once the server's loop has stopped)."""
+
+        def end() -> None:
+            for done, (owner, task) in list(self._calls.items()):
+                if session is None or owner is session:
+                    _cancel(owner.loop, task)
+                    if not done.done():
+                        done.set_exception(GatewayError(503, f"the call was cut short: {why}", "call_ended",
+                                                        kind="server_error"))
+
+        loop = self.server.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(end)
+            except RuntimeError:  # closed meanwhile: no request waits on it any more
+                pass
 
     # ---- request handling (on the server's loop) ----------------------------------------------------------
     async def serve(self, request: Any, route: str, key: str | None) -> Any:
@@ -225,7 +255,10 @@ class Gateway:
 
     async def _run(self, session: EpisodeSession, coro) -> list[Turn]:
         """``coro`` on the episode's loop, within ``request_timeout_s`` (cancelled past it: a 504). The two loops
-        hand the call and its result over with ``call_soon_threadsafe`` alone (no concurrent future and its lock)."""
+        hand the call and its result over with ``call_soon_threadsafe`` alone (no concurrent future and its lock).
+        Every way the call can end answers the request: its result; the rollout engine's failure on its batch (a
+        500 ``engine_error``); its cancellation, its episode's end or the gateway's shutdown (a 503 ``call_ended``);
+        any other error (a 500)."""
         here = asyncio.get_running_loop()
         done = here.create_future()
         task: list[asyncio.Task] = []
@@ -234,25 +267,61 @@ class Gateway:
             if not done.done():
                 done.set_exception(error) if error is not None else done.set_result(result)
 
+        def hand_back(result, error) -> None:
+            try:
+                here.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the server's loop has stopped: nobody waits for the answer
+                pass
+
         async def call() -> None:
             try:
                 result = await coro
+            except asyncio.CancelledError:
+                hand_back(None, GatewayError(503, "the call was cut short: it was cancelled before it finished (its "
+                                             "episode or rollout ended)", "call_ended", kind="server_error"))
+                raise
             except BaseException as e:  # noqa: BLE001 - handed back to the request, which answers it
-                here.call_soon_threadsafe(settle, None, e)
+                hand_back(None, e)
                 if not isinstance(e, Exception):
                     raise
             else:
-                here.call_soon_threadsafe(settle, result, None)
+                hand_back(result, None)
 
-        session.loop.call_soon_threadsafe(lambda: task.append(session.loop.create_task(call())))
+        def start() -> None:
+            if session.closed:  # the episode ended while the request was on its way
+                coro.close()
+                hand_back(None, GatewayError(503, "the call was cut short: its episode ended before the call "
+                                             "started", "call_ended", kind="server_error"))
+            else:
+                task.append(session.loop.create_task(call()))
+
+        self._calls[done] = (session, task)
         try:
+            try:
+                session.loop.call_soon_threadsafe(start)
+            except RuntimeError:  # the episode's loop is closed: its episode has ended
+                coro.close()
+                raise GatewayError(503, "the call was cut short: its episode ended before the call started",
+                                   "call_ended", kind="server_error") from None
             turns = await asyncio.wait_for(done, self.request_timeout_s)
         except asyncio.TimeoutError:
-            session.loop.call_soon_threadsafe(lambda: task and task[0].cancel())
+            _cancel(session.loop, task)
             raise GatewayError(504, f"the call did not finish within {self.request_timeout_s:g} s",
                                "timeout", kind="server_error") from None
+        except EngineFailure as e:
+            raise GatewayError(500, str(e), "engine_error", kind="server_error") from None
+        finally:
+            self._calls.pop(done, None)
         session.calls += len(turns)
         return turns
+
+
+def _cancel(loop: asyncio.AbstractEventLoop, task: list[asyncio.Task]) -> None:
+    """Cancel the call ``task`` holds (once started) on its episode's ``loop``, unless that loop has closed."""
+    try:
+        loop.call_soon_threadsafe(lambda: task and task[0].cancel())
+    except RuntimeError:  # the episode's loop is closed: the call ended with it
+        pass
 
 
 def _models(session: EpisodeSession) -> dict:

@@ -7,10 +7,13 @@ point), implements ``generate`` and ``reseed``, and is built by ``masrl.rollout.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import torch
+
+from masrl.errors import EngineFailure
 
 
 @dataclass
@@ -28,6 +31,28 @@ class GenResult:
     logprobs: list[float]
     truncated: bool  # hit max_new_tokens without emitting a stop token
     version: int | None = None  # the weights' version that sampled it (rollout.max_staleness; None: on-policy)
+
+
+def complete_batch(futures: Sequence[asyncio.Future], policy: str,
+                   outcome: Sequence[GenResult] | BaseException) -> BaseException | None:
+    """Every request of a batch gets its outcome: its result (``outcome``: one per future, in order), or, when the
+    engine raised (``outcome``: the exception) or returned another number of results, an ``EngineFailure`` naming
+    ``policy`` and the error. A future already done (a call cancelled while it waited) is skipped. The engine's
+    error, or None when the batch was generated."""
+    if not isinstance(outcome, BaseException) and len(outcome) != len(futures):
+        outcome = RuntimeError(f"the engine returned {len(outcome)} results for {len(futures)} requests")
+    if isinstance(outcome, BaseException):
+        what = f"{type(outcome).__name__}: {str(outcome)[:500]}"
+        for future in futures:
+            if not future.done():  # an error of its own: each waiter raises it with its own traceback
+                error = EngineFailure(policy, len(futures), what)
+                error.__cause__ = outcome
+                future.set_exception(error)
+        return outcome
+    for future, result in zip(futures, outcome):
+        if not future.done():
+            future.set_result(result)
+    return None
 
 
 class Engine(Protocol):

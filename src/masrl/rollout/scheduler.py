@@ -13,18 +13,29 @@ the scheduler runs one decode step of every busy engine at a time and hands each
 episode at once, so an episode's next call joins the running batch while other rows still decode.
 Requests are admitted in arrival order (deterministic unless episodes await threads); other engines
 (vLLM, Ray worker groups) are still flushed when every episode waits.
+
+An engine that raises while generating (a model error, out of memory, a bad token id) fails that batch only: every
+request waiting on it gets an ``EngineFailure`` naming the policy and the error at once (the episode's workflow
+raises it, so the episode fails and is counted; through the gateway the program's request is answered a 500), the
+engine's reused keys/values are dropped and, under continuous batching, its running batch starts afresh; later
+requests are served. A rollout that ends otherwise (an error that stops it) cancels every request still waiting:
+no request is left waiting for a batch that will never come.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import contextvars
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Sequence
 
+from masrl.rollout.base import complete_batch
 from masrl.rollout.engine import Engine, GenRequest, GenResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +49,7 @@ class RolloutStats:
     decode_steps: int = 0  # continuous batching: engine steps (each admits, decodes one token per row)
     episode_errors: int = 0  # episodes whose workflow raised (masrl.rollout.runner.run_episodes)
     empty_replies: int = 0  # of which an environment's rollout ended on an empty model reply (logged once)
+    engine_failures: int = 0  # batches (or continuous steps) an engine raised on: their requests failed
 
 
 # (episode index, calls so far) of the episode whose code is running; asyncio tasks that an episode
@@ -54,7 +66,12 @@ class RolloutScheduler:
         self._active = 0
         self._wake: asyncio.Event | None = None
         self._streaming: list[str] = []  # policies whose engine batches continuously in this rollout
-        self._in_engines = 0  # requests in those engines, not returned yet
+        self._rows: dict[str, set[asyncio.Future]] = {}  # the requests in each of those engines, not returned yet
+        self._sessions: dict[str, contextlib.AbstractContextManager] = {}  # their continuous() sessions
+
+    @property
+    def _in_engines(self) -> int:
+        return sum(len(rows) for rows in self._rows.values())
 
     async def generate(self, policy: str, request: GenRequest) -> GenResult:
         if policy not in self.engines:
@@ -68,7 +85,7 @@ class RolloutScheduler:
             episode[1][0] += 1
         if policy in self._streaming:
             self.engines[policy].enqueue(request, future)
-            self._in_engines += 1
+            self._rows[policy].add(future)
             self._wake.set()
         else:
             self._pending.append((key, policy, request, future))
@@ -93,12 +110,11 @@ class RolloutScheduler:
                 self._maybe_wake()
 
         tasks = [asyncio.ensure_future(wrapped(i, c)) for i, c in enumerate(coroutines)]
-        sessions = contextlib.ExitStack()
         try:
             if self.continuous:
                 for name, engine in self.engines.items():
                     if engine.can_batch_continuously:
-                        sessions.enter_context(engine.continuous())
+                        self._open(name)
                         self._streaming.append(name)
             while self._active > 0:
                 busy = [name for name in self._streaming if self.engines[name].busy]
@@ -117,20 +133,58 @@ class RolloutScheduler:
         finally:
             for t in tasks:
                 t.cancel()
-            sessions.close()  # rows still queued or decoding are dropped
-            self._streaming, self._in_engines = [], 0
+            # requests still waiting (a rollout stopped by an error) are cancelled: whoever awaits one (an episode,
+            # a gateway request's call) ends now, not at a batch that will never come
+            waiting = [future for _, _, _, future in self._pending] + [f for rows in self._rows.values() for f in rows]
+            for future in waiting:
+                future.cancel()
+            self._pending = []
+            for name in list(self._sessions):  # rows still queued or decoding are dropped
+                self._close(name)
+            self._streaming, self._rows = [], {}
             for engine in self.engines.values():  # reused keys/values live for one rollout
                 engine.clear_prefix_cache()
+
+    def _open(self, name: str) -> None:
+        """Start continuous batching on ``name``'s engine (its session lasts until ``_close``)."""
+        session = self.engines[name].continuous()
+        session.__enter__()
+        self._sessions[name], self._rows[name] = session, set()
+
+    def _close(self, name: str) -> None:
+        self._sessions.pop(name).__exit__(None, None, None)
+
+    def _failed(self, name: str, requests: int, error: BaseException) -> None:
+        """``name``'s engine failed on a batch of ``requests`` (each got an ``EngineFailure``: ``complete_batch``):
+        its reused keys/values (perhaps half written) are dropped; the scheduler's first failure is logged with
+        its traceback, later ones in one line."""
+        self.stats.engine_failures += 1
+        self.engines[name].clear_prefix_cache()
+        if self.stats.engine_failures == 1:
+            log.error("the rollout engine of policy %r raised on a batch of %d requests: they fail (their episodes "
+                      "are invalid), later requests are served; later engine failures are logged in one line",
+                      name, requests, exc_info=error)
+        else:
+            log.warning("the rollout engine of policy %r raised on a batch of %d requests: %s: %s", name,
+                        requests, type(error).__name__, str(error)[:300])
 
     def _step(self, policies: list[str]) -> None:
         """One continuous-batching step of each engine; finished rows go back to their episodes (a cancelled
         episode's result is dropped)."""
         start = time.perf_counter()
         for name in policies:
-            finished = self.engines[name].step()
+            try:
+                finished = self.engines[name].step()
+            except Exception as e:  # noqa: BLE001 - the engine's error fails the rows it held, not the rollout
+                rows = list(self._rows[name])
+                error = complete_batch(rows, name, e)
+                self._close(name)  # its running batch is dropped; the next request starts a fresh one
+                self._open(name)
+                self._failed(name, len(rows), error)
+                continue
             self.stats.decode_steps += 1
             for future, result in finished:
-                self._in_engines -= 1
+                self._rows[name].discard(future)
                 self.stats.requests += 1
                 self.stats.generated_tokens += len(result.response_ids)
                 if not future.done():
@@ -147,20 +201,47 @@ class RolloutScheduler:
         pending, self._pending = sorted(self._pending, key=lambda item: item[0]), []
         by_policy: dict[str, list[tuple[GenRequest, asyncio.Future]]] = defaultdict(list)
         for _, policy, request, future in pending:
-            by_policy[policy].append((request, future))
+            if not future.done():  # a call cancelled while it waited (a gateway request past its deadline)
+                by_policy[policy].append((request, future))
         self.stats.flushes += 1
         start = time.perf_counter()
+        try:
+            self._generate(by_policy)
+        finally:  # an error that stops the rollout (not an engine's Exception) leaves no request of the flush waiting
+            for _, _, _, future in pending:
+                future.cancel()
+        self.stats.generate_seconds += time.perf_counter() - start
+
+    def _generate(self, by_policy: dict[str, list[tuple[GenRequest, asyncio.Future]]]) -> None:
+        """Each policy's batch through its engine; every request gets its result or its batch's ``EngineFailure``."""
         # remote engines (Ray worker groups) generate concurrently: submit every policy's batch first
-        handles = {policy: self.engines[policy].submit([r for r, _ in items]) for policy, items in by_policy.items()}
+        handles: dict[str, object] = {}
         for policy, items in by_policy.items():
-            results = self.engines[policy].collect(handles[policy])
+            try:
+                handles[policy] = self.engines[policy].submit([r for r, _ in items])
+            except Exception as e:  # noqa: BLE001 - the batch fails, the other policies' go on
+                handles[policy] = _Raised(e)
+        for policy, items in by_policy.items():
+            handle = handles[policy]
+            try:
+                outcome = handle.error if isinstance(handle, _Raised) else self.engines[policy].collect(handle)
+            except Exception as e:  # noqa: BLE001 - the batch fails, the other policies' go on
+                outcome = e
             self.stats.engine_calls += 1
             self.stats.requests += len(items)
             self.stats.batch_sizes.append(len(items))
-            for (_, future), result in zip(items, results):
-                self.stats.generated_tokens += len(result.response_ids)
-                future.set_result(result)
-        self.stats.generate_seconds += time.perf_counter() - start
+            error = complete_batch([future for _, future in items], policy, outcome)
+            if error is not None:
+                self._failed(policy, len(items), error)
+            else:
+                self.stats.generated_tokens += sum(len(result.response_ids) for result in outcome)
+
+
+class _Raised:
+    """A batch whose ``submit`` raised ``error``."""
+
+    def __init__(self, error: Exception):
+        self.error = error
 
 
 EngineFactory = Callable[[str], Engine]
