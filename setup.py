@@ -7,8 +7,6 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-EXAMPLE_SUFFIXES = {".yaml", ".py", ".jsonl", ".json", ".txt"}
-
 
 class BuildPyWithExamples(build_py):
     def run(self):
@@ -18,7 +16,8 @@ class BuildPyWithExamples(build_py):
             return
         dest = Path(self.build_lib) / "masrl" / "_examples"
         for path in sorted(src.rglob("*")):
-            if path.is_file() and path.suffix in EXAMPLE_SUFFIXES and "__pycache__" not in path.parts:
+            # every file: a config may name any (a prompt, a data file, a module); `masrl example get` copies them
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
                 target = dest / path.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)

@@ -126,3 +126,87 @@ def test_list_descriptions_end_on_a_word_or_a_sentence(capsys):
         following = full[name][len(text):len(text) + 1]
         assert following in ("", " ", "."), line  # the cut falls between words
     assert any("Dr. MAS math on GPUs" in line for line in lines)
+
+
+def _named_files(text: str, path: str) -> set[str]:
+    """The repository files under examples/ that the file ``path`` (relative to the repository) names, read
+    apart from masrl.examples: every YAML string value (comments left out) and every Python string literal,
+    each split into words; a word names a file written from the repository root (``examples/data/x.jsonl``),
+    from the file's own folder (``include: other.yaml``, ``with_name("mod.py")``), or as a dotted module before
+    ``:attr``."""
+    import ast
+    import posixpath
+    import re
+
+    import yaml
+
+    if path.endswith(".py"):
+        strings = [n.value for n in ast.walk(ast.parse(text))
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    elif path.endswith((".yaml", ".yml")):
+        def walk(node):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    yield from walk(key)
+                    yield from walk(value)
+            elif isinstance(node, list):
+                for value in node:
+                    yield from walk(value)
+            elif isinstance(node, str):
+                yield node
+
+        strings = list(walk(yaml.safe_load(text)))
+    else:
+        return set()
+    out = set()
+    for string in strings:
+        for word in re.split(r"[\s\"'`,;=()\[\]{}]+", string):
+            module, sep, attr = word.partition(":")
+            candidates = [module]
+            if sep and attr and re.fullmatch(r"\w+(\.\w+)+", module):
+                candidates.append(module.replace(".", "/") + ".py")
+            for candidate in candidates:
+                for where in (candidate, posixpath.join(posixpath.dirname(path), candidate)):
+                    where = posixpath.normpath(where)
+                    if where.startswith("examples/") and (REPO / where).is_file():
+                        out.add(where)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in list_examples()])
+def test_get_copies_every_file_an_example_names(tmp_path, monkeypatch, name):
+    """Every shipped example, written into an empty folder, has there every file it names, and the files those
+    name (a config's programs, modules, data and included YAML; a module's sibling modules), and its config loads
+    there (a masrl config with masrl.config.load_config, a sweep spec with the sweep's loader)."""
+    from masrl.config import load_config
+    from masrl.sweep.spec import load_spec
+
+    assert main(["example", "get", name, "--dir", str(tmp_path)]) == 0
+    written = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()}
+    todo, seen = [f"examples/{name}.yaml"], set()
+    while todo:
+        rel = todo.pop()
+        assert rel in written, f"{name}: {rel} is named (by {sorted(seen) or 'the command'}) but was not written"
+        assert (tmp_path / rel).read_bytes() == (REPO / rel).read_bytes()
+        if rel not in seen:
+            seen.add(rel)
+            todo += sorted(_named_files((REPO / rel).read_text(encoding="utf-8-sig"), rel) - seen)
+    monkeypatch.chdir(tmp_path)  # the configs name their files from the folder masrl runs in
+    if name.startswith("sweeps/"):
+        assert load_spec(f"examples/{name}.yaml").base
+    elif not name.startswith("harness/"):  # lm-evaluation-harness task files, not masrl configs
+        assert load_config(f"examples/{name}.yaml", []).agents
+
+
+def test_named_files_are_found_in_every_way_an_example_names_them():
+    """The reference reader above finds what each way of naming a file names (its own check)."""
+    assert _named_files("env: examples/verifiers_arith.py:load_environment\n", "examples/x.yaml") == \
+        {"examples/verifiers_arith.py"}
+    assert _named_files("include: masrl_gsm8k.yaml\n", "examples/harness/x.yaml") == \
+        {"examples/harness/masrl_gsm8k.yaml"}
+    assert _named_files("reward: examples.rewards:solver_verifier\n", "examples/x.yaml") == {"examples/rewards.py"}
+    assert _named_files("command: python examples/openai_client_team.py --fast\n", "examples/x.yaml") == \
+        {"examples/openai_client_team.py"}
+    assert _named_files('p = Path(__file__).with_name("verifiers_arith.py")\n', "examples/x.py") == \
+        {"examples/verifiers_arith.py"}
+    assert _named_files("# examples/quickstart.yaml in a comment\nname: x\n", "examples/x.yaml") == set()

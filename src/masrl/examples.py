@@ -1,21 +1,30 @@
 """``masrl example``: the shipped example configs, wherever masrl is installed.
 
 In a source checkout they are the repository's ``examples/`` folder; a wheel carries a copy as
-``masrl/_examples`` (setup.py). ``masrl example get NAME`` writes ``examples/NAME.yaml`` under the
-working folder, with the files it names under ``examples/`` (a reward module, a data file), so the
-README's ``masrl train examples/quickstart.yaml`` runs the same after a wheel install as in a checkout.
+``masrl/_examples`` (setup.py: every file of it). ``masrl example get NAME`` writes ``examples/NAME.yaml`` under the
+working folder, with every file under ``examples/`` that it names, and every file those name, so the README's
+``masrl train examples/quickstart.yaml`` runs the same after a wheel install as in a checkout.
+
+What counts as naming a file is one rule for every kind of file (``named_files``): a word of the file's text that,
+read as a path from the repository root (``env: examples/verifiers_arith.py:load_environment``, ``command: python
+examples/agent.py``, ``base: examples/quickstart.yaml``) or from the file's own folder (a YAML ``include:
+masrl_gsm8k.yaml``, a module's ``Path(__file__).with_name("verifiers_arith.py")``), or as a dotted module before
+``:attr`` (``examples.rewards:solver_verifier``), is a file of the examples folder. A file merely mentioned (in a
+comment) is copied too: a few extra bytes, never a missing one.
 """
 from __future__ import annotations
 
+import posixpath
 import re
 import shutil
 import textwrap
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from masrl.errors import UserInputError
 from masrl.paths import REPO_ROOT, check_output_dir, in_checkout
 
-_REFERENCE = re.compile(r"examples/[\w./-]+\.(?:yaml|py|jsonl|json|txt)")
+_PATH_WORD = re.compile(r"[\w./-]+\.\w+")  # a word with a suffix: examples/data/x.jsonl, verifiers_arith.py
+_MODULE_WORD = re.compile(r"(?<![\w./-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+):[A-Za-z_]")  # examples.rewards:fn
 
 
 def examples_root() -> Path:
@@ -75,12 +84,30 @@ def example_files(name: str) -> list[Path]:
         if current in files:
             continue
         files.append(current)
-        if current.suffix == ".yaml":
-            for ref in _REFERENCE.findall((root / current).read_text(encoding="utf-8-sig")):
-                ref_rel = Path(ref.removeprefix("examples/"))
-                if (root / ref_rel).is_file() and ".." not in ref_rel.parts:
-                    todo.append(ref_rel)
+        try:
+            text = (root / current).read_text(encoding="utf-8-sig")
+        except UnicodeDecodeError:  # a binary file names nothing
+            continue
+        todo.extend(sorted(named_files(root, current, text) - set(files)))
     return files
+
+
+def named_files(root: Path, current: Path, text: str) -> set[Path]:
+    """The files of the examples folder ``root`` that ``text`` (the file ``current``, relative to ``root``) names
+    (the module docstring's rule), relative to ``root``."""
+    words = set(_PATH_WORD.findall(text)) | {m.replace(".", "/") + ".py" for m in _MODULE_WORD.findall(text)}
+    out = set()
+    for word in words:
+        candidates = [posixpath.join(current.parent.as_posix(), word)]  # from the file's own folder
+        if posixpath.normpath(word).startswith("examples/"):  # from the repository root
+            candidates.append(posixpath.normpath(word).removeprefix("examples/"))
+        for candidate in candidates:
+            rel = PurePosixPath(posixpath.normpath(candidate))
+            if rel.is_absolute() or rel.parts[:1] in (("..",), (".",)) or not (root / rel).is_file():
+                continue
+            if (root / rel).resolve().is_relative_to(root.resolve()):  # no link out of the folder
+                out.add(Path(rel))
+    return out
 
 
 def write_examples(names: list[str], dest: Path, force: bool = False) -> list[tuple[Path, str]]:
