@@ -3,7 +3,9 @@ real verifiers.v1 API (a Solver and a frozen Checker) runs its episodes through 
 model calls reaching masrl's gateway as turns of the masrl agent the role maps to; the frozen role's policy is not
 trained; the traces' rewards reach the batch; a raising Env is counted and stops the run by the share rule.
 Skipped without the verifiers extra (pip install masrl[verifiers])."""
+import contextlib
 import json
+import sys
 
 import pytest
 
@@ -44,6 +46,9 @@ class CheckConfig(vf.EnvConfig):
     fail: bool = False
 
 
+ON_RUN = []  # functions a test calls on the Env's event loop as each episode starts
+
+
 class SolveAndCheck(vf.Env[CheckConfig]):
     """The solver answers; the checker (frozen) reads the answer; finalize records the checker's verdict."""
 
@@ -51,6 +56,8 @@ class SolveAndCheck(vf.Env[CheckConfig]):
         agents.checker.trainable = False
 
     async def run(self, task, agents):
+        for hook in ON_RUN:
+            hook()
         if self.config.fail:
             raise RuntimeError("broken environment")
         solution = await agents.solver.run(task)
@@ -147,3 +154,102 @@ def test_a_raising_env_fails_its_episodes_counted_and_stops_the_run_by_the_share
     with Trainer(cfg) as trainer:
         with pytest.raises(EpisodeError, match="broken environment"):
             trainer.rollout(trainer.source.train[:2], [0, 1], seed=1)
+
+
+@contextlib.contextmanager
+def _gateway_held():
+    """The workflow's gateway (``masrl.workflows.external.gateway`` with the workflow's host and port) with its loop
+    held until ``release`` is set (at the latest on leaving): a connection to it waits in the kernel's backlog."""
+    import threading
+
+    from masrl.workflows.external import gateway
+
+    gw = gateway("127.0.0.1", 0, 120.0)
+    held, release = threading.Event(), threading.Event()
+    gw.server.loop.call_soon_threadsafe(lambda: (held.set(), release.wait(90)))
+    assert held.wait(10), "the gateway's loop never ran the call that holds it"
+    try:
+        yield gw, release
+    finally:
+        release.set()
+
+
+def _on_run(trainer, hook) -> None:
+    """``hook()`` on the Env's event loop as each episode starts (the Env module's ``ON_RUN``)."""
+    sys.modules[type(trainer.params["env_episode"].env).__module__].ON_RUN.append(hook)
+
+
+def test_a_call_connecting_while_the_env_loop_is_busy_past_verifiers_connect_bound_is_not_lost(tiny_cfg, tmp_path):
+    """verifiers' interception reaches the gateway with an httpx client whose connect it bounds at 5 s, a bound
+    kept by the Env's event loop, which every concurrent episode of the Env shares: a loop busy for longer (the
+    other episodes' work on a loaded CPU) while a call was connecting timed the connect out though the kernel had
+    completed it, and the episode failed with a ProviderError without a message. Here the Env's loop is kept busy
+    past the bound from the moment the call's connection waits in the gateway's backlog: the episode completes."""
+    import asyncio
+    import select
+    import time
+
+    from verifiers.v1.clients.base import DEFAULT_TIMEOUT
+
+    from masrl.trainer import Trainer
+
+    busy_s = DEFAULT_TIMEOUT.connect + 1.0
+    with Trainer(_cfg(tiny_cfg, tmp_path)) as trainer, _gateway_held() as (gw, release):
+        def busy_while_connecting():
+            loop, deadline = asyncio.get_running_loop(), time.monotonic() + 60
+
+            def watch():  # once per pass of the loop
+                if select.select([gw.server.sock], [], [], 0)[0]:  # the call's connection is in the backlog
+                    time.sleep(busy_s)  # stands for the other episodes' work: the loop runs nothing else meanwhile
+                    release.set()
+                elif time.monotonic() > deadline:
+                    release.set()
+                else:
+                    loop.call_soon(watch)
+
+            loop.call_soon(watch)
+
+        _on_run(trainer, busy_while_connecting)
+        [episode] = trainer.rollout(trainer.source.train[:1], [0], seed=1)
+        assert release.is_set()
+    assert episode.error is None and [t.agent for t in episode.turns] == ["Solver", "Checker"]
+
+
+def test_a_call_that_fails_without_a_message_fails_its_episode_with_a_line_that_says_what_happened(tiny_cfg,
+                                                                                                   tmp_path):
+    """verifiers records a provider call that httpx lost without text (a reset connection, a timeout) as a
+    ProviderError with an empty message: the episode's error names the role, its agent, the HTTP status, how long
+    the call took and what that status means, not 'ProviderError: '. Here the call's connection is taken from the
+    gateway's backlog and reset once its request has arrived."""
+    import select
+    import socket
+    import struct
+    import threading
+
+    from masrl.rollout.runner import EpisodeError
+    from masrl.trainer import Trainer
+
+    with Trainer(_cfg(tiny_cfg, tmp_path)) as trainer, _gateway_held() as (gw, release):
+        def reset_the_call():
+            try:
+                if select.select([gw.server.sock], [], [], 60)[0]:
+                    conn, _ = gw.server.sock.accept()
+                    conn.settimeout(30)
+                    head = b""
+                    while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
+                        head += chunk
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
+                    conn.close()
+            finally:
+                release.set()
+
+        resetter = threading.Thread(target=reset_the_call, daemon=True)
+        resetter.start()
+        with pytest.raises(EpisodeError) as failed:
+            trainer.rollout(trainer.source.train[:1], [0], seed=1)
+        resetter.join(60)
+    message = str(failed.value)
+    assert "role 'solver' (agent Solver): ProviderError (HTTP 503, after " in message, message
+    assert ("s, no message: the connection between verifiers' interception and masrl's gateway was refused, reset or "
+            "closed") in message, message
+

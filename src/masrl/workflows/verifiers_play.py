@@ -8,6 +8,7 @@ one user-code call per episode (deadline, counted failures, loud stop).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import statistics
@@ -62,6 +63,34 @@ def _answer(completion: Any) -> str | None:
     return None
 
 
+# what the HTTP status of a ProviderError without a message says (verifiers.v1.errors._provider_status for an httpx
+# error in verifiers.v1.clients.eval.EvalClient._request, whose text was empty)
+PROVIDER_STATUS = {
+    504: "verifiers' client to masrl's gateway timed out (httpx gives its timeouts no text)",
+    503: "the connection between verifiers' interception and masrl's gateway was refused, reset or closed (httpx gave "
+         "no text)",
+}
+
+
+def patient_provider_clients(interception: Any) -> None:
+    """Every model client ``interception`` hands a rollout (``RolloutSession.client``, set when the rollout acquires
+    its slot) reaches masrl's gateway without verifiers' 5 s connect bound (``V1Player``): its httpx client's
+    timeouts are all lifted; the episode's deadline bounds the call."""
+    import httpx
+
+    acquire = interception.acquire
+
+    @contextlib.asynccontextmanager
+    async def acquire_patient(session: Any):
+        async with acquire(session) as slot:
+            http = getattr(session.client, "client", None)
+            if isinstance(http, httpx.AsyncClient):
+                http.timeout = httpx.Timeout(None)
+            yield slot
+
+    interception.acquire = acquire_patient
+
+
 def numbers(values: dict) -> dict[str, float]:
     return {str(k): float(v) for k, v in (values or {}).items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -98,7 +127,16 @@ class VerifiersPlayer:
 class V1Player:
     """One episode of a v1 ``Env``: ``env.run_episode(task, ctx)`` with the run's client on the episode's gateway
     session, inside the Env's serving resources (its interception server, shared tool servers: ``Env.serving()``),
-    entered for the episode on a copy of the Env (nothing outlives the episode or is shared between episodes)."""
+    entered for the episode on a copy of the Env (nothing outlives the episode or is shared between episodes).
+
+    The interception forwards each model call to masrl's gateway with an httpx client of its own, whose connect
+    verifiers bounds at 5 s (``verifiers.v1.clients.base.DEFAULT_TIMEOUT``, to fail fast on an unreachable
+    provider). That bound is kept by the Env's event loop, which every concurrent episode of the Env shares
+    (``masrl.usercode.calls``): when the loop is busy for longer than 5 s (many episodes' work on a loaded CPU), a
+    connect the kernel completed at once is timed out all the same, and the call fails as a ``ProviderError`` with
+    an empty message (httpx's ``ConnectTimeout`` has no text), HTTP 504. The gateway is masrl's own, in-process:
+    ``patient_provider_clients`` lifts that bound, and the episode's deadline (``workflow.params.timeout_s``)
+    bounds the call instead."""
 
     def __init__(self, game: V1Game):
         self.game = game
@@ -110,13 +148,30 @@ class V1Player:
         ctx = vf.ModelContext(model=next(iter(self.game.roles.values())), client=client)
         env = copy.copy(self.game.env)
         async with env.serving():
+            patient_provider_clients(env._interception)
             episode = await env.run_episode(self.game.task(task.meta["row"]), ctx)
-        failed = [e for t in episode.traces if not t.ok for e in t.errors[-1:]] + list(episode.errors)  # cause first
+        failed = [(t, e) for t in episode.traces if not t.ok for e in t.errors[-1:]]  # the cause first
+        failed += [(None, e) for e in episode.errors]
         if failed or not episode.ok:
-            first = failed[0] if failed else None
-            what = f"{first.type}: {first.message}" if first else "a trace did not complete"
-            raise EnvironmentRolloutError(f"the environment's episode failed: {what[:300]}")
+            what = self.failure(*failed[0]) if failed else "a trace did not complete"
+            raise EnvironmentRolloutError(f"the environment's episode failed: {what[:400]}")
         return self.results(episode)
+
+    def failure(self, trace: Any, error: Any) -> str:
+        """One line for the error that ended the episode: the role (and its masrl agent) whose run it ended, and
+        the error; an error verifiers recorded without a message (a provider client's timeout or lost connection:
+        httpx's text is empty) is said by its HTTP status and how long the failed call took."""
+        where = ""
+        if trace is not None:
+            role = trace.agent.name
+            where = f"role {role!r} (agent {self.game.roles.get(role, role)}): "
+        if error.message:
+            return f"{where}{error.type}: {error.message}"
+        call = next((c for c in reversed(trace.calls) if c.error is not None), None) if trace is not None else None
+        how = [f"HTTP {error.status_code}"] if error.status_code else []
+        how += [f"after {call.time.duration:.1f} s"] if call is not None and call.time.end else []
+        how.append(f"no message: {PROVIDER_STATUS.get(error.status_code, 'verifiers recorded none')}")
+        return f"{where}{error.type} ({', '.join(how)})"
 
     def results(self, episode: Any) -> dict:
         """The episode's reward (the mean reward of its trainable traces, of every trace when none is: verifiers'
