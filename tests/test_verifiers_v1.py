@@ -44,6 +44,7 @@ class CheckConfig(vf.EnvConfig):
     solver: vf.AgentConfig = vf.AgentConfig()
     checker: vf.AgentConfig = vf.AgentConfig()
     fail: bool = False
+    fail_rows: list[int] = []
 
 
 ON_RUN = []  # functions a test calls on the Env's event loop as each episode starts
@@ -58,7 +59,7 @@ class SolveAndCheck(vf.Env[CheckConfig]):
     async def run(self, task, agents):
         for hook in ON_RUN:
             hook()
-        if self.config.fail:
+        if self.config.fail or task.data.idx in self.config.fail_rows:
             raise RuntimeError("broken environment")
         solution = await agents.solver.run(task)
         question = f"{task.data.prompt}{solution.last_reply} ok?"
@@ -72,8 +73,12 @@ class SolveAndCheck(vf.Env[CheckConfig]):
 __all__ = ["SumTaskset", "SolveAndCheck"]
 
 
-def load_environment(fail=False):
-    return SolveAndCheck(CheckConfig(taskset={"id": __name__}, fail=fail))
+def load_environment(fail=False, fail_rows=()):
+    return SolveAndCheck(CheckConfig(taskset={"id": __name__}, fail=fail, fail_rows=list(fail_rows)))
+
+
+def teacher(agent, messages, row, rng):
+    return "yes" if agent == "Checker" else row["answer"]
 '''
 
 
@@ -253,3 +258,30 @@ def test_a_call_that_fails_without_a_message_fails_its_episode_with_a_line_that_
     assert ("s, no message: the connection between verifiers' interception and masrl's gateway was refused, reset or "
             "closed") in message, message
 
+
+def _teacher_cfg(tiny_cfg, tmp_path, **over):
+    return _cfg(tiny_cfg, tmp_path, **{"task.params.teacher": f"{tmp_path / 'two_roles.py'}:teacher",
+                                       "sft.teacher": {"seed": 0}, "sft.steps": 4, "sft.batch_size": 4, **over})
+
+
+def test_demonstrations_go_on_past_a_failed_episode_and_stop_loudly_at_the_rollouts_budget(tiny_cfg, tmp_path):
+    """The cold start's demonstrations run the Env's own episodes with the teacher answering: an episode that fails
+    gives no demonstrations and the others go on, under the budget of a rollout's episodes
+    (workflow.params.max_error_share); past it, and when every episode fails, the run stops with one line."""
+    from masrl.rollout.runner import EpisodeError
+    from masrl.trainer import Trainer, demonstrations
+
+    with Trainer(_teacher_cfg(tiny_cfg, tmp_path, **{"task.params.env_args": {"fail_rows": [1]}})) as trainer:
+        rows = demonstrations(trainer)
+        decode = {name: p.tokenizer.decode for name, p in trainer.policies.items()}
+        written = sorted((r.agent, decode[r.policy](r.response_ids, skip_special_tokens=True)) for r in rows)
+    assert written == [("Checker", "yes")] * 3 + [("Solver", "0"), ("Solver", "4"), ("Solver", "6")]  # not row 1
+    over = {"task.params.env_args": {"fail_rows": [1]}, "workflow.params.max_error_share": 0.25}
+    with Trainer(_teacher_cfg(tiny_cfg, tmp_path, **over)) as trainer:
+        with pytest.raises(EpisodeError, match=r"failed on 1 of 4 calls in the SFT demonstrations \(1 error; first: "
+                                               r".*broken environment.* in demonstration episode 1 .*"
+                                               r"max_error_share \(now 0.25\)"):
+            demonstrations(trainer)
+    with Trainer(_teacher_cfg(tiny_cfg, tmp_path, **{"task.params.env_args": {"fail": True}})) as trainer:
+        with pytest.raises(EpisodeError, match=r"failed on 4 of 4 calls in the SFT demonstrations"):
+            demonstrations(trainer)

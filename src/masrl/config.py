@@ -101,8 +101,8 @@ class WorkflowConfig(_Strict):
         "the workflow's parameters (e.g. max_loops). Workflows external and environment (user code, "
         "docs/reliability.md): timeout_s, the deadline of one episode's program or environment (300); "
         "max_error_share, the run stops (exit 2) when its failed episodes (raised, timed out, made no model call) "
-        "reach this share of a rollout's episodes (1.0: when every one fails), counted in usercode/program/* or "
-        "usercode/environment/*"))
+        "reach this share of a rollout's episodes, or of the SFT demonstrations' (1.0: when every one fails), counted "
+        "in usercode/program/* or usercode/environment/*"))
     prompts: dict[str, str] = Field(default_factory=dict, description="prompt templates replacing the workflow's "
                                                                        "defaults, by template name")
 

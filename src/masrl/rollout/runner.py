@@ -231,19 +231,21 @@ def program_counts(episodes: Sequence[Episode]) -> dict[str, Counter]:
     return counts
 
 
-def check_programs(episodes: Sequence[Episode], spec: WorkflowSpec, max_share: float) -> None:
+def check_programs(episodes: Sequence[Episode], spec: WorkflowSpec, max_share: float, scope: str = "the rollout",
+                   label: str = "episode") -> None:
     """The loud stop of ``masrl.usercode`` for agent programs and environments: ``EpisodeError`` (one line) when a
-    kind's failed episodes reach ``max_share`` of its episodes in the rollout."""
+    kind's failed episodes reach ``max_share`` of its episodes in ``scope`` (the rollout, the SFT demonstrations;
+    ``label`` names an episode there)."""
     for kind, n in program_counts(episodes).items():
         failed = [e for e in episodes if e.info.get("program_kind") == kind and e.info["program"] != "ok"]
         if not failed:
             continue
         first = failed[0]
-        where = f"episode {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
+        where = f"{label} {first.episode_id} (task {safe_str(first.task.id, 100)!r}) of workflow {spec.name!r}"
         hint = "" if max_share >= 1 else f" or raise workflow.params.max_error_share (now {max_share:g})"
         code = "agent program" if kind == "program" else "environment"
         check_share(str(first.info.get("program_name") or code), n["ok"] + n["error"] + n["timeout"], n["error"],
-                    n["timeout"], f"{first.error} in {where}", max_share, "the rollout",
+                    n["timeout"], f"{first.error} in {where}", max_share, scope,
                     f"fix the {code}{hint} (the traceback of the first failure is logged above)", EpisodeError)
 
 

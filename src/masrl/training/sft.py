@@ -3,6 +3,7 @@ prompt a policy is trained on is exactly a prompt the workflow will show it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 from collections import defaultdict
@@ -11,17 +12,19 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from masrl.config import AgentConfig, SFTConfig
-from masrl.errors import ConfigError
-from masrl.rollout.runner import check_continuation
+from masrl.errors import ConfigError, UserInputError
+from masrl.rollout.runner import EpisodeError, check_continuation, check_programs, failed_episode
 from masrl.tasks.source import Teacher
 from masrl.tools.chat_format import ChatPrompt
-from masrl.tools.text import valid_text
+from masrl.tools.text import safe_str, valid_text
 from masrl.training.distributed import DataParallel
 from masrl.training.policy import Policy, use_fused_adamw
 from masrl.training.update import Row, autocast_context, micro_batches, model_logprobs, pack_rows, trainer_forward
-from masrl.types import Task, Turn
+from masrl.types import Episode, Task, Turn
 from masrl.workflows.base import Continuation, ScoreFn, Team, WorkflowSpec
 from masrl.workflows.batch_score import scores_in_batches
+
+log = logging.getLogger(__name__)
 
 
 def from_program(prompt) -> bool:
@@ -50,8 +53,14 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     ``agents`` that many rows (SFT draws ``steps x batch_size`` per policy: more are never used; not with
     ``filter_agents``, whose rows are known only once scored); None: every task. ``on_task(tasks_done, turns,
     tasks_expected)`` after each task (progress: the tasks the need is expected to take at the rate so far).
+
+    An episode whose workflow raises gives no rows and the others go on, as in a rollout
+    (``masrl.rollout.runner``), under the same budget (``DemonstrationFailures``): the collection stops with one
+    line when the failed calls of an agent program or environment reach ``workflow.params.max_error_share`` of
+    those made, or when every episode failed. A ``UserInputError`` (a config problem) stops it as it is.
     """
     streams = TaskStreams(teacher) if concurrency > 1 else None
+    failures = DemonstrationFailures(spec, params, first_check=min(max(concurrency, 1), len(tasks)))
 
     async def one(index: int, task: Task) -> list[Turn]:
         async def call(agent: str, prompt) -> Turn:  # a string, a Continuation or a ChatPrompt
@@ -75,7 +84,15 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
 
         # the rows carry no reward: a score that judges in batches (an LLM judge) is not called on the final answers
         team = Team(task, spec, call, score, prompts=prompts, params=params, defer_score=scores_in_batches(score))
-        return (await spec.fn(task, team)).turns
+        try:
+            episode = await spec.fn(task, team)
+        except UserInputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - this episode's failure: no rows from it, counted
+            failures.add(failed_episode(task, team, e), index, e)
+            return []
+        failures.add(episode, index)
+        return episode.turns
 
     prefix = _Prefix(len(tasks), None if filter_agents else need, {a.policy for a in agents.values()}, on_task)
 
@@ -101,6 +118,7 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
     finally:
         if streams is not None:
             streams.restore()
+    failures.check(final=True)
     rows = []
     for task, turns in zip(tasks, prefix.results()):
         for t in turns:
@@ -109,6 +127,48 @@ def collect_demonstrations(spec: WorkflowSpec, tasks: Sequence[Task], teacher: T
             rows.append(Row(t.agent, t.prompt_ids, t.response_ids, [0.0] * len(t.response_ids), 0.0,
                             policy=t.policy))
     return rows
+
+
+class DemonstrationFailures:
+    """The failed episodes of a demonstrations collection, under a rollout's budget (``report_failures`` of
+    ``masrl.rollout.runner``): the first is logged with its traceback, and ``check`` (after each episode once
+    ``first_check`` have ended, and at the end) stops the collection (``EpisodeError``, one line) when the failed
+    calls of an agent program or environment reach ``workflow.params.max_error_share`` of those made
+    (``check_programs``), or when every episode has failed."""
+
+    def __init__(self, spec: WorkflowSpec, params: Mapping, first_check: int):
+        share = params.get("max_error_share", 1.0)  # agent programs, environments (checked at start)
+        self.max_share = float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0
+        self.spec, self.first_check = spec, first_check
+        self.episodes: list[Episode] = []
+        self.failed: list[Episode] = []
+
+    def add(self, episode: Episode, index: int, error: BaseException | None = None) -> None:
+        episode.episode_id = index
+        self.episodes.append(episode)
+        if error is not None:
+            self.failed.append(episode)
+            if len(self.failed) == 1:
+                log.error("%s raised; it gives no demonstrations, the other episodes go on; later failures are "
+                          "counted without a traceback", self.where(episode), exc_info=error)
+        self.check()
+
+    def where(self, episode: Episode) -> str:
+        return (f"demonstration episode {episode.episode_id} (task {safe_str(episode.task.id, 100)!r}) of workflow "
+                f"{self.spec.name!r}")
+
+    def check(self, final: bool = False) -> None:
+        if not self.failed or (not final and len(self.episodes) < self.first_check):
+            return
+        first = self.failed[0]
+        check_programs(self.episodes, self.spec, self.max_share, "the SFT demonstrations", "demonstration episode")
+        if len(self.failed) == len(self.episodes):
+            raise EpisodeError(f"every demonstration episode failed ({len(self.failed)} of {len(self.episodes)}), "
+                               f"so there is nothing to imitate; the first: {first.error} in {self.where(first)}; "
+                               "fix the workflow (the traceback of the first failure is logged above)")
+        if final:
+            log.warning("%d of %d demonstration episodes failed and gave no demonstrations; the first: %s in %s",
+                        len(self.failed), len(self.episodes), first.error, self.where(first))
 
 
 class _Prefix:
