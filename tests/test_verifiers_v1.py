@@ -162,14 +162,14 @@ def test_a_raising_env_fails_its_episodes_counted_and_stops_the_run_by_the_share
 
 
 @contextlib.contextmanager
-def _gateway_held():
-    """The workflow's gateway (``masrl.workflows.external.gateway`` with the workflow's host and port) with its loop
-    held until ``release`` is set (at the latest on leaving): a connection to it waits in the kernel's backlog."""
+def _gateway_held(port: int = 0):
+    """The workflow's gateway (``masrl.workflows.external.gateway`` with the workflow's host, ``port`` and timeout)
+    with its loop held until ``release`` is set (at the latest on leaving): a connection waits in the backlog."""
     import threading
 
     from masrl.workflows.external import gateway
 
-    gw = gateway("127.0.0.1", 0, 120.0)
+    gw = gateway("127.0.0.1", port, 120.0)
     held, release = threading.Event(), threading.Event()
     gw.server.loop.call_soon_threadsafe(lambda: (held.set(), release.wait(90)))
     assert held.wait(10), "the gateway's loop never ran the call that holds it"
@@ -179,9 +179,32 @@ def _gateway_held():
         release.set()
 
 
-def _on_run(trainer, hook) -> None:
-    """``hook()`` on the Env's event loop as each episode starts (the Env module's ``ON_RUN``)."""
-    sys.modules[type(trainer.params["env_episode"].env).__module__].ON_RUN.append(hook)
+def _busy_while_connecting(trainer, gw, release, busy_s: float, accept_first: bool) -> None:
+    """On the Env's event loop as an episode starts (the Env module's ``ON_RUN``): once the call's connection waits
+    in the held gateway's backlog, the loop is busy for ``busy_s`` (it stands for the other episodes' work: the loop
+    runs nothing else meanwhile); the gateway is let go after that, or before it (``accept_first``: the gateway
+    accepts the connection while the loop is busy)."""
+    import asyncio
+    import select
+    import time
+
+    def busy():
+        loop, deadline = asyncio.get_running_loop(), time.monotonic() + 60
+
+        def watch():  # once per pass of the loop
+            if select.select([gw.server.sock], [], [], 0)[0]:  # the call's connection is in the backlog
+                if accept_first:
+                    release.set()
+                time.sleep(busy_s)
+                release.set()
+            elif time.monotonic() > deadline:
+                release.set()
+            else:
+                loop.call_soon(watch)
+
+        loop.call_soon(watch)
+
+    sys.modules[type(trainer.params["env_episode"].env).__module__].ON_RUN.append(busy)
 
 
 def test_a_call_connecting_while_the_env_loop_is_busy_past_verifiers_connect_bound_is_not_lost(tiny_cfg, tmp_path):
@@ -190,33 +213,34 @@ def test_a_call_connecting_while_the_env_loop_is_busy_past_verifiers_connect_bou
     other episodes' work on a loaded CPU) while a call was connecting timed the connect out though the kernel had
     completed it, and the episode failed with a ProviderError without a message. Here the Env's loop is kept busy
     past the bound from the moment the call's connection waits in the gateway's backlog: the episode completes."""
-    import asyncio
-    import select
-    import time
-
     from verifiers.v1.clients.base import DEFAULT_TIMEOUT
 
     from masrl.trainer import Trainer
 
-    busy_s = DEFAULT_TIMEOUT.connect + 1.0
     with Trainer(_cfg(tiny_cfg, tmp_path)) as trainer, _gateway_held() as (gw, release):
-        def busy_while_connecting():
-            loop, deadline = asyncio.get_running_loop(), time.monotonic() + 60
-
-            def watch():  # once per pass of the loop
-                if select.select([gw.server.sock], [], [], 0)[0]:  # the call's connection is in the backlog
-                    time.sleep(busy_s)  # stands for the other episodes' work: the loop runs nothing else meanwhile
-                    release.set()
-                elif time.monotonic() > deadline:
-                    release.set()
-                else:
-                    loop.call_soon(watch)
-
-            loop.call_soon(watch)
-
-        _on_run(trainer, busy_while_connecting)
+        _busy_while_connecting(trainer, gw, release, DEFAULT_TIMEOUT.connect + 1.0, accept_first=False)
         [episode] = trainer.rollout(trainer.source.train[:1], [0], seed=1)
         assert release.is_set()
+    assert episode.error is None and [t.agent for t in episode.turns] == ["Solver", "Checker"]
+
+
+def test_a_request_the_env_loop_holds_back_past_the_gateways_default_head_deadline_is_served(tiny_cfg, tmp_path):
+    """The gateway awaits an episode's request as long as the episode's deadline (workflow.params.timeout_s): at its
+    30 s default, an Env's loop busy for longer between connecting and sending (seen at 40 s on a loaded CPU) had
+    the gateway close the connection, and the late request was lost to a reset (a ProviderError, HTTP 503, without
+    a message). Here the gateway accepts the call's connection while the Env's loop is busy past that default."""
+    import socket
+
+    from masrl.gateway import GatewayLimits
+    from masrl.trainer import Trainer
+
+    with socket.socket() as probe:  # a gateway of this test's own (the process's is shared by (host, port))
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cfg = _cfg(tiny_cfg, tmp_path, **{"workflow.params.port": port})
+    with Trainer(cfg) as trainer, _gateway_held(port) as (gw, release):
+        _busy_while_connecting(trainer, gw, release, GatewayLimits().header_timeout_s + 1.0, accept_first=True)
+        [episode] = trainer.rollout(trainer.source.train[:1], [0], seed=1)
     assert episode.error is None and [t.agent for t in episode.turns] == ["Solver", "Checker"]
 
 

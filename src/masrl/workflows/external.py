@@ -69,13 +69,21 @@ class NoModelCallError(ExternalAgentError):
 
 
 def gateway(host: str, port: int, timeout_s: float):
-    """The process's gateway for ``(host, port)``, started on first use and shared by every episode."""
-    from masrl.gateway import Gateway
+    """The process's gateway for ``(host, port)``, started on first use and shared by every episode.
+
+    Its clients are the episodes' own programs and environments, whose deadline is ``timeout_s``: a request head
+    or body is awaited that long (not less than the gateway's defaults). An environment's episodes share one event
+    loop (``masrl.usercode.calls``), which on a loaded CPU was seen busy for 40 s between connecting and sending;
+    past a 30 s head deadline the gateway closed the connection, and the late request was lost to a reset."""
+    from masrl.gateway import Gateway, GatewayLimits
 
     with _LOCK:
         key = (host, port)
         if key not in _GATEWAY:
-            _GATEWAY[key] = Gateway(host, port, request_timeout_s=timeout_s)
+            default = GatewayLimits()
+            limits = GatewayLimits(header_timeout_s=max(default.header_timeout_s, timeout_s),
+                                   body_timeout_s=max(default.body_timeout_s, timeout_s))
+            _GATEWAY[key] = Gateway(host, port, request_timeout_s=timeout_s, limits=limits)
         return _GATEWAY[key]
 
 
