@@ -451,7 +451,7 @@ class TrainerConfig(_Strict):
         "max_rollout_batch, rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the "
         "machine's memory, one line says what, and the trainer hands the heap's free memory back at its phase "
         "boundaries (masrl.plan.memory; a run then depends on the machine's memory; the SmolLM2 team example ships "
-        "it on: 3.3 vs 7.4 GiB peak RSS, 0.97x the CPU seconds); false: the fixed defaults, the same run on every "
+        "it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds); false: the fixed defaults, the same run on every "
         "machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
