@@ -204,8 +204,7 @@ class Gateway:
                 if session is None or owner is session:
                     _cancel(owner.loop, task)
                     if not done.done():
-                        done.set_exception(GatewayError(503, f"the call was cut short: {why}", "call_ended",
-                                                        kind="server_error"))
+                        done.set_exception(call_ended(why))
 
         loop = self.server.loop
         if loop is not None and not loop.is_closed():
@@ -277,8 +276,7 @@ class Gateway:
             try:
                 result = await coro
             except asyncio.CancelledError:
-                hand_back(None, GatewayError(503, "the call was cut short: it was cancelled before it finished (its "
-                                             "episode or rollout ended)", "call_ended", kind="server_error"))
+                hand_back(None, call_ended("it was cancelled before it finished (its episode or rollout ended)"))
                 raise
             except BaseException as e:  # noqa: BLE001 - handed back to the request, which answers it
                 hand_back(None, e)
@@ -290,8 +288,7 @@ class Gateway:
         def start() -> None:
             if session.closed:  # the episode ended while the request was on its way
                 coro.close()
-                hand_back(None, GatewayError(503, "the call was cut short: its episode ended before the call "
-                                             "started", "call_ended", kind="server_error"))
+                hand_back(None, call_ended("its episode ended before the call started"))
             else:
                 task.append(session.loop.create_task(call()))
 
@@ -301,8 +298,7 @@ class Gateway:
                 session.loop.call_soon_threadsafe(start)
             except RuntimeError:  # the episode's loop is closed: its episode has ended
                 coro.close()
-                raise GatewayError(503, "the call was cut short: its episode ended before the call started",
-                                   "call_ended", kind="server_error") from None
+                raise call_ended("its episode ended before the call started") from None
             turns = await asyncio.wait_for(done, self.request_timeout_s)
         except asyncio.TimeoutError:
             _cancel(session.loop, task)
@@ -314,6 +310,11 @@ class Gateway:
             self._calls.pop(done, None)
         session.calls += len(turns)
         return turns
+
+
+def call_ended(why: str) -> GatewayError:
+    """The 503 ``call_ended`` of a call cut short (``why``: what ended it)."""
+    return GatewayError(503, f"the call was cut short: {why}", "call_ended", kind="server_error")
 
 
 def _cancel(loop: asyncio.AbstractEventLoop, task: list[asyncio.Task]) -> None:

@@ -157,9 +157,7 @@ def run_episodes(spec: WorkflowSpec, tasks: Sequence[Task], group_ids: Sequence[
         return episode
 
     episodes = scheduler.run([one(i, t) for i, t in enumerate(tasks)])
-    share = params.get("max_error_share", 1.0)  # agent programs, environments (checked at start)
-    report_failures(spec, episodes, failures, scheduler,
-                    float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0)
+    report_failures(spec, episodes, failures, scheduler, error_share(params))
     if defer:
         score_pending(episodes, score)
         for episode in episodes if on_episode is not None else ():
@@ -229,6 +227,12 @@ def program_counts(episodes: Sequence[Episode]) -> dict[str, Counter]:
         if e.info.get("program") in ("ok", "error", "timeout"):
             counts.setdefault(e.info.get("program_kind") or "program", Counter())[e.info["program"]] += 1
     return counts
+
+
+def error_share(params: Mapping) -> float:
+    """``workflow.params.max_error_share`` (agent programs, environments; checked at start), 1.0 when unset."""
+    share = params.get("max_error_share", 1.0)
+    return float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0
 
 
 def check_programs(episodes: Sequence[Episode], spec: WorkflowSpec, max_share: float, scope: str = "the rollout",

@@ -13,7 +13,7 @@ import torch
 
 from masrl.config import AgentConfig, SFTConfig
 from masrl.errors import ConfigError, UserInputError
-from masrl.rollout.runner import EpisodeError, check_continuation, check_programs, failed_episode
+from masrl.rollout.runner import EpisodeError, check_continuation, check_programs, error_share, failed_episode
 from masrl.tasks.source import Teacher
 from masrl.tools.chat_format import ChatPrompt
 from masrl.tools.text import safe_str, valid_text
@@ -137,8 +137,7 @@ class DemonstrationFailures:
     (``check_programs``), or when every episode has failed."""
 
     def __init__(self, spec: WorkflowSpec, params: Mapping, first_check: int):
-        share = params.get("max_error_share", 1.0)  # agent programs, environments (checked at start)
-        self.max_share = float(share) if isinstance(share, (int, float)) and not isinstance(share, bool) else 1.0
+        self.max_share = error_share(params)
         self.spec, self.first_check = spec, first_check
         self.episodes: list[Episode] = []
         self.failed: list[Episode] = []
