@@ -188,6 +188,39 @@ def test_the_scheduler_fails_the_batch_and_serves_the_next_requests(tiny, monkey
     assert not engine.busy
 
 
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_lost_engine_stops_the_rollout_with_its_own_error(tiny, monkeypatch, continuous):
+    """An engine that can serve nothing more (``EngineLost``: a Ray worker died, its group's peers may be blocked in a
+    collective) is no batch failure: the rollout stops at once with that error, no episode waits on."""
+    from masrl.errors import EngineLost
+    from masrl.runtime import WorkerGroupError
+
+    model, tok = tiny
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, seed=3)
+    lost = WorkerGroupError("policy 'p': worker 0 died during generation at step 1 (ActorDiedError)")
+    assert isinstance(lost, EngineLost)
+
+    def fail(*args, **kwargs):
+        raise lost
+
+    monkeypatch.setattr(ContinuousBatcher if continuous else TransformersEngine,
+                        "advance" if continuous else "_decode", fail)
+    scheduler = RolloutScheduler({"p": engine}, continuous=continuous)
+    request = GenRequest(tok("Q 7*3\nS ", add_special_tokens=False)["input_ids"], temperature=0.0, max_new_tokens=4)
+    seen = []
+
+    async def episode():
+        try:
+            return await scheduler.generate("p", request)
+        except BaseException as e:  # noqa: BLE001 - what each waiting episode saw
+            seen.append(e)
+            raise
+
+    with pytest.raises(WorkerGroupError, match="worker 0 died during generation at step 1"):
+        _within_deadline(lambda: scheduler.run([episode() for _ in range(3)]))
+    assert all(isinstance(e, asyncio.CancelledError) for e in seen) and len(seen) == 3
+
+
 def test_masrl_serve_batcher_answers_every_request_of_a_short_or_failed_batch():
     """masrl serve's batcher: an engine that returns fewer results than requests, or raises, fails every request of
     the batch with an error naming the policy; the next batch is served."""

@@ -66,6 +66,11 @@ class EngineFailure(RuntimeError):
         self.policy = policy
 
 
+class EngineLost(RuntimeError):
+    """A policy's engine can serve no request any more (a worker of its group died, or failed and left the group in
+    an unknown state): unlike an ``EngineFailure``, which fails one batch, this stops the rollout, loudly."""
+
+
 class ConfigError(UserInputError, ValueError):
     """A configuration problem (a key, a value, a name the config gives), with one clear message:
     what, where, what to do. Also a ``ValueError`` for code that validated with ``ValueError``."""

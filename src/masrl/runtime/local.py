@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+from masrl.errors import EngineLost
 from masrl.rollout.versioned import versioned
 from masrl.training.policy import Policy, after_update, before_update, build_policy
 from masrl.training.sft import run_sft
 from masrl.training.update import Row, update_policy
 
 
-class WorkerGroupError(RuntimeError):
-    """A policy's worker failed; the message names the policy, the worker and the step."""
+class WorkerGroupError(EngineLost):
+    """A policy's worker failed; the message names the policy, the worker and the step. Its peers may be blocked in
+    a collective, so the group serves nothing more: during a rollout this stops the rollout, not one batch."""
 
 
 def policy_build_args(cfg, run_dir) -> dict[str, dict]:
