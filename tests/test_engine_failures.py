@@ -123,18 +123,21 @@ def test_a_failed_batch_answers_its_gateway_requests_and_the_next_rollout_is_ser
     assert all(not e.error and [t.agent for t in e.turns] == ["Solver"] for e in episodes)
 
 
+_SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+          "intermediate_size": 64, "max_position_embeddings": 128}
+# two policies, one per agent: the Solver's engine can fail while the Verifier's serves
+_TWO_POLICIES = {"policies": {name: {"model": "tiny", "optim": {"lr": 1e-3}, "tiny": _SMALL} for name in ("a", "b")},
+                 "agents": {"Solver": {"policy": "a", "max_new_tokens": 8},
+                            "Verifier": {"policy": "b", "max_new_tokens": 4}}}
+
+
 def test_a_failed_batch_fails_only_its_episodes(tiny_cfg, tmp_path, monkeypatch):
     """Two policies generate in one flush; the engine of one fails: the episodes whose call was in its batch fail
     (counted in usercode/program/errors, the rollout goes on), the other policy's batch is answered."""
     from masrl.rollout.runner import rollout_metrics
 
-    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
-             "intermediate_size": 64, "max_position_embeddings": 128}
-    policies = {"policies": {name: {"model": "tiny", "optim": {"lr": 1e-3}, "tiny": small} for name in ("a", "b")},
-                "agents": {"Solver": {"policy": "a", "max_new_tokens": 8},
-                           "Verifier": {"policy": "b", "max_new_tokens": 4}}}
     holder = {}
-    with _program_trainer(tiny_cfg, tmp_path, "both", policies) as trainer:
+    with _program_trainer(tiny_cfg, tmp_path, "both", _TWO_POLICIES) as trainer:
         holder["a"] = trainer.policies["a"].engine
         calls = _fails_once(monkeypatch, lambda engine: engine is holder["a"])
         episodes = _within_deadline(lambda: trainer.rollout(trainer.source.train[:4], [0, 1, 2, 3], seed=1))
@@ -147,6 +150,19 @@ def test_a_failed_batch_fails_only_its_episodes(tiny_cfg, tmp_path, monkeypatch)
     assert all([t.agent for t in e.turns] == ["Verifier"] for e in episodes if not e.error)
     metrics = rollout_metrics(episodes)
     assert metrics["usercode/program/errors"] == 2 and metrics["rollout/episode_errors"] == 2
+
+
+def test_a_step_counts_its_failed_batches(tiny_cfg, tmp_path, monkeypatch):
+    """``rollout/engine_failures``: the batches an engine raised on in the step (0 in a step without one); the
+    step trains on the episodes the other policy served."""
+    holder = {}
+    with _program_trainer(tiny_cfg, tmp_path, "both", _TWO_POLICIES) as trainer:
+        holder["a"] = trainer.policies["a"].engine
+        calls = _fails_once(monkeypatch, lambda engine: engine is holder["a"])
+        first = _within_deadline(trainer.train_step)
+        second = _within_deadline(trainer.train_step)
+    assert len(calls) == 2 and first["rollout/engine_failures"] == 1.0 and second["rollout/engine_failures"] == 0.0
+    assert first["rollout/episode_errors"] == calls[0] and second["rollout/episode_errors"] == 0
 
 
 @pytest.mark.parametrize("continuous", [False, True])

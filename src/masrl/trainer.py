@@ -223,6 +223,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         self.runtime.step = self.step
         tokens_before = self.scheduler.stats.generated_tokens
+        failures_before = self.scheduler.stats.engine_failures
         judge_metrics(self.source.score)  # the judge's counters start afresh (an evaluation may have used it)
         try:  # rollout.max_staleness: this step's batch was generated while earlier steps trained
             episodes, reward_counts = self.ahead.take(self.step) if self.ahead else self.collect(self.step)
@@ -248,6 +249,8 @@ class Trainer:
         metrics.update(self.signal.update(self.step + 1, episodes, advantages))
         metrics.update(reward_counts.metrics())
         metrics.update(rollout_metrics(episodes))  # failed episodes, tool calls and their errors / timeouts
+        # batches an engine raised on (their requests failed; the episodes that waited on them are in episode_errors)
+        metrics["rollout/engine_failures"] = float(self.scheduler.stats.engine_failures - failures_before)
         self.monitor(episodes, turns, metrics)
         generated = self.scheduler.stats.generated_tokens - tokens_before
         trained = sum(len(t.response_ids) + len(t.prompt_ids) for t in turns)
