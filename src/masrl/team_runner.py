@@ -10,7 +10,9 @@ the trainer (``masrl.trainer.Trainer``) owns one and adds updates, monitors and 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -119,6 +121,27 @@ class BenchRun:
         return out
 
 
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # not on this platform
+        return None
+
+
+def busy_cores_note(threads: int, load: float | None, cores: int) -> str:
+    """One line when ``trainer.threads`` is unset and torch's threads (one per core) would share busy cores: an
+    OpenMP thread that waits on a core another process holds spins, and every parallel op waits for the slowest
+    (a SmolLM2 update step once took 35.7 s with 2 threads beside another job, 5.1-6.2 s with 1). Else ''."""
+    if load is None or threads <= 1:
+        return ""
+    idle = max(1, int(cores - load + 0.5))
+    if idle >= threads:
+        return ""
+    return (f"[masrl] trainer.threads is unset, so torch runs {threads} threads while the load average is "
+            f"{load:.1f} on {cores} cores: threads that wait on a busy core can slow each step several times over "
+            f"(docs/performance.md, \"threads\"); set trainer.threads={idle} (the idle cores) or stop the other work")
+
+
 class TeamRunner:
     """The team of a config: workflow spec, task source, policies (with their engines) on a runtime, scheduler.
 
@@ -132,6 +155,10 @@ class TeamRunner:
         self.show_progress = cfg.logging.progress if progress is None else progress
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
+        elif cfg.trainer.device == "cpu":
+            note = busy_cores_note(torch.get_num_threads(), _load_average(), os.cpu_count() or 1)
+            if note:
+                print(note, file=sys.stderr)
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.spec = check_team(cfg)  # names, agents, prompt templates: before anything is loaded or built
