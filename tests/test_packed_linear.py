@@ -143,3 +143,30 @@ def test_engine_decodes_bitwise_with_packed_weights(lora):
     f32 = dict(kw, autocast=None)
     assert _run(TransformersEngine(model, **f32), requests, adapters) == _run(
         TransformersEngine(model, packed_linear=False, **f32), requests, adapters)
+
+
+@needs_packing
+def test_released_decode_weights_are_rebuilt_with_the_same_tokens():
+    """rollout.keep_decode_weights: false: before an update the engine drops its packs and the fast decoder's stacked
+    weights (``before_update``); the next decode packs again and samples the same tokens and log-probs."""
+    from types import SimpleNamespace
+
+    from masrl.config import RolloutConfig
+    from masrl.training.policy import before_update
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, WIDE, seed=0).eval()
+    requests = _requests(tok)
+    engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                autocast="bfloat16")
+    expected = _run(engine, requests, None)
+    first = engine.packed_linears.packs
+    assert first >= 4 and len(engine.packed_linears._packed) > 0
+    policy = SimpleNamespace(engine=engine)
+    before_update(policy, RolloutConfig())  # kept by default
+    assert len(engine.packed_linears._packed) > 0
+    before_update(policy, RolloutConfig(keep_decode_weights=False, max_staleness=1))  # decoding beside the update
+    assert len(engine.packed_linears._packed) > 0
+    before_update(policy, RolloutConfig(keep_decode_weights=False))
+    assert len(engine.packed_linears._packed) == 0 and engine._fast is None
+    assert _run(engine, requests, None) == expected and engine.packed_linears.packs == 2 * first

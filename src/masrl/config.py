@@ -356,6 +356,11 @@ class RolloutConfig(_Strict):
         "memory for the stored keys/values per policy; the size decides which prefixes are reused, and a reused "
         "prefix's keys/values differ from a recomputed one's by float rounding, so another size can change the "
         "sampled tokens (not bitwise the same run);" + _CHOSEN_BY_MEMORY))
+    keep_decode_weights: bool = Field(True, description=(
+        "transformers engine on a CPU under bf16 autocast: keep the decode-only copies of the weights (prepacked "
+        "bf16 Linear weights, the fast decoder's stacked weights; ~1.5x the parameters in bf16) through the update "
+        "(false: released before each update and rebuilt by the next decode, ~0.4 s for SmolLM2-135M, the same "
+        "tokens);" + _CHOSEN_BY_MEMORY))
     continuous_batching: bool = Field(False, description=(
         "transformers engine: one running decode batch per policy that admits each agent call as its episode "
         "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "
@@ -448,10 +453,12 @@ class TrainerConfig(_Strict):
         "its phase boundaries (after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
     memory_defaults: bool = Field(False, description=(
         "true: masrl train and masrl eval choose the memory settings the config leaves unset (micro_batch_tokens, "
-        "max_rollout_batch, rollout.prefix_cache_mib, gradient checkpointing, tune_malloc) from the model and the "
+        "max_rollout_batch, rollout.prefix_cache_mib, rollout.keep_decode_weights, gradient checkpointing, tune_malloc) "
+        "from the model and the "
         "machine's memory, one line says what, and the trainer hands the heap's free memory back at its phase "
         "boundaries (masrl.plan.memory; a run then depends on the machine's memory; the SmolLM2 team example ships "
-        "it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds); false: the fixed defaults, the same run on every "
+        "it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds; 4.3 GiB under bf16 autocast); false: the fixed "
+        "defaults, the same run on every "
         "machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "

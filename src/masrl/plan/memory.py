@@ -6,16 +6,22 @@ false`` keeps every fixed default (the same run on every machine). With ``M`` th
 (``MemTotal``, or the cgroup's limit when lower), on a CPU run with the in-process engine:
 
 * ``trainer.micro_batch_tokens``: the largest power of two from 256 to 4096 whose update activations
-  (``masrl.plan.activation_bytes``, the largest trainable policy, without checkpointing) fit ``M/12``. The
-  update's activations grow with the micro-batch, its speed hardly does past a few hundred tokens.
+  (``masrl.plan.activation_bytes``, the largest trainable policy, without checkpointing) fit ``M/12`` (then
+  perhaps halved: below). The update's activations grow with the micro-batch, its speed hardly does past a few
+  hundred tokens.
 * ``trainer.max_rollout_batch`` (rows decoded together per policy): the largest power of two from 16 to 512
-  whose keys/values at ``PROMPT_TOKENS`` + the longest ``max_new_tokens`` fit ``M/8``. An evaluation of 200
-  episodes decodes them in several calls instead of one.
+  whose keys/values at ``PROMPT_TOKENS`` + the longest ``max_new_tokens`` fit ``M/8`` (then perhaps halved:
+  below). An evaluation of 200 episodes decodes them in several calls instead of one.
 * ``policies.<p>.gradient_checkpointing``: on for a trainable policy whose update (weights, gradients, AdamW
   state, activations of the chosen micro-batch) passes ``M/4`` (it costs ~+50 % of a LoRA update's compute).
-* ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB that keeps the run's predicted
-  peak within ``M/6``: every policy's weights, gradients and AdamW state, the largest update's activations,
-  the keys/values of the rows above, and the prefix cache.
+* the whole predicted peak within ``M/6``: every policy's weights, gradients and AdamW state, its decode-only
+  weight copies (bf16 autocast on a CPU: ``DECODE_COPIES``), the largest update's activations (under CPU autocast
+  1.1x the float32 formula: ``AUTOCAST_CPU_ACTIVATIONS``), the keys/values of the rows above and the prefix cache
+  at its resident size (``PREFIX_RESIDENT`` x its bytes). When even the smallest cache (64 MiB) does not fit, the
+  unset micro-batch and rows above halve in turn (down to 256 tokens and 16 rows) until it does.
+* ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB that fits what is left.
+* ``rollout.keep_decode_weights``: false where decoding keeps weight copies (bf16 on a CPU): released before
+  each update, rebuilt by the next decode (~0.4 s for SmolLM2-135M).
 * ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5-1.8x the step time) when that
   predicted peak still passes ``M/4``; else ``true`` (the heap keeps freed memory, and ``malloc_trim`` at phase
   boundaries hands it back between phases).
@@ -40,6 +46,18 @@ from masrl.plan.shapes import ModelShape
 
 PROMPT_TOKENS = 512  # prompt length the keys/values are sized for (as ``masrl plan --prompt-tokens``)
 MiB = 2 ** 20
+# Under bf16/fp16 autocast on a CPU a float32 model's saved activations are no smaller than in float32: the norms
+# and the residual stream stay float32 and each Linear saves a low-precision copy of its input beside them.
+# Measured: the SmolLM2 team example's SFT phase peaks 1.60 MiB higher per micro-batch token under bf16 autocast
+# (2,586 MiB at 512 tokens, 3,406 at 1024), against 1.47 MiB the float32 formula counts and 1.06 the bf16 one.
+AUTOCAST_CPU_ACTIVATIONS = 1.1  # x the float32 formula's activations
+# Decoding under bf16 autocast on a CPU keeps copies of the weights only decoding uses: the prepacked bf16 Linear
+# weights and the fast decoder's stacked ones. Measured for SmolLM2-135M: ~0.41 GiB, 1.5x its parameters in bf16.
+DECODE_COPIES = 1.5 * 2  # bytes per parameter
+# The prefix cache keeps whole decode calls' keys/values between calls: long-lived blocks between the heap's
+# short-lived ones, so the heap around them is not reused. Measured (a held-out evaluation of the SmolLM2 team, bf16
+# autocast): a 512 MiB cache raised the peak resident set by 942 MiB and the live bytes by 524 MiB.
+PREFIX_RESIDENT = 1.8  # resident bytes per byte of the cache
 
 
 @dataclass(frozen=True)
@@ -91,16 +109,12 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
     precision = resolve_autocast(trainer.autocast)
     choices: list[MemoryChoice] = []
     tokens, rows = trainer.micro_batch_tokens, trainer.max_rollout_batch
+    per_token = max((_activations(cfg, n, shapes[n], 1024, precision, False) / 1024 for n in trainable), default=0.0)
     if trainable and _unset(trainer, "micro_batch_tokens"):
-        per_token = max(_activations(cfg, n, shapes[n], 1024, precision, False) / 1024 for n in trainable)
         tokens = _pow2_at_most(memory / 12 / per_token, 256, 4096)
-        choices.append(MemoryChoice("trainer.micro_batch_tokens", tokens,
-                                    f"update activations {per_token * tokens / 2**30:.2f} GiB <= M/12"))
+    per_row = max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies)
     if _unset(trainer, "max_rollout_batch"):
-        per_row = max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies)
         rows = _pow2_at_most(memory / 8 / per_row, 16, 512)
-        choices.append(MemoryChoice("trainer.max_rollout_batch", rows,
-                                    f"keys/values {per_row * rows / 2**30:.2f} GiB <= M/8"))
     checkpointing = {n: bool(cfg.policies[n].gradient_checkpointing) for n in cfg.policies}
     for n in trainable:
         if _unset(cfg.policies[n], "gradient_checkpointing"):
@@ -108,17 +122,46 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
             checkpointing[n] = update > memory / 4
             choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", checkpointing[n],
                                         f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
-    base = sum(_persistent(cfg, n) for n in cfg.policies)
-    base += max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable), default=0.0)
-    base += max(_kv_per_row(cfg, n, shapes[n]) for n in cfg.policies) * rows
+    copies = {n: _decode_copies(cfg, n, shapes[n]) for n in cfg.policies}
+    fixed = sum(_persistent(cfg, n) + copies[n] for n in cfg.policies)
+
+    def without_prefix(tokens: int, rows: int) -> float:
+        acts = max((_activations(cfg, n, shapes[n], tokens, precision, checkpointing[n]) for n in trainable),
+                   default=0.0)
+        return fixed + acts + per_row * rows
+
+    # the whole predicted peak within M/6: halve the unset micro-batch and rows, in turn, down to their floors
+    prefix_floor = 0 if _unset(rollout, "prefix_cache_mib") else rollout.prefix_cache_mib
+    floor = (64 if _unset(rollout, "prefix_cache_mib") else prefix_floor) * MiB * PREFIX_RESIDENT
+    turn = 0
+    while without_prefix(tokens, rows) + floor > memory / 6:
+        can_tokens = trainable and _unset(trainer, "micro_batch_tokens") and tokens > 256
+        can_rows = _unset(trainer, "max_rollout_batch") and rows > 16
+        if not (can_tokens or can_rows):
+            break
+        if can_tokens and (turn % 2 == 0 or not can_rows):
+            tokens //= 2
+        else:
+            rows //= 2
+        turn += 1
+    if trainable and _unset(trainer, "micro_batch_tokens"):
+        choices.insert(0, MemoryChoice("trainer.micro_batch_tokens", tokens,
+                                       f"update activations {per_token * tokens / 2**30:.2f} GiB"))
+    if _unset(trainer, "max_rollout_batch"):
+        choices.insert(1 if trainable and _unset(trainer, "micro_batch_tokens") else 0,
+                       MemoryChoice("trainer.max_rollout_batch", rows, f"keys/values {per_row * rows / 2**30:.2f} GiB"))
+    base = without_prefix(tokens, rows)
     prefix = rollout.prefix_cache_mib
     if _unset(rollout, "prefix_cache_mib"):
-        prefix = _pow2_at_most((memory / 6 - base) / MiB, 64, 1024)
+        prefix = _pow2_at_most((memory / 6 - base) / MiB / PREFIX_RESIDENT, 64, 1024)
         choices.append(MemoryChoice("rollout.prefix_cache_mib", prefix,
-                                    f"predicted peak {(base + prefix * MiB) / 2**30:.2f} GiB with it, M/6 "
-                                    f"{memory / 6 / 2**30:.2f}"))
+                                    f"predicted peak {(base + prefix * MiB * PREFIX_RESIDENT) / 2**30:.2f} GiB with "
+                                    f"it, M/6 {memory / 6 / 2**30:.2f}"))
+    peak = base + prefix * MiB * PREFIX_RESIDENT
+    if any(copies.values()) and _unset(rollout, "keep_decode_weights"):
+        choices.append(MemoryChoice("rollout.keep_decode_weights", False,
+                                    f"decode copies {sum(copies.values()) / 2**30:.2f} GiB released during updates"))
     if _unset(trainer, "tune_malloc"):
-        peak = base + prefix * MiB
         lean = peak > memory / 4
         choices.append(MemoryChoice("trainer.tune_malloc", "lean" if lean else True,
                                     f"predicted peak {peak / 2**30:.2f} GiB {'>' if lean else '<='} M/4"))
@@ -133,10 +176,26 @@ def _persistent(cfg, name: str) -> float:
 def _activations(cfg, name: str, shape: ModelShape, tokens: int, precision: str | None, ckpt: bool) -> float:
     pcfg = cfg.policies[name]
     act_b = _BYTES[precision] if precision else _BYTES[pcfg.dtype]
+    factor = 1.0
+    if precision and _BYTES[precision] < _BYTES[pcfg.dtype]:  # autocast on a CPU: AUTOCAST_CPU_ACTIVATIONS
+        act_b, factor = _BYTES[pcfg.dtype], AUTOCAST_CPU_ACTIVATIONS
     seq = PROMPT_TOKENS + _max_new(cfg, name)
     targets = list(pcfg.lora.target_modules) if pcfg.lora else None
-    return activation_bytes(shape, tokens, seq, tokens * _max_new(cfg, name) // seq, act_b, ckpt, True, targets,
-                            cfg.trainer.logprob_chunk_tokens)
+    return factor * activation_bytes(shape, tokens, seq, tokens * _max_new(cfg, name) // seq, act_b, ckpt, True,
+                                     targets, cfg.trainer.logprob_chunk_tokens)
+
+
+def _decode_copies(cfg, name: str, shape: ModelShape) -> float:
+    """Bytes of the decode-only weight copies of the in-process engine (bf16 autocast on a CPU, float32 weights;
+    ``DECODE_COPIES``): 0 where it decodes without them."""
+    from masrl.rollout.engine import AUTO_BF16_MIN_HIDDEN
+
+    setting = cfg.trainer.autocast
+    if resolve_autocast(setting) != "bfloat16" or cfg.policies[name].dtype != "float32":
+        return 0.0
+    if setting == "auto" and shape.hidden < AUTO_BF16_MIN_HIDDEN:  # a narrow model decodes in float32
+        return 0.0
+    return DECODE_COPIES * shape.params
 
 
 def _max_new(cfg, name: str) -> int:

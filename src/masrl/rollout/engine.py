@@ -135,6 +135,13 @@ class TransformersEngine(Engine):
         if base_changed and self.packed_linears is not None:
             self.packed_linears.clear()
 
+    def release_decode_weights(self) -> None:
+        """Drop the copies of the weights only decoding uses (prepacked bf16 Linear weights, the fast decoder's
+        stacked weights); the next decode builds them again from the model (the same tokens)."""
+        self._fast = None
+        if self.packed_linears is not None:
+            self.packed_linears.clear()
+
     def generator_for(self, device: torch.device) -> torch.Generator:
         """The CPU generator, or one on ``device`` (seeded alike) when the logits live there."""
         if device.type == "cpu":

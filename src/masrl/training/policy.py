@@ -289,10 +289,16 @@ def param_groups(policy: Policy, agent_optim: Mapping[str, Mapping[str, Any]]) -
 
 
 def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
-    """A separate rollout engine (vLLM) releases its accelerator memory while the trainer updates (not with
+    """A separate rollout engine (vLLM) releases its accelerator memory while the trainer updates, the in-process
+    engine its decode-only weight copies under ``rollout.keep_decode_weights: false`` (neither with
     ``rollout.max_staleness``: it generates the next batches meanwhile)."""
     if rollout is not None and rollout.sleep_level and not rollout.max_staleness and policy.engine.can_sleep:
         policy.engine.sleep(rollout.sleep_level)
+    # rollout.keep_decode_weights: false: the in-process engine's decode-only weight copies make room for the update
+    # (not with rollout.max_staleness: it decodes meanwhile)
+    if (rollout is not None and not rollout.keep_decode_weights and not rollout.max_staleness
+            and hasattr(policy.engine, "release_decode_weights")):
+        policy.engine.release_decode_weights()
 
 
 def after_update(policy: Policy) -> None:
