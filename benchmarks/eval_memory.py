@@ -1,0 +1,90 @@
+"""What one held-out evaluation of a team holds: peak resident set and peak live heap bytes, under a variant.
+
+    python benchmarks/eval_memory.py CONFIG.yaml [--variant NAME] [--no-packs] [--no-fast-decode] [OVERRIDES ...]
+
+Builds the team of ``CONFIG`` with the memory defaults ``masrl train`` would choose (``trainer.memory_defaults``), no
+SFT, evaluates the held-out split once (``Trainer.evaluate``) and prints one JSON line: the resident set before, the
+kernel's high-water mark over the evaluation (``VmHWM``, reset just before it), the resident set after it, the peak of
+glibc's live bytes (``mallinfo2``: ``uordblks + hblkhd``, sampled every 20 ms, so a short-lived peak can be missed),
+and the evaluation's seconds. ``--no-packs`` / ``--no-fast-decode``: the engine decodes without its prepacked bf16
+weights / the fast decode step (what each holds is the difference). Linux with glibc only.
+
+    python benchmarks/eval_memory.py examples/smollm2_arith_team.yaml --variant bf16 trainer.autocast=bfloat16 \\
+        trainer.threads=1 eval.limit=16 output_dir=/tmp/eval_memory
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import threading
+import time
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def _status(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main(argv: list[str]) -> int:
+    config, *rest = argv
+    variant, no_packs, no_fast, overrides = "", False, False, []
+    it = iter(rest)
+    for arg in it:
+        if arg == "--variant":
+            variant = next(it)
+        elif arg == "--no-packs":
+            no_packs = True
+        elif arg == "--no-fast-decode":
+            no_fast = True
+        else:
+            overrides.append(arg)
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    from masrl.config import load_config
+    from masrl.plan.memory import announce_memory_defaults
+    from masrl.trainer import Trainer
+
+    cfg = load_config(config, ["sft.steps=0", "logging.progress=false", *overrides])
+    announce_memory_defaults(cfg)
+    trainer = Trainer(cfg, progress=False)
+    for policy in trainer.policies.values():
+        if no_packs:
+            policy.engine.packed_linears = None
+        if no_fast:
+            policy.engine.fast_decode = False
+    peak = {"live": 0.0}
+
+    def watch():
+        while True:
+            info = libc.mallinfo2()
+            peak["live"] = max(peak["live"], (info.uordblks + info.hblkhd) / 2**20)
+            time.sleep(0.02)
+
+    libc.malloc_trim(0)
+    before = _status("VmRSS")
+    threading.Thread(target=watch, daemon=True).start()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark from here
+    t0 = time.perf_counter()
+    results = trainer.evaluate("eval")
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"variant": variant, "before_mib": round(before), "peak_mib": round(_status("VmHWM")),
+                      "end_mib": round(_status("VmRSS")), "peak_live_mib": round(peak["live"]),
+                      "seconds": round(seconds, 1), "rows": cfg.trainer.max_rollout_batch,
+                      "prefix_cache_mib": cfg.rollout.prefix_cache_mib, "tune_malloc": cfg.trainer.tune_malloc,
+                      "accuracy": {k: round(v, 4) for k, v in results.items() if "/avg@" in k}}), flush=True)
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
