@@ -20,18 +20,12 @@ import sys
 import threading
 import time
 
+from phase_memory import _status  # this folder: the resident set's lines of /proc/self/status
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main(argv: list[str]) -> int:
