@@ -453,13 +453,11 @@ class TrainerConfig(_Strict):
         "its phase boundaries (after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
     memory_defaults: bool = Field(False, description=(
         "true: masrl train and masrl eval choose the memory settings the config leaves unset (micro_batch_tokens, "
-        "max_rollout_batch, rollout.prefix_cache_mib, rollout.keep_decode_weights, gradient checkpointing, tune_malloc) "
-        "from the model and the "
-        "machine's memory, one line says what, and the trainer hands the heap's free memory back at its phase "
-        "boundaries (masrl.plan.memory; a run then depends on the machine's memory; the SmolLM2 team example ships "
-        "it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds; 4.3 GiB under bf16 autocast); false: the fixed "
-        "defaults, the same run on every "
-        "machine"))
+        "max_rollout_batch, rollout.prefix_cache_mib, rollout.keep_decode_weights, gradient checkpointing, "
+        "tune_malloc) from the model and the machine's memory, one line says what, and the trainer hands the heap's "
+        "free memory back at its phase boundaries (masrl.plan.memory; a run then depends on the machine's memory; "
+        "the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds; 4.3 GiB "
+        "under bf16 autocast); false: the fixed defaults, the same run on every machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

@@ -131,8 +131,7 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
         return fixed + acts + per_row * rows
 
     # the whole predicted peak within M/6: halve the unset micro-batch and rows, in turn, down to their floors
-    prefix_floor = 0 if _unset(rollout, "prefix_cache_mib") else rollout.prefix_cache_mib
-    floor = (64 if _unset(rollout, "prefix_cache_mib") else prefix_floor) * MiB * PREFIX_RESIDENT
+    floor = (64 if _unset(rollout, "prefix_cache_mib") else rollout.prefix_cache_mib) * MiB * PREFIX_RESIDENT
     turn = 0
     while without_prefix(tokens, rows) + floor > memory / 6:
         can_tokens = trainable and _unset(trainer, "micro_batch_tokens") and tokens > 256
