@@ -424,3 +424,25 @@ def test_sync_entries_of_a_rollout_run_at_once(tmp_path):
         return await asyncio.gather(*(_run_entry(f"{tmp_path / 'barrier_agent.py'}:run", t, {}, 60.0) for t in tasks))
 
     assert asyncio.run(main()) == [f"q{i}" for i in range(n)]
+
+
+def test_the_shared_workflow_gateway_waits_as_long_as_its_longest_team_asks():
+    """The process's workflow gateway for a host and port is shared by every team (training, then an evaluation, or
+    two runs in one process): a later team with a longer episode deadline widens the gateway's call, head and body
+    deadlines to it; a shorter one never narrows them."""
+    from masrl.workflows import external
+
+    key = ("localhost", 0)  # a gateway of this test's own (the other tests share 127.0.0.1's)
+    assert key not in external._GATEWAY
+    try:
+        first = external.gateway(*key, 40.0)
+        assert first.request_timeout_s == 40.0 and first.server.guard.head_timeout_s == 40.0
+        later = external.gateway(*key, 500.0)
+        shorter = external.gateway(*key, 5.0)
+        assert first is later is shorter
+        assert first.request_timeout_s == 500.0 and first.limits.header_timeout_s == 500.0
+        assert first.limits.body_timeout_s == 500.0 and first.server.guard.head_timeout_s == 500.0
+    finally:
+        gw = external._GATEWAY.pop(key, None)
+        if gw is not None:
+            gw.shutdown()

@@ -190,6 +190,16 @@ class Gateway:
                                kind="authentication_error")
         return session
 
+    def widen_deadlines(self, timeout_s: float) -> None:
+        """A gateway shared by several teams (``masrl.workflows.external.gateway``) awaits a call, a request head
+        and a body as long as the longest episode deadline any of them asked for: a team that came later with a
+        longer deadline does not get its calls cut short by the first one's (each episode still ends at its own)."""
+        with self._lock:
+            self.request_timeout_s = max(self.request_timeout_s, timeout_s)
+            self.limits.header_timeout_s = max(self.limits.header_timeout_s, timeout_s)
+            self.limits.body_timeout_s = max(self.limits.body_timeout_s, timeout_s)
+            self.server.guard.head_timeout_s = max(self.server.guard.head_timeout_s, timeout_s)
+
     def shutdown(self) -> None:
         """Stop serving; calls still in flight are answered 503 first."""
         self._end_calls(None, "the gateway is shutting down")

@@ -72,7 +72,8 @@ def gateway(host: str, port: int, timeout_s: float):
     """The process's gateway for ``(host, port)``, started on first use and shared by every episode.
 
     Its clients are the episodes' own programs and environments, whose deadline is ``timeout_s``: a request head
-    or body is awaited that long (not less than the gateway's defaults). An environment's episodes share one event
+    or body is awaited that long (not less than the gateway's defaults; the longest any team of the process asked
+    for). An environment's episodes share one event
     loop (``masrl.usercode.calls``), which on a loaded CPU was seen busy for 40 s between connecting and sending;
     past a 30 s head deadline the gateway closed the connection, and the late request was lost to a reset."""
     from masrl.gateway import Gateway, GatewayLimits
@@ -84,6 +85,8 @@ def gateway(host: str, port: int, timeout_s: float):
             limits = GatewayLimits(header_timeout_s=max(default.header_timeout_s, timeout_s),
                                    body_timeout_s=max(default.body_timeout_s, timeout_s))
             _GATEWAY[key] = Gateway(host, port, request_timeout_s=timeout_s, limits=limits)
+        else:  # a later team (an evaluation, another run in this process) may wait longer than the first
+            _GATEWAY[key].widen_deadlines(timeout_s)
         return _GATEWAY[key]
 
 
