@@ -1,13 +1,16 @@
 """What one held-out evaluation of a team holds: peak resident set and peak live heap bytes, under a variant.
 
-    python benchmarks/eval_memory.py CONFIG.yaml [--variant NAME] [--no-packs] [--no-fast-decode] [OVERRIDES ...]
+    python benchmarks/eval_memory.py CONFIG.yaml [--variant NAME] [--no-packs] [--no-fast-decode]
+        [--mmap-threshold-mib N] [OVERRIDES ...]
 
 Builds the team of ``CONFIG`` with the memory defaults ``masrl train`` would choose (``trainer.memory_defaults``), no
 SFT, evaluates the held-out split once (``Trainer.evaluate``) and prints one JSON line: the resident set before, the
 kernel's high-water mark over the evaluation (``VmHWM``, reset just before it), the resident set after it, the peak of
 glibc's live bytes (``mallinfo2``: ``uordblks + hblkhd``, sampled every 20 ms, so a short-lived peak can be missed),
 and the evaluation's seconds. ``--no-packs`` / ``--no-fast-decode``: the engine decodes without its prepacked bf16
-weights / the fast decode step (what each holds is the difference). Linux with glibc only.
+weights / the fast decode step (what each holds is the difference). ``--mmap-threshold-mib N``: after the trainer's
+allocator settings, glibc maps every block of N MiB or more on its own and hands it back on free (``mallopt``
+``M_MMAP_MAX`` 65536, ``M_MMAP_THRESHOLD`` N MiB). Linux with glibc only.
 
     python benchmarks/eval_memory.py examples/smollm2_arith_team.yaml --variant bf16 trainer.autocast=bfloat16 \\
         trainer.threads=1 eval.limit=16 output_dir=/tmp/eval_memory
@@ -30,7 +33,7 @@ class _MallInfo2(ctypes.Structure):
 
 def main(argv: list[str]) -> int:
     config, *rest = argv
-    variant, no_packs, no_fast, overrides = "", False, False, []
+    variant, no_packs, no_fast, mmap_mib, overrides = "", False, False, 0, []
     it = iter(rest)
     for arg in it:
         if arg == "--variant":
@@ -39,6 +42,8 @@ def main(argv: list[str]) -> int:
             no_packs = True
         elif arg == "--no-fast-decode":
             no_fast = True
+        elif arg == "--mmap-threshold-mib":
+            mmap_mib = int(next(it))
         else:
             overrides.append(arg)
     libc = ctypes.CDLL(None)
@@ -55,6 +60,9 @@ def main(argv: list[str]) -> int:
             policy.engine.packed_linears = None
         if no_fast:
             policy.engine.fast_decode = False
+    if mmap_mib:  # M_MMAP_MAX, M_MMAP_THRESHOLD (glibc's malloc.h)
+        if libc.mallopt(-4, 65536) != 1 or libc.mallopt(-3, mmap_mib << 20) != 1:
+            raise SystemExit("eval_memory.py: glibc refused the mmap settings")
     peak = {"live": 0.0}
 
     def watch():
