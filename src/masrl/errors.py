@@ -11,7 +11,7 @@ masrl (or the environment) and keeps its traceback.
 
 ``EngineFailure`` is not the user's input: a batch the rollout engine raised on, handed to every request of it
 (``masrl.rollout.base.complete_batch``); it lives here, below the layers that answer it (the gateway's 500
-``engine_error``).
+``engine_error``). ``EngineLost`` (a worker group that can serve nothing more) stops the rollout instead.
 """
 from __future__ import annotations
 

@@ -116,12 +116,14 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
     if _unset(trainer, "max_rollout_batch"):
         rows = _pow2_at_most(memory / 8 / per_row, 16, 512)
     checkpointing = {n: bool(cfg.policies[n].gradient_checkpointing) for n in cfg.policies}
+    checkpoint_choices: list[MemoryChoice] = []
     for n in trainable:
         if _unset(cfg.policies[n], "gradient_checkpointing"):
             update = _persistent(cfg, n) + _activations(cfg, n, shapes[n], tokens, precision, False)
             checkpointing[n] = update > memory / 4
-            choices.append(MemoryChoice(f"policies.{n}.gradient_checkpointing", checkpointing[n],
-                                        f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
+            checkpoint_choices.append(MemoryChoice(
+                f"policies.{n}.gradient_checkpointing", checkpointing[n],
+                f"update {update / 2**30:.2f} GiB {'>' if checkpointing[n] else '<='} M/4"))
     copies = {n: _decode_copies(cfg, n, shapes[n]) for n in cfg.policies}
     fixed = sum(_persistent(cfg, n) + copies[n] for n in cfg.policies)
 
@@ -144,11 +146,11 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
             rows //= 2
         turn += 1
     if trainable and _unset(trainer, "micro_batch_tokens"):
-        choices.insert(0, MemoryChoice("trainer.micro_batch_tokens", tokens,
-                                       f"update activations {per_token * tokens / 2**30:.2f} GiB"))
+        choices.append(MemoryChoice("trainer.micro_batch_tokens", tokens,
+                                    f"update activations {per_token * tokens / 2**30:.2f} GiB"))
     if _unset(trainer, "max_rollout_batch"):
-        choices.insert(1 if trainable and _unset(trainer, "micro_batch_tokens") else 0,
-                       MemoryChoice("trainer.max_rollout_batch", rows, f"keys/values {per_row * rows / 2**30:.2f} GiB"))
+        choices.append(MemoryChoice("trainer.max_rollout_batch", rows, f"keys/values {per_row * rows / 2**30:.2f} GiB"))
+    choices += checkpoint_choices
     base = without_prefix(tokens, rows)
     prefix = rollout.prefix_cache_mib
     if _unset(rollout, "prefix_cache_mib"):
@@ -187,12 +189,10 @@ def _activations(cfg, name: str, shape: ModelShape, tokens: int, precision: str 
 def _decode_copies(cfg, name: str, shape: ModelShape) -> float:
     """Bytes of the decode-only weight copies of the in-process engine (bf16 autocast on a CPU, float32 weights;
     ``DECODE_COPIES``): 0 where it decodes without them."""
-    from masrl.rollout.engine import AUTO_BF16_MIN_HIDDEN
+    from masrl.rollout.engine import decode_autocast
 
-    setting = cfg.trainer.autocast
-    if resolve_autocast(setting) != "bfloat16" or cfg.policies[name].dtype != "float32":
-        return 0.0
-    if setting == "auto" and shape.hidden < AUTO_BF16_MIN_HIDDEN:  # a narrow model decodes in float32
+    if (cfg.policies[name].dtype != "float32"
+            or decode_autocast(cfg.trainer.autocast, "cpu", shape.hidden) != "bfloat16"):
         return 0.0
     return DECODE_COPIES * shape.params
 

@@ -47,6 +47,15 @@ __all__ = ["DecodeState", "Engine", "GenRequest", "GenResult", "PrefixCache", "T
 AUTO_BF16_MIN_HIDDEN = 256
 
 
+def decode_autocast(setting: str | None, device: str | torch.device, hidden: int) -> str | None:
+    """The autocast dtype the in-process engine decodes in for ``trainer.autocast`` ``setting`` on ``device``, for a
+    model ``hidden`` wide (``AUTO_BF16_MIN_HIDDEN``), or None (float32)."""
+    dtype = resolve_autocast(setting, device)
+    if setting == "auto" and torch.device(device).type == "cpu" and hidden < AUTO_BF16_MIN_HIDDEN:
+        return None  # a narrow model decodes faster in float32 on a CPU (the casts cost more than they save)
+    return dtype
+
+
 def _hidden_size(model: torch.nn.Module) -> int:
     """The width of the model's token embeddings (its hidden size); a large number when it has none."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -187,9 +196,8 @@ class TransformersEngine(Engine):
         44 ms without, 20 ms in float32).
         """
         device = next(model.parameters()).device
-        dtype = resolve_autocast(self.autocast, device) if isinstance(self.autocast, str) else self.autocast
-        if self.autocast == "auto" and device.type == "cpu" and _hidden_size(model) < AUTO_BF16_MIN_HIDDEN:
-            dtype = None  # a narrow model decodes faster in float32 on a CPU (the casts cost more than they save)
+        dtype = (decode_autocast(self.autocast, device, _hidden_size(model)) if isinstance(self.autocast, str)
+                 else self.autocast)
         if not dtype:  # FSDP2 (sharded_model) must not allocate its unsharded weights as inference tensors
             return torch.no_grad() if self.sharded_model else torch.inference_mode()
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -176,9 +176,9 @@ class RolloutScheduler:
         for name in policies:
             try:
                 finished = self.engines[name].step()
+            except EngineLost:  # nothing more can be served: the rollout stops
+                raise
             except Exception as e:  # noqa: BLE001 - the engine's error fails the rows it held, not the rollout
-                if isinstance(e, EngineLost):  # nothing more can be served: the rollout stops
-                    raise
                 rows = list(self._rows[name])
                 error = complete_batch(rows, name, e)
                 self._close(name)  # its running batch is dropped; the next request starts a fresh one
@@ -222,17 +222,17 @@ class RolloutScheduler:
         for policy, items in by_policy.items():
             try:
                 handles[policy] = self.engines[policy].submit([r for r, _ in items])
+            except EngineLost:
+                raise
             except Exception as e:  # noqa: BLE001 - the batch fails, the other policies' go on
-                if isinstance(e, EngineLost):
-                    raise
                 handles[policy] = _Raised(e)
         for policy, items in by_policy.items():
             handle = handles[policy]
             try:
                 outcome = handle.error if isinstance(handle, _Raised) else self.engines[policy].collect(handle)
+            except EngineLost:  # a dead worker: the rollout stops (its requests are cancelled)
+                raise
             except Exception as e:  # noqa: BLE001 - the batch fails, the other policies' go on
-                if isinstance(e, EngineLost):  # a dead worker: the rollout stops (its requests are cancelled)
-                    raise
                 outcome = e
             self.stats.engine_calls += 1
             self.stats.requests += len(items)
