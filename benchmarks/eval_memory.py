@@ -1,7 +1,7 @@
 """What one held-out evaluation of a team holds: peak resident set and peak live heap bytes, under a variant.
 
     python benchmarks/eval_memory.py CONFIG.yaml [--variant NAME] [--no-packs] [--no-fast-decode]
-        [--mmap-threshold-mib N] [OVERRIDES ...]
+        [--mmap-threshold-mib N] [--no-call-trim] [OVERRIDES ...]
 
 Builds the team of ``CONFIG`` with the memory defaults ``masrl train`` would choose (``trainer.memory_defaults``), no
 SFT, evaluates the held-out split once (``Trainer.evaluate``) and prints one JSON line: the resident set before, the
@@ -10,7 +10,9 @@ glibc's live bytes (``mallinfo2``: ``uordblks + hblkhd``, sampled every 20 ms, s
 and the evaluation's seconds. ``--no-packs`` / ``--no-fast-decode``: the engine decodes without its prepacked bf16
 weights / the fast decode step (what each holds is the difference). ``--mmap-threshold-mib N``: after the trainer's
 allocator settings, glibc maps every block of N MiB or more on its own and hands it back on free (``mallopt``
-``M_MMAP_MAX`` 65536, ``M_MMAP_THRESHOLD`` N MiB). Linux with glibc only.
+``M_MMAP_MAX`` 65536, ``M_MMAP_THRESHOLD`` N MiB). ``--no-call-trim``: the engine keeps the heap's free memory
+after each decoded batch (under ``trainer.memory_defaults`` it hands it back: ``malloc_trim(0)``). Linux with glibc
+only.
 
     python benchmarks/eval_memory.py examples/smollm2_arith_team.yaml --variant bf16 trainer.autocast=bfloat16 \\
         trainer.threads=1 eval.limit=16 output_dir=/tmp/eval_memory
@@ -33,7 +35,7 @@ class _MallInfo2(ctypes.Structure):
 
 def main(argv: list[str]) -> int:
     config, *rest = argv
-    variant, no_packs, no_fast, mmap_mib, overrides = "", False, False, 0, []
+    variant, no_packs, no_fast, mmap_mib, call_trim, overrides = "", False, False, 0, True, []
     it = iter(rest)
     for arg in it:
         if arg == "--variant":
@@ -44,6 +46,8 @@ def main(argv: list[str]) -> int:
             no_fast = True
         elif arg == "--mmap-threshold-mib":
             mmap_mib = int(next(it))
+        elif arg == "--no-call-trim":
+            call_trim = False
         else:
             overrides.append(arg)
     libc = ctypes.CDLL(None)
@@ -60,6 +64,8 @@ def main(argv: list[str]) -> int:
             policy.engine.packed_linears = None
         if no_fast:
             policy.engine.fast_decode = False
+        if not call_trim:
+            policy.engine.after_batch = None
     if mmap_mib:  # M_MMAP_MAX, M_MMAP_THRESHOLD (glibc's malloc.h)
         if libc.mallopt(-4, 65536) != 1 or libc.mallopt(-3, mmap_mib << 20) != 1:
             raise SystemExit("eval_memory.py: glibc refused the mmap settings")
@@ -83,6 +89,7 @@ def main(argv: list[str]) -> int:
                       "end_mib": round(_status("VmRSS")), "peak_live_mib": round(peak["live"]),
                       "seconds": round(seconds, 1), "rows": cfg.trainer.max_rollout_batch,
                       "prefix_cache_mib": cfg.rollout.prefix_cache_mib, "tune_malloc": cfg.trainer.tune_malloc,
+                      "max_prefill_tokens": cfg.rollout.max_prefill_tokens, "call_trim": call_trim,
                       "accuracy": {k: round(v, 4) for k, v in results.items() if "/avg@" in k}}), flush=True)
     trainer.close()
     return 0

@@ -95,17 +95,27 @@ def test_trim_does_nothing_outside_the_fast_mode(monkeypatch):
 
 
 @glibc
-def test_trimming_at_phase_boundaries_leaves_a_run_bitwise_the_same(tmp_path, monkeypatch):
+def test_trimming_at_phase_boundaries_and_after_each_decoded_batch_leaves_a_run_bitwise_the_same(tmp_path,
+                                                                                                 monkeypatch):
     """The tiny team, SFT + 2 RL steps + both evaluations, with and without ``trim()`` at the trainer's phase
-    boundaries (the fast mode applied in this process): every logged value but times and memory equal."""
+    boundaries and after each batch its engine decodes (the fast mode applied in this process): every logged value
+    but times and memory equal, and every decoded batch was followed by a trim."""
     import json
 
     import masrl.trainer as trainer_mod
     from masrl.config import load_config
+    from masrl.rollout.engine import TransformersEngine
 
     if malloc.tune_malloc()["mode"] != "fast":
         pytest.skip("this process runs another allocator mode")
-    real_trim, calls = malloc.trim, []
+    real_trim, calls, batches = malloc.trim, [], []
+    decode_batch = TransformersEngine._generate_batch
+
+    def counted(self, requests):
+        batches.append(len(requests))
+        return decode_batch(self, requests)
+
+    monkeypatch.setattr(TransformersEngine, "_generate_batch", counted)
 
     def runs(trim_fn, name):
         monkeypatch.setattr(trainer_mod, "trim", trim_fn)
@@ -114,15 +124,28 @@ def test_trimming_at_phase_boundaries_leaves_a_run_bitwise_the_same(tmp_path, mo
             "eval.limit=2", "eval.n=2", "trainer.threads=1", "trainer.memory_defaults=true",
             f"output_dir={tmp_path / name}"])
         with trainer_mod.Trainer(cfg, progress=False) as t:
+            assert all(p.engine.after_batch is not None for p in t.policies.values())
             t.fit()
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if not k.startswith("perf/") and "seconds" not in k and "time" not in k}
                 for r in rows]
 
     plain = runs(lambda: False, "plain")
+    batches.clear()
     trimmed = runs(lambda: calls.append(1) or real_trim(), "trimmed")
-    assert len(calls) == 7  # after SFT, before and after each of the 2 evaluations, before each of the 2 updates
+    # after SFT, before and after each of the 2 evaluations, before each of the 2 updates: 7; then one per batch
+    assert len(batches) > 4 and len(calls) == 7 + len(batches)
     assert trimmed == plain
+
+
+@glibc
+def test_without_memory_defaults_the_engine_does_not_trim(tmp_path):
+    from masrl.config import load_config
+    from masrl.trainer import Trainer
+
+    cfg = load_config("examples/quickstart.yaml", ["trainer.memory_defaults=false", f"output_dir={tmp_path}"])
+    with Trainer(cfg, progress=False) as t:
+        assert all(p.engine.after_batch is None for p in t.policies.values())
 
 
 def test_an_unknown_mode_is_refused():

@@ -260,3 +260,29 @@ def test_fill_prefixes_gathers_each_rows_stored_slots_bitwise():
 
     check(hits)
     check([(a, 3, 6), (a, 1, 2), (a, 1, 6), (a, 0, 3)])  # every row from one earlier call (one copy per layer)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_a_prefill_token_budget_runs_the_prompts_in_forwards_within_it(tiny, prefix):
+    """``rollout.max_prefill_tokens``: a call's prompts are prefilled in row ranges of at most that many tokens
+    (rows x the range's longest prompt), every prompt once, and the samples are those of one forward."""
+    model, tok = tiny
+    reqs = [GenRequest(_enc(tok, QUESTIONS[i % 3] * (1 + i % 2)), temperature=1.0, max_new_tokens=10)
+            for i in range(12)]
+    budget = 3 * max(len(r.prompt_ids) for r in reqs) // 2
+    outs, prefills = {}, {}
+    for limit in (None, budget):
+        engine = TransformersEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, seed=3,
+                                    prefix_cache=prefix, max_prefill_tokens=limit)
+        recorded, handle = _decode_batch_sizes(model)
+        try:
+            outs[limit] = engine.generate(reqs)
+        finally:
+            handle.remove()
+        prefills[limit] = [(rows, n) for rows, n in recorded if n > 1]
+    _same(outs[None], outs[budget])
+    distinct = 6 if prefix else 12  # a group's prompt is prefilled once with the prefix cache
+    assert sum(rows for rows, _ in prefills[budget]) == sum(rows for rows, _ in prefills[None]) == distinct
+    assert all(rows * n <= budget for rows, n in prefills[budget])
+    assert max(rows * n for rows, n in prefills[None]) > budget  # the budget made the difference
+    assert len(prefills[budget]) > len(prefills[None])

@@ -361,6 +361,12 @@ class RolloutConfig(_Strict):
         "bf16 Linear weights, the fast decoder's stacked weights; ~1.5x the parameters in bf16) through the update "
         "(false: released before each update and rebuilt by the next decode, ~0.4 s for SmolLM2-135M, the same "
         "tokens);" + _CHOSEN_BY_MEMORY))
+    max_prefill_tokens: Optional[int] = Field(None, gt=0, description=(
+        "transformers engine: most prompt tokens (rows x their padded length) one prefill forward runs; a call's "
+        "rows are prefilled in row ranges within it (chunked prefill, as vLLM's max_num_batched_tokens), so the "
+        "forward's short-lived activations stay small: long prompts, many rows (None: every row of a call in one "
+        "forward, or in up to 4 ranges where that saves padding). Rounding may differ from one forward, so the "
+        "sampled tokens can"))
     continuous_batching: bool = Field(False, description=(
         "transformers engine: one running decode batch per policy that admits each agent call as its episode "
         "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "
@@ -450,14 +456,16 @@ class TrainerConfig(_Strict):
         "above 128 KiB is its own mapping, handed back on free (as MALLOC_MMAP_THRESHOLD_=131072): the least "
         "memory (a SmolLM2 team run 2.0-2.3 vs 8.3-10.6 GB), ~1.5x the step time. false: glibc's defaults. "
         "With true and trainer.memory_defaults the trainer hands the heap's free memory back with malloc_trim at "
-        "its phase boundaries (after SFT, around each evaluation, before each update)." + _CHOSEN_BY_MEMORY))
+        "its phase boundaries (after SFT, around each evaluation, before each update) and its in-process engines "
+        "after each decoded batch." + _CHOSEN_BY_MEMORY))
     memory_defaults: bool = Field(False, description=(
         "true: masrl train and masrl eval choose the memory settings the config leaves unset (micro_batch_tokens, "
         "max_rollout_batch, rollout.prefix_cache_mib, rollout.keep_decode_weights, gradient checkpointing, "
         "tune_malloc) from the model and the machine's memory, one line says what, and the trainer hands the heap's "
-        "free memory back at its phase boundaries (masrl.plan.memory; a run then depends on the machine's memory; "
-        "the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in float32, 0.97x the CPU seconds; 4.3 GiB "
-        "under bf16 autocast); false: the fixed defaults, the same run on every machine"))
+        "free memory back at its phase boundaries and after each decoded batch (masrl.plan.memory; a run then "
+        "depends on the machine's memory; the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in float32, "
+        "0.97x the CPU seconds; 3.94 GiB under bf16 autocast); false: the fixed defaults, the same run on every "
+        "machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import random
 import statistics
@@ -38,6 +39,7 @@ from masrl.monitoring.trackers import make_trackers
 from masrl.monitoring.collapse import CollapseMonitor
 from masrl.monitoring.signal import NoSignalError, NoSignalWarning, SignalMonitor
 from masrl.monitoring.spike import RoleCaptureMonitor, SpikeDetector
+from masrl.rollout.engine import TransformersEngine
 from masrl.rollout.runner import repeat_tasks, rollout_metrics
 from masrl.rollout.versioned import RolloutsAhead
 from masrl.team_runner import TeamRunner
@@ -91,6 +93,10 @@ class Trainer:
         if cfg.trainer.tune_malloc:  # before any model is built (masrl.runtime.malloc)
             tune_malloc("lean" if cfg.trainer.tune_malloc == "lean" else "fast")
         self.team = TeamRunner(cfg, run_dir=run_dir, progress=progress)
+        if cfg.trainer.memory_defaults:  # each batch an in-process engine decodes ends at a phase boundary too
+            for policy in self.team.policies.values():
+                if isinstance(getattr(policy, "engine", None), TransformersEngine):
+                    policy.engine.after_batch = functools.partial(phase_trim, cfg)
         self.run_dir, self.show_progress = self.team.run_dir, self.team.show_progress
         mon = cfg.monitoring
         self.drift = RoleDriftTracker() if mon.drift else None

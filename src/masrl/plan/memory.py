@@ -24,7 +24,7 @@ false`` keeps every fixed default (the same run on every machine). With ``M`` th
   each update, rebuilt by the next decode (~0.4 s for SmolLM2-135M).
 * ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5-1.8x the step time) when that
   predicted peak still passes ``M/4``; else ``true`` (the heap keeps freed memory, and ``malloc_trim`` at phase
-  boundaries hands it back between phases).
+  boundaries and after each decoded batch hands it back).
 
 The cheap settings are sized to a sixth of the machine (room for the system, the data and another run), the
 expensive ones come on only past a quarter. The predictions are those of ``masrl plan`` (keys/values sized for

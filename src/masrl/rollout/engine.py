@@ -21,7 +21,7 @@ decode attention, packed bf16 weights, the fast decode step) and the prefix stor
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -79,7 +79,7 @@ class TransformersEngine(Engine):
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
                  prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
                  max_running_tokens: int = 65536, decode_attention: bool = True, packed_linear: bool = True,
-                 fast_decode: bool = True):
+                 fast_decode: bool = True, max_prefill_tokens: int | None = None):
         self.model = model
         # decode steps of plain float32 Llama models computed from the weights, bitwise transformers' forward in
         # about half the operator calls (masrl.models.fast_decode); others keep transformers' forward
@@ -100,6 +100,8 @@ class TransformersEngine(Engine):
         # finished rows leave the model's batch once a quarter of it is done (sampling still draws for
         # every row, so the random stream, and hence the samples, do not depend on it)
         self.compact_finished = compact_finished
+        # most prompt tokens (rows x padded length) per prefill forward (rollout.max_prefill_tokens; None: no limit)
+        self.max_prefill_tokens = max_prefill_tokens
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -115,6 +117,9 @@ class TransformersEngine(Engine):
         self.readmitted_tokens = 0  # tokens prefilled again for rows carried into a new segment
         # the collaborators: one call's batch from prefill to its last row, and the running batch
         self.decoder = StaticDecoder(self)
+        # called after each decoded batch: the trainer's heap trim under trainer.memory_defaults (a call's keys/values
+        # and transients leave holes that the next call's, sized otherwise, do not fill; masrl.runtime.malloc)
+        self.after_batch: Callable[[], object] | None = None
         self.batcher = ContinuousBatcher(self, self.decoder)
 
     def reseed(self, seed: int) -> None:
@@ -164,6 +169,8 @@ class TransformersEngine(Engine):
         out: list[GenResult] = []
         for start in range(0, len(requests), self.max_batch_size):
             out.extend(self._generate_batch(requests[start:start + self.max_batch_size]))
+            if self.after_batch is not None:
+                self.after_batch()
         return out
 
     def _generate_batch(self, requests: Sequence[GenRequest]) -> list[GenResult]:

@@ -173,18 +173,21 @@ class StaticDecoder:
         ``chunked``: rows (sorted by ``suffix``, the tokens each still needs) are run in up to 4 row
         ranges, each padded only to its own longest suffix, when that saves at least a quarter of the
         padded tokens; every range writes its rows of the same cache buffers (its suffixes end at the
-        same position, the gap before them stays masked).
+        same position, the gap before them stays masked). With the engine's ``max_prefill_tokens`` every range is
+        split further (``within_tokens``), with or without ``chunked``, where the cache is preallocated.
         """
         width, n_rows = attention.shape[1], len(uniq)
         bounds = self.prefill_chunks(suffix) if chunked else [(0, n_rows)]
+        if cache is not None:  # row ranges write into the preallocated buffers: rollout.max_prefill_tokens
+            bounds = self.within_tokens(bounds, suffix, self.engine.max_prefill_tokens)
         if len(bounds) == 1:
             with route_rows(model, [a for a, _ in uniq]):  # the prompt's last position only: no prefill logits
                 out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                             use_cache=True, logits_to_keep=1, **with_cache(cache))
             return output_cache(out), out.logits[:, -1, :]
         logits = {}
-        for start, end in sorted(bounds, key=lambda b: -suffix[b[1] - 1]):  # the longest first: it allocates
-            span = suffix[end - 1]
+        for start, end in sorted(bounds, key=lambda b: -max(suffix[b[0]:b[1]])):  # the longest first: it allocates
+            span = max(suffix[start:end])  # the range's last row's when sorted (prefix reuse sorts them)
             for layer in cache.layers:
                 layer.focus(slice(start, end), width - span, n_rows)
             with route_rows(model, [a for a, _ in uniq[start:end]]):
@@ -195,6 +198,25 @@ class StaticDecoder:
         for layer in cache.layers:
             layer.focus(slice(None), width, n_rows)
         return cache, torch.cat([logits[start] for start in sorted(logits)])
+
+    @staticmethod
+    def within_tokens(bounds: list[tuple[int, int]], suffix: Sequence[int],
+                      budget: int | None) -> list[tuple[int, int]]:
+        """``bounds`` with every row range split into consecutive ranges of at most ``budget`` tokens, rows x the
+        range's longest ``suffix`` (at least one row each; None: unchanged)."""
+        if budget is None:
+            return bounds
+        out = []
+        for a, b in bounds:
+            start = a
+            while start < b:
+                end, longest = start + 1, suffix[start]
+                while end < b and (end + 1 - start) * max(longest, suffix[end]) <= budget:
+                    longest = max(longest, suffix[end])
+                    end += 1
+                out.append((start, end))
+                start = end
+        return out
 
     @staticmethod
     def prefill_chunks(suffix: Sequence[int], max_chunks: int = 4) -> list[tuple[int, int]]:

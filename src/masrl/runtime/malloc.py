@@ -27,7 +27,10 @@ boundaries (after SFT, before and after each evaluation, between each rollout an
 the heap, at its top and in its middle, goes back to the kernel, so that the next phase's peak does not sit on the
 previous phase's leftovers; inside a phase freed blocks are still reused without page faults. The update's own
 leftovers are not trimmed before the next rollout, which reuses them (a rollout needs less than an update; each
-trim costs the next phase one page fault per 4 KiB it touches again).
+trim costs the next phase one page fault per 4 KiB it touches again). Under ``trainer.memory_defaults`` the
+in-process engine also trims after each batch it decodes (``TransformersEngine.after_batch``): a call's
+keys/values and activations leave holes the next call's, sized otherwise, do not fill, and a 200-episode evaluation of
+the SmolLM2 team peaked ~250 MiB higher without it, in the same time (benchmarks/RESULTS.md).
 ``trainer.tune_malloc: false`` leaves glibc's defaults.
 
 ``tune_malloc("lean")`` (``trainer.tune_malloc: lean``) does the opposite, for memory: ``M_MMAP_THRESHOLD`` =
