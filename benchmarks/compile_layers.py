@@ -40,7 +40,7 @@ def _rows(seed: int, n: int):
     return out
 
 
-def _policy(arch: dict, compile_setting: str):
+def _policy(arch: dict, compile_setting: str, autocast: str = "float32"):
     from masrl.config import config_from_dict
     from masrl.training.policy import build_policy
 
@@ -48,7 +48,7 @@ def _policy(arch: dict, compile_setting: str):
                             "agents": {"Solver": {"policy": "shared"}, "Verifier": {"policy": "shared"}},
                             "policies": {"shared": {"model": "tiny", "tiny": arch,
                                                     "optim": {"lr": 1e-4, "weight_decay": 0.0}}},
-                            "trainer": {"compile": compile_setting, "autocast": "float32",
+                            "trainer": {"compile": compile_setting, "autocast": autocast,
                                         "logprob_chunk_tokens": 0, "total_steps": 10_000}})
     return cfg, build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
 
@@ -75,31 +75,32 @@ def compiled_vs_eager(policy, trainer, chunk) -> dict:
                                      for a, b in zip(got[True][2], got[False][2]))}
 
 
-def exactness(arch: dict, seed: int = 0) -> dict:
+def exactness(arch: dict, autocast: str, seed: int = 0) -> dict:
     from masrl.training.update import micro_batches
 
-    cfg, policy = _policy(arch, "on")
+    cfg, policy = _policy(arch, "on", autocast)
     parts = [compiled_vs_eager(policy, cfg.trainer, chunk)
              for chunk in micro_batches(_rows(seed, 48), cfg.trainer.micro_batch_tokens)[:3]]
     return {key: max(part[key] for part in parts) if key.startswith("max") else parts[-1][key] for key in parts[0]}
 
 
-def timing(arch: dict, updates: int, rows: int) -> dict:
+def timing(arch: dict, updates: int, rows: int, autocast: str) -> dict:
     from masrl.training.update import update_policy
 
-    cfg, eager = _policy(arch, "off")
-    _, comp = _policy(arch, "on")
+    cfg, eager = _policy(arch, "off", autocast)
+    cfg_on, comp = _policy(arch, "on", autocast)  # its own trainer.compile: on (the update resolves it from there)
+    trainers = {id(eager): cfg.trainer, id(comp): cfg_on.trainer}
     first, first_wall = [], []
     for i in range(2):  # cold, then a second shape (the shape-generic graph)
         t, w = time.process_time(), time.perf_counter()
-        update_policy(comp, _rows(100 + i, rows), cfg.algorithm, cfg.trainer, step=i, seed=0)
+        update_policy(comp, _rows(100 + i, rows), cfg.algorithm, cfg_on.trainer, step=i, seed=0)
         first.append(time.process_time() - t)
         first_wall.append(time.perf_counter() - w)
     times = {"eager": [], "compiled": []}
     for i in range(updates):
         for name, policy in (("eager", eager), ("compiled", comp)):
             t = time.process_time()
-            update_policy(policy, _rows(200 + i, rows), cfg.algorithm, cfg.trainer, step=i, seed=0)
+            update_policy(policy, _rows(200 + i, rows), cfg.algorithm, trainers[id(policy)], step=i, seed=0)
             times[name].append(time.process_time() - t)
     e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
     compile_s = sum(first) - 2 * c
@@ -118,6 +119,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--autocast", default="float32", choices=["float32", "bfloat16"],
+                    help="trainer.autocast of both policies (bfloat16: CPU autocast, on a CPU with native bf16)")
     ap.add_argument("--cache-dir", default=None, help="inductor cache folder (default: a fresh one: cold)")
     ap.add_argument("--out", default="benchmarks/results/compile_layers.json")
     args = ap.parse_args()
@@ -128,8 +131,9 @@ def main() -> None:
             "intermediate_size": 3 * args.hidden}
     print("command:", " ".join(sys.argv), "| load before:", os.getloadavg(), flush=True)
     result = {"command": " ".join(sys.argv), "arch": arch, "threads": args.threads, "clock": "process CPU s",
-              "load_before": os.getloadavg(), "timing": timing(arch, args.updates, args.rows)}
-    result["exact"] = exactness(arch)
+              "autocast": args.autocast,
+              "load_before": os.getloadavg(), "timing": timing(arch, args.updates, args.rows, args.autocast)}
+    result["exact"] = exactness(arch, args.autocast)
     print("exact:", result["exact"], flush=True)
     result["load_after"] = os.getloadavg()
     print(json.dumps(result["timing"], indent=1), "| load after:", result["load_after"])

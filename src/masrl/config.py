@@ -464,7 +464,7 @@ class TrainerConfig(_Strict):
         "tune_malloc) from the model and the machine's memory, one line says what, and the trainer hands the heap's "
         "free memory back at its phase boundaries and after each decoded batch (masrl.plan.memory; a run then "
         "depends on the machine's memory; the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in float32, "
-        "0.97x the CPU seconds; 3.94 GiB under bf16 autocast); false: the fixed defaults, the same run on every "
+        "0.97x the CPU seconds; 3.8-3.9 GiB under bf16 autocast); false: the fixed defaults, the same run on every "
         "machine"))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
