@@ -89,7 +89,6 @@ def timing(arch: dict, updates: int, rows: int, autocast: str) -> dict:
 
     cfg, eager = _policy(arch, "off", autocast)
     cfg_on, comp = _policy(arch, "on", autocast)  # its own trainer.compile: on (the update resolves it from there)
-    trainers = {id(eager): cfg.trainer, id(comp): cfg_on.trainer}
     first, first_wall = [], []
     for i in range(2):  # cold, then a second shape (the shape-generic graph)
         t, w = time.process_time(), time.perf_counter()
@@ -98,9 +97,9 @@ def timing(arch: dict, updates: int, rows: int, autocast: str) -> dict:
         first_wall.append(time.perf_counter() - w)
     times = {"eager": [], "compiled": []}
     for i in range(updates):
-        for name, policy in (("eager", eager), ("compiled", comp)):
+        for name, policy, trainer in (("eager", eager, cfg.trainer), ("compiled", comp, cfg_on.trainer)):
             t = time.process_time()
-            update_policy(policy, _rows(200 + i, rows), cfg.algorithm, trainers[id(policy)], step=i, seed=0)
+            update_policy(policy, _rows(200 + i, rows), cfg.algorithm, trainer, step=i, seed=0)
             times[name].append(time.process_time() - t)
     e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
     compile_s = sum(first) - 2 * c

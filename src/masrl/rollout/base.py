@@ -116,6 +116,10 @@ class Engine(Protocol):
     def wake_up(self) -> None:
         """Take the memory back (``generate`` also does it)."""
 
+    def release_decode_weights(self) -> None:
+        """Drop copies of the weights only decoding uses, rebuilt by the next decode (an engine that keeps none: nothing
+        to do; ``rollout.keep_decode_weights: false``)."""
+
     def weights_changed(self, model: torch.nn.Module, *, base_changed: bool) -> None:
         """The trainer changed ``model`` (an update, SFT, a restored checkpoint): serve the new weights
         from now on. ``base_changed``: the base weights changed too, not only LoRA adapters."""

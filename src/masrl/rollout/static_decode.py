@@ -186,8 +186,9 @@ class StaticDecoder:
                             use_cache=True, logits_to_keep=1, **with_cache(cache))
             return output_cache(out), out.logits[:, -1, :]
         logits = {}
-        for start, end in sorted(bounds, key=lambda b: -max(suffix[b[0]:b[1]])):  # the longest first: it allocates
-            span = max(suffix[start:end])  # the range's last row's when sorted (prefix reuse sorts them)
+        # each range padded to its longest suffix (its last row's when sorted: prefix reuse sorts them)
+        spans = [(start, end, max(suffix[start:end])) for start, end in bounds]
+        for start, end, span in sorted(spans, key=lambda r: -r[2]):  # the longest first: it allocates
             for layer in cache.layers:
                 layer.focus(slice(start, end), width - span, n_rows)
             with route_rows(model, [a for a, _ in uniq[start:end]]):

@@ -296,8 +296,7 @@ def before_update(policy: Policy, rollout: RolloutConfig | None) -> None:
         policy.engine.sleep(rollout.sleep_level)
     # rollout.keep_decode_weights: false: the in-process engine's decode-only weight copies make room for the update
     # (not with rollout.max_staleness: it decodes meanwhile)
-    if (rollout is not None and not rollout.keep_decode_weights and not rollout.max_staleness
-            and hasattr(policy.engine, "release_decode_weights")):
+    if rollout is not None and not rollout.keep_decode_weights and not rollout.max_staleness:
         policy.engine.release_decode_weights()
 
 
