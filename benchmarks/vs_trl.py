@@ -36,9 +36,10 @@ runs alternate masrl, TRL, masrl, TRL, ... so slow drift of a shared machine hit
 Defaults: masrl's shipped defaults (``trainer.autocast: auto`` = bfloat16 update and decoding
 on a CPU with native bf16, float32 elsewhere; ``trainer.logprob_chunk_tokens: 1024``) against TRL's float32.
 ``--autocast float32`` compares float32 with float32; ``--autocast bfloat16`` forces bf16,
-``--rollout-autocast`` (the engine decodes under it too; already so with the trainer) and
-``--micro-batch-tokens`` and ``--compile`` (``trainer.compile``; ``on`` compiles in the warm-up steps, so the
-timed steps are the steady state of a long run, where ``auto`` compiles too) change masrl only; ``--trl-bf16`` sets
+``--rollout-autocast`` (the engine decodes under it too; already so with the trainer),
+``--micro-batch-tokens``, ``--primitive-cache N`` (``trainer.primitive_cache``) and ``--compile``
+(``trainer.compile``; ``on`` compiles in the warm-up steps, so the timed steps are the steady state of a long run,
+where ``auto`` compiles too) change masrl only; ``--trl-bf16`` sets
 TRL's ``bf16=True``. The optimizer kernel is the same on both sides: masrl's ``optim.fused`` (``--fused-adamw
 auto|true|false``, default ``auto`` = fused from 10M trained parameters: SmolLM2 yes, tiny no) and TRL's
 ``adamw_torch_fused`` (transformers' default) or ``adamw_torch`` to match. ``--masrl-malloc default`` turns off
@@ -221,7 +222,8 @@ def worker_masrl(a) -> dict:
         "trainer": {"total_steps": a.warmup + a.steps, "batch_size": a.B, "group_size": a.G,
                     "threads": a.threads, "autocast": a.autocast, "tune_malloc": a.masrl_malloc == "tuned",
                     "compile": a.compile,
-                    **({"micro_batch_tokens": a.micro_batch_tokens} if a.micro_batch_tokens else {})},
+                    **({"micro_batch_tokens": a.micro_batch_tokens} if a.micro_batch_tokens else {}),
+                    **({"primitive_cache": a.primitive_cache} if a.primitive_cache else {})},
         "eval": {"before_after": False},
         "logging": {"tensorboard": False, "progress": False, "plots": False},
     })
@@ -423,6 +425,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
     worker_args += ["--autocast", a.autocast] + \
         (["--rollout-autocast"] if a.rollout_autocast else []) + ["--fused-adamw", a.fused_adamw] + \
         (["--micro-batch-tokens", str(a.micro_batch_tokens)] if a.micro_batch_tokens else []) + \
+        (["--primitive-cache", str(a.primitive_cache)] if a.primitive_cache else []) + \
         (["--trl-bf16"] if a.trl_bf16 else []) + ["--masrl-malloc", a.masrl_malloc, "--trl-malloc", a.trl_malloc] + \
         ["--compile", a.compile]
     worker_args += ["--profile"] if a.profile else []
@@ -451,7 +454,7 @@ def run_model(model: str, a, tmp: Path) -> dict:
         table[key] = {"masrl": spread(m), "trl": spread(t), "ratio": spread(ratios)}
     settings = {"masrl_autocast": a.autocast, "masrl_rollout_autocast": a.rollout_autocast,
                 "masrl_fused_adamw": a.fused_adamw, "masrl_micro_batch_tokens": a.micro_batch_tokens,
-                "masrl_compile": a.compile,
+                "masrl_compile": a.compile, "masrl_primitive_cache": a.primitive_cache,
                 "trl_bf16": a.trl_bf16, "masrl_malloc": a.masrl_malloc, "trl_malloc": a.trl_malloc}
     return {"model": model, "model_path": str(folder) if model != "tiny" else "tiny (quickstart size, seed 0)",
             "params": p, "settings": settings, "threads": a.threads, "runs": runs, "table": table}
@@ -519,6 +522,8 @@ def main(argv=None) -> None:
                     help="masrl policies.*.optim.fused (auto: the shipped default); TRL gets the same kernel "
                          "(adamw_torch_fused, its own default, or adamw_torch)")
     ap.add_argument("--micro-batch-tokens", type=int, default=None, help="masrl trainer.micro_batch_tokens")
+    ap.add_argument("--primitive-cache", type=int, default=None,
+                    help="masrl trainer.primitive_cache (oneDNN's and ideep's kernel caches; default: the libraries')")
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                     help="masrl trainer.compile (auto: the shipped default, eager in a run this short; on: the "
                          "decoder layers compiled during the warm-up steps)")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from masrl.models.precision import cpu_has_native_bf16
 from masrl.runtime import malloc
 
 glibc = pytest.mark.skipif(malloc._glibc() is None, reason="glibc's mallopt (Linux) only")
@@ -186,3 +187,101 @@ def test_an_unknown_setting_is_one_config_error():
 
     with pytest.raises(ConfigError, match=r"trainer.tune_malloc': Input should be True, False or 'lean' \(got 'slim'\)"):
         load_config("examples/quickstart.yaml", ["trainer.tune_malloc=slim"])
+
+
+_KERNELS = r"""
+import ctypes, json, sys
+if sys.argv[1] != "default":
+    from masrl.runtime.malloc import cap_primitive_caches
+    cap_primitive_caches(int(sys.argv[1]))  # before the process's first oneDNN product
+import torch
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
+                                               "fordblks keepcost".split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+live = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20
+torch.set_num_threads(1)
+w = torch.randn(576, 1536, dtype=torch.bfloat16)
+xs = [torch.randn(64 + 7 * i, 576, dtype=torch.bfloat16) for i in range(48)]  # 48 row counts: 48 new shapes
+xs[0] @ w
+before = live()
+for x in xs:
+    x @ w
+print(json.dumps({"grew_mib": live() - before}))
+"""
+
+
+def _kernels(capacity: str) -> float:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    proc = subprocess.run([sys.executable, "-c", _KERNELS, capacity], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["grew_mib"]
+
+
+@glibc
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="bf16 matmuls run oneDNN's JIT kernels on CPUs with native bf16")
+def test_capped_primitive_caches_keep_fewer_matmul_kernels():
+    """48 bf16 matmul shapes: with the libraries' 1024 entries every shape's kernels stay (~0.85 MiB each on an AMX
+    Xeon); capped at 4 entries the heap keeps 4 shapes' worth."""
+    default, capped = _kernels("default"), _kernels("4")
+    assert default > 10, default  # the kernels of 47 new shapes, kept
+    assert capped < default / 3, (capped, default)
+
+
+def test_cap_primitive_caches_sets_both_capacities_and_keeps_the_users(monkeypatch):
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+    assert malloc.cap_primitive_caches(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64" and os.environ["LRU_CACHE_CAPACITY"] == "64"
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "500")  # oneDNN's older name, the user's: kept
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "300")
+    assert malloc.cap_primitive_caches(16) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "500", "LRU_CACHE_CAPACITY": "300"}
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="is not a positive int"):
+            malloc.cap_primitive_caches(bad)
+
+
+@pytest.mark.parametrize("setting, expected", [("64", "64"), ("null", None)])
+def test_the_local_runtime_caps_them_before_it_builds_a_model(tmp_path, monkeypatch, setting, expected):
+    from masrl.config import load_config
+    import masrl.runtime.local as local
+
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+    seen = []
+    monkeypatch.setattr(local, "build_policy", lambda *a, **k: seen.append(os.environ.get("LRU_CACHE_CAPACITY"))
+                        or type("P", (), {})())
+    cfg = load_config("examples/quickstart.yaml", [f"trainer.primitive_cache={setting}", f"output_dir={tmp_path}"])
+    local.LocalRuntime(cfg).build_policies()
+    assert seen and set(seen) == {expected}
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == expected
+
+
+def test_each_ray_policy_worker_caps_them_before_it_builds_its_model(monkeypatch):
+    import masrl.runtime.worker as worker
+
+    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Built(Exception):
+        pass
+
+    def build_policy(*args, **kwargs):
+        raise Built(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), os.environ.get("LRU_CACHE_CAPACITY"))
+
+    monkeypatch.setattr(worker, "build_policy", build_policy)
+    from masrl.config import load_config
+
+    cfg = load_config("examples/quickstart.yaml")
+    name = next(iter(cfg.policies))
+    build = {"seed": 0, "rollout": cfg.rollout.model_dump(mode="json")}
+    with pytest.raises(Built) as seen:
+        worker.PolicyWorker(name, cfg.policies[name].model_dump(mode="json"), build, rank=0, world=1, threads=1,
+                            device="cpu", base_trained=False, spike={}, offload=False, tune_malloc=False,
+                            primitive_cache=32)
+    assert seen.value.args == ("32", "32")

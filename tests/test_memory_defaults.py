@@ -80,6 +80,7 @@ def test_smollm2_team_settings_follow_the_hand_computed_thresholds(memory, token
     assert (memory / 6 - _base(tokens, rows)) / 1.8 >= prefix * MiB
     assert chosen["policies.smol.gradient_checkpointing"] is False and chosen["trainer.tune_malloc"] is True
     assert "rollout.keep_decode_weights" not in chosen  # float32 decoding keeps no bf16 copies
+    assert chosen["trainer.primitive_cache"] == 64  # oneDNN's and ideep's kernel caches: 64 entries, not 1024
 
 
 def test_bf16_autocast_on_a_cpu_counts_its_activations_and_decode_copies():
@@ -112,11 +113,13 @@ def test_a_small_machine_gets_checkpointing_and_the_lean_allocator():
 
 def test_settings_the_user_gives_always_win():
     cfg = _team("trainer.micro_batch_tokens=4096", "rollout.prefix_cache_mib=1024", "trainer.tune_malloc=true",
-                "policies.smol.gradient_checkpointing=false", "trainer.max_rollout_batch=512")
+                "policies.smol.gradient_checkpointing=false", "trainer.max_rollout_batch=512",
+                "trainer.primitive_cache=1024")
     assert apply_memory_defaults(cfg, 2 * GiB) == []
     t = cfg.trainer
     assert (t.micro_batch_tokens, cfg.rollout.prefix_cache_mib, t.tune_malloc,
-            cfg.policies["smol"].gradient_checkpointing, t.max_rollout_batch) == (4096, 1024, True, False, 512)
+            cfg.policies["smol"].gradient_checkpointing, t.max_rollout_batch,
+            t.primitive_cache) == (4096, 1024, True, False, 512, 1024)
 
 
 def test_memory_defaults_false_keeps_the_fixed_defaults():
@@ -125,6 +128,7 @@ def test_memory_defaults_false_keeps_the_fixed_defaults():
     assert apply_memory_defaults(load_config("examples/quickstart.yaml"), 2 * GiB) == []  # off by default
     t = cfg.trainer
     assert (t.micro_batch_tokens, t.max_rollout_batch, cfg.rollout.prefix_cache_mib) == (4096, 512, 1024)
+    assert t.primitive_cache is None  # the libraries' own capacities
 
 
 def test_masrl_train_applies_them_before_building_and_says_so(monkeypatch, capsys):

@@ -461,11 +461,18 @@ class TrainerConfig(_Strict):
     memory_defaults: bool = Field(False, description=(
         "true: masrl train and masrl eval choose the memory settings the config leaves unset (micro_batch_tokens, "
         "max_rollout_batch, rollout.prefix_cache_mib, rollout.keep_decode_weights, gradient checkpointing, "
-        "tune_malloc) from the model and the machine's memory, one line says what, and the trainer hands the heap's "
-        "free memory back at its phase boundaries and after each decoded batch (masrl.plan.memory; a run then "
-        "depends on the machine's memory; the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in float32, "
-        "0.97x the CPU seconds; 3.8-3.9 GiB under bf16 autocast); false: the fixed defaults, the same run on every "
-        "machine"))
+        "tune_malloc, primitive_cache) from the model and the machine's memory, one line says what, and the trainer "
+        "hands the heap's free memory back at its phase boundaries and after each decoded batch (masrl.plan.memory; "
+        "a run then depends on the machine's memory; the SmolLM2 team example ships it on: 3.3 vs 7.4 GiB peak RSS in "
+        "float32, 0.97x the CPU seconds; 2.9-3.0 GiB under bf16 autocast); false: the fixed defaults, the same run on "
+        "every machine"))
+    primitive_cache: Optional[int] = Field(None, ge=1, le=1_000_000, description=(
+        "entries of oneDNN's primitive cache and of PyTorch's ideep cache in front of it (ONEDNN_PRIMITIVE_CACHE_"
+        "CAPACITY, LRU_CACHE_CAPACITY), set for the process before a model is built (each Ray policy worker too); "
+        "a capacity the environment already sets is kept. bf16 matmuls on a CPU add an entry of ~0.6-0.85 MiB per "
+        "new shape: with the libraries' 1024 the SmolLM2 team's heap grew ~0.6 GiB over its first steps, with 64 it "
+        "stayed flat in the same step time (masrl.runtime.malloc.cap_primitive_caches). null: the libraries' "
+        "defaults." + _CHOSEN_BY_MEMORY))
     device: str = Field("cpu", description="cpu, cuda, cuda:1, mps")
     per_agent_grad_norm: bool = Field(True, description="log each agent's gradient norm (one extra backward "
                                                          "bookkeeping per agent)")

@@ -22,6 +22,8 @@ false`` keeps every fixed default (the same run on every machine). With ``M`` th
 * ``rollout.prefix_cache_mib``: the largest power of two from 64 to 1024 MiB that fits what is left.
 * ``rollout.keep_decode_weights``: false where decoding keeps weight copies (bf16 on a CPU): released before
   each update, rebuilt by the next decode (~0.4 s for SmolLM2-135M).
+* ``trainer.primitive_cache``: ``PRIMITIVE_CACHE`` entries (oneDNN's and ideep's caches of bf16 matmul kernels,
+  ~0.6-0.85 MiB per matmul shape, 1024 entries each by default: ``masrl.runtime.malloc.cap_primitive_caches``).
 * ``trainer.tune_malloc``: ``lean`` (freed memory goes back to the kernel, ~1.5-1.8x the step time) when that
   predicted peak still passes ``M/4``; else ``true`` (the heap keeps freed memory, and ``malloc_trim`` at phase
   boundaries and after each decoded batch hands it back).
@@ -58,6 +60,10 @@ DECODE_COPIES = 1.5 * 2  # bytes per parameter
 # short-lived ones, so the heap around them is not reused. Measured (a held-out evaluation of the SmolLM2 team, bf16
 # autocast): a 512 MiB cache raised the peak resident set by 942 MiB and the live bytes by 524 MiB.
 PREFIX_RESIDENT = 1.8  # resident bytes per byte of the cache
+# oneDNN's and ideep's caches of matmul kernels, entries each: ~0.85 MiB per bf16 matmul shape on an AMX Xeon. With
+# the libraries' 1024 the SmolLM2 team's live heap after a step grew 486 -> 849 MiB in five steps; with 64 it stayed
+# at 291 (16: 250; 256: 405-414), in the same step time. Shapes that recur past the capacity pay a kernel compile.
+PRIMITIVE_CACHE = 64
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,9 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
     if any(copies.values()) and _unset(rollout, "keep_decode_weights"):
         choices.append(MemoryChoice("rollout.keep_decode_weights", False,
                                     f"decode copies {sum(copies.values()) / 2**30:.2f} GiB released during updates"))
+    if _unset(trainer, "primitive_cache"):
+        choices.append(MemoryChoice("trainer.primitive_cache", PRIMITIVE_CACHE,
+                                    f"~{PRIMITIVE_CACHE * 0.85:.0f} MiB of matmul kernels at most"))
     if _unset(trainer, "tune_malloc"):
         lean = peak > memory / 4
         choices.append(MemoryChoice("trainer.tune_malloc", "lean" if lean else True,

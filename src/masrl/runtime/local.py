@@ -5,6 +5,7 @@ from typing import Callable, Mapping, Sequence
 
 from masrl.errors import EngineLost
 from masrl.rollout.versioned import versioned
+from masrl.runtime.malloc import cap_primitive_caches
 from masrl.training.policy import Policy, after_update, before_update, build_policy
 from masrl.training.sft import run_sft
 from masrl.training.update import Row, update_policy
@@ -42,6 +43,8 @@ class LocalRuntime:
         self.step = 0
 
     def build_policies(self) -> dict[str, Policy]:
+        if self.cfg.trainer.primitive_cache:  # before any model is built or run (masrl.runtime.malloc)
+            cap_primitive_caches(self.cfg.trainer.primitive_cache)
         policies = {}
         for name, kwargs in policy_build_args(self.cfg, self.run_dir).items():
             policies[name] = build_policy(name, self.cfg.policies[name], **kwargs)

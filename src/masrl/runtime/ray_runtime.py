@@ -226,7 +226,7 @@ class RayRuntime:
                      threads=threads, device=device, base_trained=base_trained(cfg, name), spike=spike,
                      offload=bool(place.offload and name in colocated and len(colocated) > 1 and not ahead),
                      fsdp=rc.fsdp.model_dump(mode="json") if rc.strategy == "fsdp" else None,
-                     tune_malloc=cfg.trainer.tune_malloc)
+                     tune_malloc=cfg.trainer.tune_malloc, primitive_cache=cfg.trainer.primitive_cache)
                 for rank in range(place.workers)]
             group = _Group(self, name, actors, place)
             info = group.get([actors[0].info.remote()], "start-up")[0]

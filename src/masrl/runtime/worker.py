@@ -35,10 +35,12 @@ def _move_optimizer_state(opt: torch.optim.Optimizer, device: str | torch.device
 class PolicyWorker:
     def __init__(self, name: str, policy_cfg: dict, build: dict, *, rank: int, world: int, threads: int,
                  device: str, base_trained: bool, spike: dict, offload: bool, fsdp: dict | None = None,
-                 tune_malloc: bool | str = True):
+                 tune_malloc: bool | str = True, primitive_cache: int | None = None):
         torch.set_num_threads(max(1, threads))
         if tune_malloc:  # before the model is built (masrl.runtime.malloc)
             malloc.tune_malloc("lean" if tune_malloc == "lean" else "fast")
+        if primitive_cache:
+            malloc.cap_primitive_caches(primitive_cache)
         torch.manual_seed(build["seed"])
         self.name, self.rank, self.world = name, rank, world
         self.rollout = RolloutConfig.model_validate(build["rollout"])

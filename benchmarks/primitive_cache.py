@@ -1,0 +1,119 @@
+"""What oneDNN's kernel caches hold over a run's RL steps, and what capping them costs in step time.
+
+    python benchmarks/primitive_cache.py CONFIG.yaml [--capacity default 64 16 ...] [--steps N] [--rounds R]
+        [--out FILE.json] [OVERRIDES ...]
+
+Each capacity runs in its own process (the libraries read it before their first product): the team of ``CONFIG``
+with the memory defaults ``masrl train`` would choose, no SFT and no evaluations, ``--steps`` RL steps (default 6);
+the capacity goes to ``trainer.primitive_cache`` (``default``: null, the libraries' 1024 entries each; the
+environment's own capacity variables are removed for every arm). After each step the heap's free memory is handed
+back (``malloc_trim(0)``) and one line gives the step's wall and process-CPU seconds, the resident set and glibc's
+live bytes (``mallinfo2``: ``uordblks + hblkhd``): what stays between steps. ``--rounds R`` runs the capacities
+R times, alternated. Linux with glibc only.
+
+    python benchmarks/primitive_cache.py examples/smollm2_arith_team.yaml --capacity default 64 --steps 6 \\
+        trainer.threads=1
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CAPACITY_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def _arm(config: str, capacity: str, steps: int, overrides: list[str]) -> list[dict]:
+    """One capacity in this process: the steps' lines."""
+    sys.path.insert(0, str(HERE))
+    from eval_memory import _MallInfo2
+    from phase_memory import _status
+    from masrl.config import load_config
+    from masrl.plan.memory import announce_memory_defaults
+    from masrl.trainer import Trainer
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    cache = "null" if capacity == "default" else capacity
+    cfg = load_config(config, ["sft.steps=0", "logging.progress=false", "eval.before_after=false",
+                               f"trainer.total_steps={steps}", f"trainer.primitive_cache={cache}", *overrides])
+    announce_memory_defaults(cfg)
+    trainer = Trainer(cfg, progress=False)
+    step, lines = trainer.train_step, []
+
+    def timed():
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        libc.malloc_trim(ctypes.c_size_t(0))
+        info = libc.mallinfo2()
+        line = {"capacity": capacity, "step": len(lines) + 1, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+                "rss_mib": round(_status("VmRSS")), "live_mib": round((info.uordblks + info.hblkhd) / 2**20)}
+        print(json.dumps(line), flush=True)
+        lines.append(line)
+        return out
+
+    trainer.train_step = timed
+    trainer.fit(overwrite=True)  # each arm its own run in the same folder
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--arm":
+        _, config, capacity, steps, *overrides = argv
+        _arm(config, capacity, int(steps), overrides)
+        return 0
+    config, *rest = argv
+    capacities, steps, rounds, out, overrides = ["default", "64"], 6, 1, None, []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--capacity":
+            capacities = []
+            while i + 1 < len(rest) and not rest[i + 1].startswith("-") and "=" not in rest[i + 1]:
+                capacities.append(rest[i + 1])
+                i += 1
+        elif arg in ("--steps", "--rounds", "--out"):
+            value, i = rest[i + 1], i + 1
+            if arg == "--out":
+                out = value
+            elif arg == "--steps":
+                steps = int(value)
+            else:
+                rounds = int(value)
+        else:
+            overrides.append(arg)
+        i += 1
+    env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARS}
+    results = []
+    for r in range(rounds):
+        for capacity in capacities:
+            proc = subprocess.run([sys.executable, __file__, "--arm", config, capacity, str(steps), *overrides],
+                                  env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return proc.returncode
+            lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith('{"capacity"')]
+            for line in lines:
+                line["round"] = r + 1
+                print(json.dumps(line), flush=True)
+            results += lines
+    for capacity in capacities:
+        mine = [x for x in results if x["capacity"] == capacity]
+        print(f"{capacity:>8}: live after the steps {min(x['live_mib'] for x in mine)}-"
+              f"{max(x['live_mib'] for x in mine)} MiB, resident {min(x['rss_mib'] for x in mine)}-"
+              f"{max(x['rss_mib'] for x in mine)} MiB, CPU s per step {sum(x['cpu_s'] for x in mine) / len(mine):.1f}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"command": " ".join(["python", "benchmarks/primitive_cache.py", *argv]),
+                                         "steps": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
