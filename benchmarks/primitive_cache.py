@@ -13,6 +13,11 @@ R times, alternated. Linux with glibc only.
 
     python benchmarks/primitive_cache.py examples/smollm2_arith_team.yaml --capacity default 64 --steps 6 \\
         trainer.threads=1
+
+``python benchmarks/primitive_cache.py --cycle [--capacity default 16 ...] [--shapes N]`` times what an eviction
+costs instead: N bf16 products ``[64 + 7 i, 576] @ [576, 1536]`` (default 64 shapes), cycled 20 times after one
+untimed pass, each capacity its own process; ms per product and what glibc's live bytes grew by (the
+kernels the caches keep).
 """
 from __future__ import annotations
 
@@ -63,7 +68,57 @@ def _arm(config: str, capacity: str, steps: int, overrides: list[str]) -> list[d
     return lines
 
 
+def _cycle(capacity: str, shapes: int) -> dict:
+    """One capacity in this process: ms per bf16 product over ``shapes`` shapes cycled 20 times."""
+    if capacity != "default":
+        from masrl.runtime.malloc import cap_primitive_caches
+
+        cap_primitive_caches(int(capacity))
+    import torch
+    from eval_memory import _MallInfo2
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    torch.set_num_threads(1)
+    w = torch.randn(576, 1536, dtype=torch.bfloat16)
+    xs = [torch.randn(64 + 7 * i, 576, dtype=torch.bfloat16) for i in range(shapes)]
+    live = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20  # noqa: E731
+    before = live()
+    for x in xs:
+        x @ w
+    start = time.perf_counter()
+    for _ in range(20):
+        for x in xs:
+            x @ w
+    ms = (time.perf_counter() - start) / 20 / shapes * 1e3
+    return {"capacity": capacity, "shapes": shapes, "ms_per_product": round(ms, 3),
+            "kernels_mib": round(live() - before, 1)}
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--cycle-arm":
+        sys.path.insert(0, str(HERE))
+        print(json.dumps(_cycle(argv[1], int(argv[2]))))
+        return 0
+    if argv and argv[0] == "--cycle":
+        capacities, shapes = ["default", "16"], 64
+        rest = argv[1:]
+        for i, arg in enumerate(rest):
+            if arg == "--shapes":
+                shapes = int(rest[i + 1])
+            elif arg == "--capacity":
+                capacities = [v for v in rest[i + 1:] if not v.startswith("-")]
+                capacities = capacities[:next((j for j, v in enumerate(rest[i + 1:]) if v.startswith("-")),
+                                              len(capacities))]
+        env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARS}
+        for capacity in capacities:
+            proc = subprocess.run([sys.executable, __file__, "--cycle-arm", capacity, str(shapes)], env=env,
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                return proc.returncode
+            print(proc.stdout.strip().splitlines()[-1], flush=True)
+        return 0
     if argv and argv[0] == "--arm":
         _, config, capacity, steps, *overrides = argv
         _arm(config, capacity, int(steps), overrides)

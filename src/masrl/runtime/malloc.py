@@ -48,7 +48,7 @@ it (``LRU_CACHE_CAPACITY``), 1024 entries each by default. Each new matmul shape
 a decode step or a micro-batch) adds an entry of ~0.6-0.85 MiB (JIT-compiled AMX kernels): measured on the Intel Xeon
 with AMX, the SmolLM2 team's live heap after each step grew 486 -> 849 MiB over five steps with the defaults and
 stayed at 291 MiB with 64 entries each (250 with 16), in the same step time (benchmarks/RESULTS.md). Too small a
-cache for shapes that recur costs a kernel compile (~4.5 ms) per eviction. Results are unchanged.
+cache for shapes that recur costs a kernel compile (~4.4 ms) per eviction. Results are unchanged.
 """
 from __future__ import annotations
 
