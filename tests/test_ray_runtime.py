@@ -1,6 +1,7 @@
 """The Ray runtime on a local 2-CPU cluster: same results as the local runtime, DDP replicas in
 lockstep, clear errors when a worker dies. One cluster for the module (start-up takes seconds)."""
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,13 @@ QUIET = {"trainer.threads": 1, "logging.tensorboard": False, "logging.plots": Fa
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="masrl-tests")
+    # the workers inherit the environment the cluster starts with: no kernel-cache capacity an earlier test set
+    kept = {v: os.environ.pop(v) for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY",
+                                           "LRU_CACHE_CAPACITY") if v in os.environ}
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="masrl-tests")
+    finally:
+        os.environ.update(kept)
     yield
     ray.shutdown()
 
@@ -188,3 +195,13 @@ def assert_dead_rank_fails_fast(config: dict) -> None:
         with pytest.raises(WorkerGroupError, match=r"policy 'shared': worker \d (died|failed) during update"):
             trainer.runtime.update(trainer.policies, {"shared": _rows()}, step=0)
         assert time.monotonic() - start < 60
+
+
+def test_each_worker_caps_the_kernel_caches_it_is_given(tiny_cfg, tmp_path):
+    """trainer.primitive_cache reaches every policy worker's process (set there before its model is built)."""
+    d = _two_policy_team(tiny_cfg, **{"runtime.kind": "ray", "trainer.primitive_cache": 8})
+    d["output_dir"] = str(tmp_path)
+    with Trainer(config_from_dict(d), progress=False) as trainer:
+        actors = [a for g in trainer.runtime.groups.values() for a in g.actors]
+        seen = ray.get([a.__ray_call__.remote(lambda self: os.environ.get("LRU_CACHE_CAPACITY")) for a in actors])
+    assert len(actors) == 2 and seen == ["8", "8"]
