@@ -22,6 +22,7 @@ kernels the caches keep).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import subprocess
@@ -82,7 +83,10 @@ def _cycle(capacity: str, shapes: int) -> dict:
     torch.set_num_threads(1)
     w = torch.randn(576, 1536, dtype=torch.bfloat16)
     xs = [torch.randn(64 + 7 * i, 576, dtype=torch.bfloat16) for i in range(shapes)]
-    live = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20  # noqa: E731
+    def live() -> float:
+        info = libc.mallinfo2()
+        return (info.uordblks + info.hblkhd) / 2**20
+
     before = live()
     for x in xs:
         x @ w
@@ -93,6 +97,11 @@ def _cycle(capacity: str, shapes: int) -> dict:
     ms = (time.perf_counter() - start) / 20 / shapes * 1e3
     return {"capacity": capacity, "shapes": shapes, "ms_per_product": round(ms, 3),
             "kernels_mib": round(live() - before, 1)}
+
+
+def _values(args: list[str]) -> list[str]:
+    """The capacities at the start of ``args``: up to the next option or ``key=value`` override."""
+    return list(itertools.takewhile(lambda v: not v.startswith("-") and "=" not in v, args))
 
 
 def main(argv: list[str]) -> int:
@@ -107,9 +116,7 @@ def main(argv: list[str]) -> int:
             if arg == "--shapes":
                 shapes = int(rest[i + 1])
             elif arg == "--capacity":
-                capacities = [v for v in rest[i + 1:] if not v.startswith("-")]
-                capacities = capacities[:next((j for j, v in enumerate(rest[i + 1:]) if v.startswith("-")),
-                                              len(capacities))]
+                capacities = _values(rest[i + 1:])
         env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARS}
         for capacity in capacities:
             proc = subprocess.run([sys.executable, __file__, "--cycle-arm", capacity, str(shapes)], env=env,
@@ -129,10 +136,8 @@ def main(argv: list[str]) -> int:
     while i < len(rest):
         arg = rest[i]
         if arg == "--capacity":
-            capacities = []
-            while i + 1 < len(rest) and not rest[i + 1].startswith("-") and "=" not in rest[i + 1]:
-                capacities.append(rest[i + 1])
-                i += 1
+            capacities = _values(rest[i + 1:])
+            i += len(capacities)
         elif arg in ("--steps", "--rounds", "--out"):
             value, i = rest[i + 1], i + 1
             if arg == "--out":
