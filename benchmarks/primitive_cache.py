@@ -99,6 +99,20 @@ def _cycle(capacity: str, shapes: int) -> dict:
             "kernels_mib": round(live() - before, 1)}
 
 
+def _machine() -> dict:
+    """Where and when: the CPU, torch, masrl's commit (where this is a git checkout), the date, the load."""
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+            "commit": commit.stdout.strip() or None, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "load": os.getloadavg()[0]}
+
+
 def _values(args: list[str]) -> list[str]:
     """The capacities at the start of ``args``: up to the next option or ``key=value`` override."""
     return list(itertools.takewhile(lambda v: not v.startswith("-") and "=" not in v, args))
@@ -171,7 +185,7 @@ def main(argv: list[str]) -> int:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({"command": " ".join(["python", "benchmarks/primitive_cache.py", *argv]),
-                                         "steps": results}, indent=1))
+                                         "machine": _machine(), "steps": results}, indent=1))
     return 0
 
 
