@@ -30,21 +30,36 @@ import sys
 import time
 from pathlib import Path
 
+from masrl.runtime.malloc import PRIMITIVE_CACHE_VARS
+
 HERE = Path(__file__).resolve().parent
-CAPACITY_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def _libc():
+    """glibc, with ``mallinfo2`` typed (``eval_memory._MallInfo2``, this folder)."""
+    sys.path.insert(0, str(HERE))
+    from eval_memory import _MallInfo2
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
+def _live_mib(libc) -> float:
+    """glibc's live bytes in MiB: ``uordblks + hblkhd``."""
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def _arm(config: str, capacity: str, steps: int, overrides: list[str]) -> list[dict]:
     """One capacity in this process: the steps' lines."""
     sys.path.insert(0, str(HERE))
-    from eval_memory import _MallInfo2
     from phase_memory import _status
     from masrl.config import load_config
     from masrl.plan.memory import announce_memory_defaults
     from masrl.trainer import Trainer
 
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _MallInfo2
+    libc = _libc()
     cache = "null" if capacity == "default" else capacity
     cfg = load_config(config, ["sft.steps=0", "logging.progress=false", "eval.before_after=false",
                                f"trainer.total_steps={steps}", f"trainer.primitive_cache={cache}", *overrides])
@@ -57,9 +72,8 @@ def _arm(config: str, capacity: str, steps: int, overrides: list[str]) -> list[d
         out = step()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         libc.malloc_trim(ctypes.c_size_t(0))
-        info = libc.mallinfo2()
         line = {"capacity": capacity, "step": len(lines) + 1, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
-                "rss_mib": round(_status("VmRSS")), "live_mib": round((info.uordblks + info.hblkhd) / 2**20)}
+                "rss_mib": round(_status("VmRSS")), "live_mib": round(_live_mib(libc))}
         print(json.dumps(line), flush=True)
         lines.append(line)
         return out
@@ -76,18 +90,12 @@ def _cycle(capacity: str, shapes: int) -> dict:
 
         cap_primitive_caches(int(capacity))
     import torch
-    from eval_memory import _MallInfo2
 
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = _MallInfo2
+    libc = _libc()
     torch.set_num_threads(1)
     w = torch.randn(576, 1536, dtype=torch.bfloat16)
     xs = [torch.randn(64 + 7 * i, 576, dtype=torch.bfloat16) for i in range(shapes)]
-    def live() -> float:
-        info = libc.mallinfo2()
-        return (info.uordblks + info.hblkhd) / 2**20
-
-    before = live()
+    before = _live_mib(libc)
     for x in xs:
         x @ w
     start = time.perf_counter()
@@ -96,7 +104,7 @@ def _cycle(capacity: str, shapes: int) -> dict:
             x @ w
     ms = (time.perf_counter() - start) / 20 / shapes * 1e3
     return {"capacity": capacity, "shapes": shapes, "ms_per_product": round(ms, 3),
-            "kernels_mib": round(live() - before, 1)}
+            "kernels_mib": round(_live_mib(libc) - before, 1)}
 
 
 def _machine() -> dict:
@@ -120,7 +128,6 @@ def _values(args: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--cycle-arm":
-        sys.path.insert(0, str(HERE))
         print(json.dumps(_cycle(argv[1], int(argv[2]))))
         return 0
     if argv and argv[0] == "--cycle":
@@ -131,7 +138,7 @@ def main(argv: list[str]) -> int:
                 shapes = int(rest[i + 1])
             elif arg == "--capacity":
                 capacities = _values(rest[i + 1:])
-        env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARS}
+        env = {k: v for k, v in os.environ.items() if k not in PRIMITIVE_CACHE_VARS}
         for capacity in capacities:
             proc = subprocess.run([sys.executable, __file__, "--cycle-arm", capacity, str(shapes)], env=env,
                                   capture_output=True, text=True)
@@ -163,7 +170,7 @@ def main(argv: list[str]) -> int:
         else:
             overrides.append(arg)
         i += 1
-    env = {k: v for k, v in os.environ.items() if k not in CAPACITY_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in PRIMITIVE_CACHE_VARS}
     results = []
     for r in range(rounds):
         for capacity in capacities:

@@ -213,8 +213,7 @@ print(json.dumps({"grew_mib": live() - before}))
 
 
 def _kernels(capacity: str) -> float:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env = {k: v for k, v in os.environ.items() if k not in malloc.PRIMITIVE_CACHE_VARS}
     proc = subprocess.run([sys.executable, "-c", _KERNELS, capacity], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -231,9 +230,14 @@ def test_capped_primitive_caches_keep_fewer_matmul_kernels():
     assert capped < default / 3, (capped, default)
 
 
-def test_cap_primitive_caches_sets_both_capacities_and_keeps_the_users(monkeypatch):
-    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+def _no_capacity(monkeypatch) -> None:
+    """No kernel-cache capacity in this process's environment (restored after the test)."""
+    for var in malloc.PRIMITIVE_CACHE_VARS:
         monkeypatch.delenv(var, raising=False)
+
+
+def test_cap_primitive_caches_sets_both_capacities_and_keeps_the_users(monkeypatch):
+    _no_capacity(monkeypatch)
     assert malloc.cap_primitive_caches(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64" and os.environ["LRU_CACHE_CAPACITY"] == "64"
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
@@ -251,8 +255,7 @@ def test_the_local_runtime_caps_them_before_it_builds_a_model(tmp_path, monkeypa
     from masrl.config import load_config
     import masrl.runtime.local as local
 
-    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        monkeypatch.delenv(var, raising=False)
+    _no_capacity(monkeypatch)
     seen = []
     monkeypatch.setattr(local, "build_policy", lambda *a, **k: seen.append(os.environ.get("LRU_CACHE_CAPACITY"))
                         or type("P", (), {})())
@@ -265,8 +268,7 @@ def test_the_local_runtime_caps_them_before_it_builds_a_model(tmp_path, monkeypa
 def test_each_ray_policy_worker_caps_them_before_it_builds_its_model(monkeypatch):
     import masrl.runtime.worker as worker
 
-    for var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        monkeypatch.delenv(var, raising=False)
+    _no_capacity(monkeypatch)
 
     class Built(Exception):
         pass

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from masrl.config import ConfigError, config_from_dict
 from masrl.runtime import WorkerGroupError
+from masrl.runtime.malloc import PRIMITIVE_CACHE_VARS
 from masrl.trainer import Trainer
 from masrl.training.update import Row
 
@@ -23,8 +24,7 @@ QUIET = {"trainer.threads": 1, "logging.tensorboard": False, "logging.plots": Fa
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     # the workers inherit the environment the cluster starts with: no kernel-cache capacity an earlier test set
-    kept = {v: os.environ.pop(v) for v in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY",
-                                           "LRU_CACHE_CAPACITY") if v in os.environ}
+    kept = {v: os.environ.pop(v) for v in PRIMITIVE_CACHE_VARS if v in os.environ}
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="masrl-tests")
     finally:

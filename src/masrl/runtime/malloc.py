@@ -62,6 +62,8 @@ TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt takes (an int): 2 GiB
 TOP_PAD = 64 << 20
 LEAN_MMAP_THRESHOLD = 128 << 10  # glibc's initial mmap threshold, here fixed
 MODES = ("fast", "lean")
+# where oneDNN (ONEDNN_, or its older DNNL_ name) and PyTorch's ideep read their kernel caches' capacity
+PRIMITIVE_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 _lock = threading.Lock()
 _applied: dict | None = None
