@@ -16,11 +16,11 @@ one compiled function per decoder layer (the same function for all layers: the w
 
 Modes: ``eager`` (the engine as shipped), ``static`` (the layer compiled for the batch's shapes) and ``dynamic``
 (``torch.compile(dynamic=True)``: symbolic sizes, so one graph whatever the row count as rows finish); in both the
-filled length travels as a 0-d tensor, so the graph does not change as the cache grows. Each mode decodes the same prompts at ``--rows``
-rows; ms per decode step = (a call with ``--new`` new tokens - a call with 1) / (new - 1), process CPU time, one
-thread, median of ``--reps`` alternated pairs, after a warm-up call that compiles. Exactness: the greedy tokens
-(temperature 0) of each compiled mode against eager's, and the largest difference of their log-probs over the
-tokens both chose alike.
+filled length travels as a 0-d tensor, so the graph does not change as the cache grows. Each mode decodes the
+same prompts at ``--rows`` rows; ms per decode step = (a call with ``--new`` new tokens - a call with 1) /
+(new - 1), process CPU time, one thread, median of ``--reps`` alternated pairs, after a warm-up call that
+compiles. Exactness: the greedy tokens (temperature 0) of each compiled mode against eager's, and the largest
+difference of their log-probs over the tokens both chose alike.
 
 ``--profile ROWS``: a ``torch.profiler`` table of one decode step per mode at ROWS rows (the step's fifth call in a
 call of ``--new`` tokens), operators and compiled regions by self CPU time, in the JSON under ``profile``.
