@@ -20,7 +20,8 @@ filled length travels as a 0-d tensor, so the graph does not change as the cache
 same prompts at ``--rows`` rows; ms per decode step = (a call with ``--new`` new tokens - a call with 1) /
 (new - 1), process CPU time, one thread, median of ``--reps`` alternated pairs, after a warm-up call that
 compiles. Exactness: the greedy tokens (temperature 0) of each compiled mode against eager's, and the largest
-difference of their log-probs over the tokens both chose alike.
+difference of their log-probs over the tokens both chose alike. (``first_call_cpu_s`` in the JSON: this
+process's CPU in the warm-up call; inductor compiles in child processes, and not at all from a warm cache.)
 
 ``--profile ROWS``: a ``torch.profiler`` table of one decode step per mode at ROWS rows (the step's fifth call in a
 call of ``--new`` tokens), operators and compiled regions by self CPU time, in the JSON under ``profile``.
@@ -28,7 +29,7 @@ call of ``--new`` tokens), operators and compiled regions by self CPU time, in t
 Only the base model's step (no LoRA routing) with stacked, packed weights (SmolLM2 under bf16 autocast on a CPU
 that packs bf16) is compiled here; the script stops with a message otherwise.
 
-    python benchmarks/compile_decode.py --rows 8 32 --out benchmarks/results/compile_decode/smollm2_amx.json
+    python benchmarks/compile_decode.py --rows 8 32 --out benchmarks/results/compile_decode/smollm2_amx_rows8_32.json
 """
 from __future__ import annotations
 
@@ -130,7 +131,6 @@ def compiled_step(layer):
             cache_layer.values = cache_layer._v[:, :, :filled + 1]
         return self._linear(x, self.head)
     return step
-
 
 
 def profile_step(fast_decode, run, nth: int = 5, top: int = 20) -> dict:
