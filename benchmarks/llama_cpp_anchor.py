@@ -16,6 +16,8 @@ with ``new`` tokens - one with 1 token), so the prefill cancels; masrl samples a
 argmax of each row's logits (numpy, in its process; both CPU times include it). The two alternate per row count
 (masrl, llama.cpp, masrl, ...), median over ``--reps``; masrl's fraction of its roofline is
 ``decode_roofline.py``'s (matmul peak and copy bandwidth measured here). Load average before and after.
+``--no-extra-buffers``: llama.cpp without its repacked weight buffers (``use_extra_bufts=False``), for builds whose
+AMX matmul crashes (llama-cpp-python 0.3.36 on an AMX Xeon: a segmentation fault in ``ggml_backend_amx_mul_mat``).
 
 Writes ``benchmarks/results/llama_cpp_anchor.json``.
 """
@@ -43,8 +45,11 @@ import numpy as np
 import llama_cpp.llama_cpp as L
 
 path, threads, max_rows, max_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+extra_buffers = sys.argv[5] == "1"
 L.llama_backend_init()
 mp = L.llama_model_default_params()
+if hasattr(mp, "use_extra_bufts"):  # llama.cpp's repacked weight buffers (the AMX / AVX-512 matmul paths)
+    mp.use_extra_bufts = extra_buffers
 load = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
 model = load(path.encode(), mp)
 cp = L.llama_context_default_params()
@@ -107,12 +112,14 @@ for line in sys.stdin:
 
 
 class LlamaWorker:
-    def __init__(self, python: str, gguf: Path, threads: int, max_rows: int, max_len: int, pythonpath: str = ""):
+    def __init__(self, python: str, gguf: Path, threads: int, max_rows: int, max_len: int, pythonpath: str = "",
+                 extra_buffers: bool = True):
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         if pythonpath:  # a llama_cpp package beside its built libraries (LLAMA_CPP_LIB_PATH)
             env["PYTHONPATH"] = pythonpath
         self.log = open(Path(tempfile.gettempdir()) / "llama_cpp_anchor.worker.log", "w")  # llama.cpp's verbose log
-        self.proc = subprocess.Popen([python, "-c", WORKER, str(gguf), str(threads), str(max_rows), str(max_len)],
+        self.proc = subprocess.Popen([python, "-c", WORKER, str(gguf), str(threads), str(max_rows), str(max_len),
+                                      "1" if extra_buffers else "0"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env)
 
@@ -151,6 +158,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-extra-buffers", action="store_true",
+                    help="llama.cpp without its repacked weight buffers (use_extra_bufts=False: no AMX matmuls; "
+                         "on an AMX Xeon llama-cpp-python 0.3.36 crashed in ggml_backend_amx_mul_mat with them)")
     ap.add_argument("--out", type=Path, default=RESULTS / "llama_cpp_anchor.json")
     args = ap.parse_args()
     if args.setup:
@@ -178,9 +188,10 @@ def main() -> None:
     peak = peaks["bfloat16" if product == torch.bfloat16 else "float32"]["peak_gflops"] * 1e9
     prompt = torch.randint(5, 5000, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     worker = LlamaWorker(args.llama_python, gguf, args.threads, max(args.rows), args.prompt + args.new,
-                         args.llama_pythonpath)
+                         args.llama_pythonpath, extra_buffers=not args.no_extra_buffers)
     out = {}
-    print("| rows | masrl tok/s | llama.cpp tok/s | masrl / llama.cpp | masrl fraction of roofline |\n|---|---|---|---|---|")
+    print("| rows | masrl tok/s | llama.cpp tok/s | masrl / llama.cpp | masrl fraction of roofline |\n"
+          "|---|---|---|---|---|")
     try:
         for rows in args.rows:
             def masrl(n):
@@ -209,7 +220,8 @@ def main() -> None:
     info["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, {"rows": out, "precision": str(product)[6:], "prompt_tokens": args.prompt,
                           "new_tokens": args.new, "reps": args.reps, "matmul_peak": peaks,
-                          "copy_bandwidth": bandwidth, "machine": info})
+                          "copy_bandwidth": bandwidth, "llama_cpp_extra_buffers": not args.no_extra_buffers,
+                          "machine": info})
     print(f"load at end {info['loadavg_at_end']}; wrote {args.out}")
 
 
