@@ -11,8 +11,8 @@ one compiled function per decoder layer (the same function for all layers: the w
   a custom operator: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph as
   constants, which a policy whose weights change at every RL step cannot use);
 * the cache write and the 1-token attention stay the engine's (``masrl_bench::cache_attention``, a custom
-  operator around ``masrl.models.cpu_attention.grouped_decode_attention``: inductor's own lowering of the
-  attention over a growing cache was slower still in a first trial).
+  operator around ``masrl.models.cpu_attention.grouped_decode_attention``), so the comparison isolates what fusing
+  the rest of the layer buys.
 
 Modes: ``eager`` (the engine as shipped), ``static`` (the layer compiled for the batch's shapes) and ``dynamic``
 (``torch.compile(dynamic=True)``: symbolic sizes, so one graph whatever the row count as rows finish); in both the
