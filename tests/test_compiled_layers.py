@@ -1,5 +1,6 @@
 """``trainer.compile``: the decision (auto / on / off, the C++ compiler, LoRA, checkpointing, run length), the
-eager fallback without a compiler, and compiled decoder layers against eager (log-probs, loss, gradients)."""
+eager fallback without a compiler or with one that cannot build inductor's kernels, and compiled decoder layers
+against eager (log-probs, loss, gradients)."""
 from __future__ import annotations
 
 import logging
@@ -61,6 +62,40 @@ def test_no_cxx_compiler_falls_back_to_eager_with_one_line(tiny_cfg, monkeypatch
             assert lines[0].levelno == logging.WARNING and "no C++ compiler" in lines[0].getMessage()
         results[setting] = [p.detach().clone() for p in policy.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(results["on"], results["off"]))
+
+
+def test_a_compiler_that_cannot_build_falls_back_to_eager_with_one_line(tiny_cfg, tmp_path, monkeypatch, caplog):
+    """A C++ compiler on PATH that fails on inductor's kernels (as g++ does where Python's development headers are
+    missing): trainer.compile on runs eager, says why once (the compiler's error), and updates as off does."""
+    import torch._inductor.config as inductor_config
+
+    fake = tmp_path / "g++"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo "g++ (GCC) 12.2.0"; exit 0; fi\n'
+                    'echo "kernel.cpp:1:10: fatal error: Python.h: No such file or directory" >&2\nexit 1\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(fake),))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no kernel cached by earlier runs
+    monkeypatch.setattr(cl, "_BUILDS", {})
+    torch._dynamo.reset()
+    assert cl.cxx_compiler() == str(fake)
+    results = {}
+    for setting in ("on", "off"):
+        cfg = _cfg(tiny_cfg, setting)
+        policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
+        with caplog.at_level(logging.INFO, logger="masrl.training.update"):
+            caplog.clear()
+            for step in range(2):
+                update_policy(policy, _rows(), cfg.algorithm, cfg.trainer, step=step, seed=0)
+        lines = [r for r in caplog.records if "trainer.compile" in r.getMessage()]
+        assert len(lines) == 1 and policy.compile_layers is False
+        if setting == "on":
+            message = lines[0].getMessage()
+            assert lines[0].levelno == logging.WARNING and "cannot build inductor's kernels" in message
+            assert "Python.h: No such file or directory" in message
+        results[setting] = [p.detach().clone() for p in policy.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(results["on"], results["off"]))
+    torch._dynamo.reset()
 
 
 def test_auto_is_eager_for_a_short_run(tiny_cfg):

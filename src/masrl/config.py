@@ -438,7 +438,8 @@ class TrainerConfig(_Strict):
     compile: Literal["auto", "on", "off"] = Field("auto", description=(
         "the update's decoder layers as compiled graphs (torch.compile with inductor: forward and backward; the "
         "first micro-batch shape static, then one shape-generic graph; cached across runs under the masrl cache "
-        "folder). auto: on a CPU with native bf16 and a C++ compiler, for policies without LoRA or gradient "
+        "folder). auto: on a CPU with native bf16 and a C++ compiler that builds inductor's kernels (a small "
+        "function compiled first; a compiler without Python's headers fails it), for policies without LoRA or gradient "
         "checkpointing, in runs of at least masrl.models.compiled_layers.AUTO_MIN_STEPS RL steps (the measured "
         "break-even); on: wherever the compiler and the policy allow; off: eager. One line says what runs and "
         "why. docs/performance.md"))

@@ -15,7 +15,8 @@ Compiled graphs persist across runs in inductor's FX graph cache under masrl's c
 ``auto`` compiles when every condition holds: the model is on a CPU with native bf16 (where a compiled update was
 measured faster than eager: an Intel Xeon with AMX at SmolLM2's width, 0.69x eager's CPU under bf16 autocast, 0.87x
 in float32; no CPU without native bf16 has been measured, so ``auto`` stays eager there), a C++ compiler is present
-(``$CXX``, else ``g++``, ``clang++`` or ``c++`` on ``PATH``, as inductor looks for one), the policy trains without
+(``$CXX``, else ``g++``, ``clang++`` or ``c++`` on ``PATH``, as inductor looks for one) and builds inductor's
+kernels (``inductor_failure``: one small function compiled once per process), the policy trains without
 LoRA adapters and without gradient checkpointing, and the run has at least ``AUTO_MIN_STEPS`` RL steps
 (docs/performance.md, "Compiled decoder layers"). ``on`` compiles wherever the compiler and the policy allow;
 otherwise, and for ``off``, eager, with one line saying why.
@@ -47,6 +48,40 @@ def cxx_compiler() -> str | None:
     return next((found for name in ("g++", "clang++", "c++") if (found := shutil.which(name))), None)
 
 
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2 + 1  # a pointwise kernel: inductor writes and builds C++ for it
+
+
+_BUILDS: dict[str, str | None] = {}  # inductor cache folder -> why inductor cannot build there (None: it can)
+
+
+def inductor_failure() -> str | None:
+    """Why inductor cannot build a CPU kernel in this process (None: it can), found by compiling a one-line
+    function once per process and cache folder (a kernel cached by an earlier run answers at once). A C++
+    compiler can be on ``PATH`` and still fail: inductor's kernels include ``Python.h`` (a distribution's Python
+    without its development package has none), OpenMP's header, torch's own headers."""
+    folder = inductor_cache()
+    if folder not in _BUILDS:
+        try:
+            torch.compile(_probe, backend="inductor", fullgraph=True, dynamic=False)(torch.ones(4))
+            _BUILDS[folder] = None
+        except Exception as e:  # noqa: BLE001 - any failure to build means eager layers
+            _BUILDS[folder] = f"{type(e).__name__}: {_compiler_error(str(e))[:200]}"
+    return _BUILDS[folder]
+
+
+def _compiler_error(text: str) -> str:
+    """The compiler's first error in inductor's message (after its ``Output:`` line when there is one)."""
+    lines = [line.strip() for line in text.splitlines()]
+    after = lines[lines.index("Output:") + 1:] if "Output:" in lines else lines
+    for line in after:
+        low = line.lower()
+        for mark in ("fatal error:", "error:"):
+            if mark in low:
+                return line[low.index(mark):]
+    return next((line for line in after if line), "")
+
+
 def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
                      checkpointing: bool, native_bf16: bool | None = None,
                      sharded: bool = False) -> tuple[bool, str]:
@@ -73,6 +108,8 @@ def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
     if setting == "auto" and total_steps < AUTO_MIN_STEPS:
         blockers.append(f"{total_steps} RL steps do not repay the compile time (auto compiles from "
                         f"{AUTO_MIN_STEPS})")
+    if not blockers and (failure := inductor_failure()) is not None:
+        blockers.append(f"the C++ compiler cannot build inductor's kernels here ({failure})")
     if blockers:
         return False, f"trainer.compile: {setting}, eager decoder layers: " + "; ".join(blockers)
     return True, f"trainer.compile: {setting}, decoder layers compiled with inductor (cache {inductor_cache()})"
