@@ -537,6 +537,8 @@ def main(argv=None) -> None:
                          "outside aten, top ops and Python functions; writes vs_trl_<model>_profile.json (profiled "
                          "timings carry the profilers' overhead: use the shares, not the ratio)")
     # internal: one measured run
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="folder of the JSON written (default benchmarks/results/, the file RESULTS.md links)")
     ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
@@ -552,7 +554,7 @@ def main(argv=None) -> None:
         for model in models:
             res = run_model(model, a, Path(tmp))
             res.update(command=command_line(), machine=info)
-            path = RESULTS / f"vs_trl_{model}{'_profile' if a.profile else ''}.json"
+            path = (a.out_dir or RESULTS) / f"vs_trl_{model}{'_profile' if a.profile else ''}.json"
             write_json(path, res)
             print()
             print(report(res))
