@@ -46,11 +46,10 @@ def test_decision_names_what_runs_and_why(monkeypatch):
         assert not decided and words in line and "eager" in line
 
 
-def test_no_cxx_compiler_falls_back_to_eager_with_one_line(tiny_cfg, monkeypatch, caplog):
-    """$CXX naming a missing binary: trainer.compile on runs eager, says so once, and updates as off does."""
-    monkeypatch.setenv("CXX", "/nonexistent/bin/g++")
-    assert cl.cxx_compiler() is None
-    results = {}
+def _eager_as_off(tiny_cfg, caplog) -> logging.LogRecord:
+    """Two updates with trainer.compile on and two with off: on must run eager, say so in one line, and train
+    exactly as off does. Returns on's line."""
+    results, said = {}, {}
     for setting in ("on", "off"):
         cfg = _cfg(tiny_cfg, setting)
         policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
@@ -60,10 +59,18 @@ def test_no_cxx_compiler_falls_back_to_eager_with_one_line(tiny_cfg, monkeypatch
                 update_policy(policy, _rows(), cfg.algorithm, cfg.trainer, step=step, seed=0)
         lines = [r for r in caplog.records if "trainer.compile" in r.getMessage()]
         assert len(lines) == 1 and policy.compile_layers is False
-        if setting == "on":
-            assert lines[0].levelno == logging.WARNING and "no C++ compiler" in lines[0].getMessage()
+        said[setting] = lines[0]
         results[setting] = [p.detach().clone() for p in policy.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(results["on"], results["off"]))
+    return said["on"]
+
+
+def test_no_cxx_compiler_falls_back_to_eager_with_one_line(tiny_cfg, monkeypatch, caplog):
+    """$CXX naming a missing binary: trainer.compile on runs eager, says so once, and updates as off does."""
+    monkeypatch.setenv("CXX", "/nonexistent/bin/g++")
+    assert cl.cxx_compiler() is None
+    line = _eager_as_off(tiny_cfg, caplog)
+    assert line.levelno == logging.WARNING and "no C++ compiler" in line.getMessage()
 
 
 def test_a_compiler_that_cannot_build_falls_back_to_eager_with_one_line(tiny_cfg, tmp_path, monkeypatch, caplog):
@@ -81,22 +88,10 @@ def test_a_compiler_that_cannot_build_falls_back_to_eager_with_one_line(tiny_cfg
     monkeypatch.setattr(cl, "_BUILDS", {})
     torch._dynamo.reset()
     assert cl.cxx_compiler() == str(fake)
-    results = {}
-    for setting in ("on", "off"):
-        cfg = _cfg(tiny_cfg, setting)
-        policy = build_policy("shared", cfg.policies["shared"], seed=0, max_rollout_batch=8)
-        with caplog.at_level(logging.INFO, logger="masrl.training.update"):
-            caplog.clear()
-            for step in range(2):
-                update_policy(policy, _rows(), cfg.algorithm, cfg.trainer, step=step, seed=0)
-        lines = [r for r in caplog.records if "trainer.compile" in r.getMessage()]
-        assert len(lines) == 1 and policy.compile_layers is False
-        if setting == "on":
-            message = lines[0].getMessage()
-            assert lines[0].levelno == logging.WARNING and "cannot build inductor's kernels" in message
-            assert "Python.h: No such file or directory" in message
-        results[setting] = [p.detach().clone() for p in policy.model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(results["on"], results["off"]))
+    line = _eager_as_off(tiny_cfg, caplog)
+    message = line.getMessage()
+    assert line.levelno == logging.WARNING and "cannot build inductor's kernels" in message
+    assert "Python.h: No such file or directory" in message
     torch._dynamo.reset()
 
 
