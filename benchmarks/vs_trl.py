@@ -536,9 +536,9 @@ def main(argv=None) -> None:
                     help="profile the timed steps of every run (cProfile + torch.profiler): CPU time by op group, "
                          "outside aten, top ops and Python functions; writes vs_trl_<model>_profile.json (profiled "
                          "timings carry the profilers' overhead: use the shares, not the ratio)")
-    # internal: one measured run
     ap.add_argument("--out-dir", type=Path, default=None,
                     help="folder of the JSON written (default benchmarks/results/, the file RESULTS.md links)")
+    # internal: one measured run
     ap.add_argument("--worker", choices=["masrl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)

@@ -64,6 +64,7 @@ PREFIX_RESIDENT = 1.8  # resident bytes per byte of the cache
 # the libraries' 1024 the SmolLM2 team's live heap after a step grew 486 -> 849 MiB in five steps; with 64 it stayed
 # at 291 (16: 250; 256: 405-414), in the same step time. Shapes that recur past the capacity pay a kernel compile.
 PRIMITIVE_CACHE = 64
+KERNEL_ENTRY_MIB = 0.85  # the largest measured entry, for the one line's bound
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def choose_memory_defaults(cfg, memory: int) -> list[MemoryChoice]:
                                     f"decode copies {sum(copies.values()) / 2**30:.2f} GiB released during updates"))
     if _unset(trainer, "primitive_cache"):
         choices.append(MemoryChoice("trainer.primitive_cache", PRIMITIVE_CACHE,
-                                    f"~{PRIMITIVE_CACHE * 0.85:.0f} MiB of matmul kernels at most"))
+                                    f"~{PRIMITIVE_CACHE * KERNEL_ENTRY_MIB:.0f} MiB of matmul kernels at most"))
     if _unset(trainer, "tune_malloc"):
         lean = peak > memory / 4
         choices.append(MemoryChoice("trainer.tune_malloc", "lean" if lean else True,
