@@ -1,35 +1,38 @@
-"""A decoder layer's decode step compiled with torch.compile (inductor, C++) against the engine's eager fast step.
+"""The engine's decode step compiled with torch.compile (inductor, C++) against its eager fast step.
 
-The question: does compiling the decode step's layer into one graph make ``TransformersEngine`` decode faster on
-this CPU? The engine decodes with ``masrl.models.fast_decode.FastDecode`` (eager operators, bf16 products on
-weights prepacked for oneDNN under ``autocast: auto``). This script replaces, in this process only, its step by
-one compiled function per decoder layer (the same function for all layers: the weights are its inputs):
+The question: does compiling the decode step make ``TransformersEngine`` decode faster on this CPU? The engine
+decodes with ``masrl.models.fast_decode.FastDecode`` (eager operators, bf16 products on weights prepacked for
+oneDNN under ``autocast: auto``). Two ways of compiling it are measured:
 
-* the layer's element-wise work (RMSNorm, rotary embeddings, SiLU and product, residual sums, casts) is
-  inductor's fused C++;
-* the packed bf16 products stay oneDNN's inner product on the prepacked weights (``masrl_bench::packed_linear``,
-  a custom operator: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph as
-  constants, which a policy whose weights change at every RL step cannot use);
-* the cache write and the 1-token attention stay the engine's (``masrl_bench::cache_attention``, a custom
-  operator around ``masrl.models.cpu_attention.grouped_decode_attention``), so the comparison isolates what fusing
-  the rest of the layer buys.
+* ``whole``: the engine's own option, ``rollout.compile_decode`` (``TransformersEngine(compile_decode=True)``,
+  ``masrl.models.compiled_decode``): every layer and the LM head in one graph with symbolic sizes;
+* ``static`` / ``dynamic``: this script replaces, in this process only, the step by one compiled function per
+  decoder layer (``layer_step``, the same function for all layers: the weights are its inputs), compiled for the
+  batch's shapes or with ``dynamic=True`` (symbolic sizes).
 
-Modes: ``eager`` (the engine as shipped), ``static`` (the layer compiled for the batch's shapes) and ``dynamic``
-(``torch.compile(dynamic=True)``: symbolic sizes, so one graph whatever the row count as rows finish); in both the
-filled length travels as a 0-d tensor, so the graph does not change as the cache grows. Each mode decodes the
-same prompts at ``--rows`` rows; ms per decode step = (a call with ``--new`` new tokens - a call with 1) /
-(new - 1), process CPU time, one thread, median of ``--reps`` alternated pairs, after a warm-up call that
-compiles. Exactness: the greedy tokens (temperature 0) of each compiled mode against eager's, and the largest
-difference of their log-probs over the tokens both chose alike. (``first_call_cpu_s`` in the JSON: this
-process's CPU in the warm-up call; inductor compiles in child processes, and not at all from a warm cache.)
+In each, the layer's element-wise work (RMSNorm, rotary embeddings, SiLU and product, residual sums, casts) is
+inductor's fused C++; the packed bf16 products stay oneDNN's inner product on the prepacked weights
+(``masrl::packed_linear``, a custom operator: inductor lowers ``mkldnn._linear_pointwise`` only for weights frozen
+into the graph as constants, which a policy whose weights change at every RL step cannot use); the cache write and
+the 1-token attention stay the engine's (``masrl::cache_attention``, a custom operator around
+``masrl.models.cpu_attention.grouped_decode_attention``); the filled length travels as a 0-d tensor, so the graph
+does not change as the cache grows.
+
+``eager`` is the engine as shipped. Each mode decodes the same prompts at ``--rows`` rows; ms per decode step = (a
+call with ``--new`` new tokens - a call with 1) / (new - 1), process CPU time, one thread, median of ``--reps``
+alternated pairs, after a warm-up call that compiles. Exactness: the greedy tokens (temperature 0) of each
+compiled mode against eager's, and the largest difference of their log-probs over the tokens both chose alike.
+(``first_call_cpu_s`` in the JSON: this process's CPU in the warm-up call; inductor compiles in child processes,
+and not at all from a warm cache.)
 
 ``--profile ROWS``: a ``torch.profiler`` table of one decode step per mode at ROWS rows (the step's fifth call in a
 call of ``--new`` tokens), operators and compiled regions by self CPU time, in the JSON under ``profile``.
 
 Only the base model's step (no LoRA routing) with stacked, packed weights (SmolLM2 under bf16 autocast on a CPU
-that packs bf16) is compiled here; the script stops with a message otherwise.
+that packs bf16) is measured here; the script stops with a message otherwise.
 
     python benchmarks/compile_decode.py --rows 8 32 --out benchmarks/results/compile_decode/smollm2_amx_rows8_32.json
+    python benchmarks/compile_decode.py --rows 8 32 --modes whole     # the engine's option only
 """
 from __future__ import annotations
 
@@ -45,39 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchutil import command_line, machine_info, set_threads, write_json  # noqa: E402
-
-
-@torch.library.custom_op("masrl_bench::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, n_out: int) -> torch.Tensor:
-    """``x @ W.T`` on a weight prepacked by ``masrl.models.packed_linear.pack`` (``n_out`` rows of W)."""
-    from masrl.models.packed_linear import linear
-
-    return linear(x, weight, None)
-
-
-@packed_linear.register_fake
-def _(x, weight, n_out):
-    return x.new_empty((x.shape[0], n_out))
-
-
-@torch.library.custom_op("masrl_bench::cache_attention", mutates_args=("key_buffer", "value_buffer"))
-def cache_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_buffer: torch.Tensor,
-                    value_buffer: torch.Tensor, filled: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
-    """Write this step's keys/values at position ``filled`` of the preallocated buffers, attend over positions
-    0..filled: the engine's cache layer update and decode attention. ``query`` ``[batch, heads, dim]``."""
-    from masrl.models.cpu_attention import grouped_decode_attention
-
-    at = int(filled)
-    key_buffer[:, :, at] = key
-    value_buffer[:, :, at] = value
-    return grouped_decode_attention(query[:, :, None, :], key_buffer[:, :, :at + 1], value_buffer[:, :, :at + 1],
-                                    mask, scale)
-
-
-@cache_attention.register_fake
-def _(query, key, value, key_buffer, value_buffer, filled, mask, scale):
-    return query.new_empty((query.shape[0], 1, query.shape[1], query.shape[2]))
+from masrl.models.compiled_decode import cache_attention, packed_linear  # noqa: E402
 
 
 def layer_step(h, x, cos, sin, qkv_w, o_w, gate_up_w, down_w, norm2_w, next_norm_w, key_buffer, value_buffer,
@@ -85,20 +56,19 @@ def layer_step(h, x, cos, sin, qkv_w, o_w, gate_up_w, down_w, norm2_w, next_norm
     """One decoder layer of ``FastDecode._step`` (base model, stacked packed weights, float32 residual stream,
     bf16 products): returns (the residual stream, the next norm's bf16 output)."""
     batch = h.shape[0]
-    qkv = packed_linear(x, qkv_w, n_q + 2 * n_kv)
+    qkv = packed_linear(x, qkv_w, None, n_q + 2 * n_kv)
     q_heads, kv_heads = n_q // dim, n_kv // dim
     qk = qkv[:, :n_q + n_kv].view(batch, q_heads + kv_heads, dim)
     half = dim // 2
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), -1) * sin
     values = qkv[:, n_q + n_kv:].view(batch, kv_heads, dim)
-    attn = cache_attention(qk[:, :q_heads].float(), qk[:, q_heads:].float(), values.float(), key_buffer,
-                           value_buffer, filled, mask, scale)
+    attn = cache_attention(qk[:, :q_heads], qk[:, q_heads:], values, key_buffer, value_buffer, filled, mask, scale)
     attn = attn.reshape(batch, n_q).to(torch.bfloat16)
-    h = h + packed_linear(attn, o_w, h.shape[1])
+    h = h + packed_linear(attn, o_w, None, h.shape[1])
     x = F.rms_norm(h, (h.shape[-1],), norm2_w, eps).to(torch.bfloat16)
-    gate_up = packed_linear(x, gate_up_w, 2 * n_inner)
+    gate_up = packed_linear(x, gate_up_w, None, 2 * n_inner)
     inner = F.silu(gate_up[:, :n_inner]) * gate_up[:, n_inner:]
-    h = h + packed_linear(inner, down_w, h.shape[1])
+    h = h + packed_linear(inner, down_w, None, h.shape[1])
     return h, F.rms_norm(h, (h.shape[-1],), next_norm_w, eps).to(torch.bfloat16)
 
 
@@ -165,7 +135,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", choices=["static", "dynamic"], default=["static", "dynamic"])
+    modes = ["static", "dynamic", "whole"]
+    ap.add_argument("--modes", nargs="+", choices=modes, default=modes)
     ap.add_argument("--profile", type=int, nargs="*", default=[], metavar="ROWS")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -193,12 +164,13 @@ def main() -> None:
     engine = TransformersEngine(model, eos_token_ids=[vocab], pad_token_id=0, autocast=autocast)
     eager = FastDecode._step
     layers = {"static": torch.compile(layer_step, dynamic=False), "dynamic": torch.compile(layer_step, dynamic=True)}
-    steps = {"eager": eager, **{m: compiled_step(layers[m]) for m in args.modes}}
+    steps = {"eager": eager, **{m: eager if m == "whole" else compiled_step(layers[m]) for m in args.modes}}
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(5, min(vocab, 5000), (args.prompt,), generator=g).tolist()
 
     def call(mode: str, rows: int, new: int, temperature: float = 1.0):
         FastDecode._step = steps[mode]
+        engine.compile_decode = mode == "whole"
         engine.reseed(0)
         engine.clear_prefix_cache()
         start = time.process_time()

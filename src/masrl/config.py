@@ -367,6 +367,13 @@ class RolloutConfig(_Strict):
         "forward's short-lived activations stay small: long prompts, many rows (None: every row of a call in one "
         "forward, or in up to 4 ranges where that saves padding). Rounding may differ from one forward, so the "
         "sampled tokens can"))
+    compile_decode: bool = Field(False, description=(
+        "transformers engine on CPU: the fast decode step of the base model (rows without LoRA adapters) as one "
+        "graph compiled with inductor (masrl.models.compiled_decode: one shape-generic graph for every row count "
+        "and length, cached across runs under the masrl cache folder); log-probs within bf16 / float32 rounding "
+        "of the eager step. Needs a C++ compiler that builds inductor's kernels (else eager, one warning). Off "
+        "by default: the compile takes tens of seconds and the measured gain is small (docs/performance.md, "
+        "\"Compiled decode step\")"))
     continuous_batching: bool = Field(False, description=(
         "transformers engine: one running decode batch per policy that admits each agent call as its episode "
         "makes it (no barrier per round: a team's next turn joins while other rows still decode) and returns "

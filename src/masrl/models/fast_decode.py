@@ -227,6 +227,9 @@ class FastDecode:
         self.hidden = inner.embed_tokens.embedding_dim
         self.lora_dtype = self._adapter_dtype(model, dtypes)
         self._lora_groups(inner.layers)
+        # the base model's steps through masrl.models.compiled_decode (rollout.compile_decode; set by the engine)
+        self.compiled = False
+        self._compiled_inputs = None  # the compiled step's per-layer weights, made on its first use
 
     @staticmethod
     def _adapter_dtype(model: torch.nn.Module, dtypes: tuple[torch.dtype, torch.dtype]) -> torch.dtype:
@@ -407,6 +410,8 @@ class FastDecode:
         padded = mask == 0
         additive = (torch.zeros(padded.shape, dtype=torch.float32).masked_fill_(padded, float("-inf"))[:, None, None, :]
                     if bool(padded.any()) else None)
+        if self.compiled and self._compilable(cache, batch, scales):
+            return self._compiled_step(h, cos, sin, cache, additive)
         for layer, groups, cache_layer in zip(self.layers, self.loras, cache.layers):
             dim, n_q, n_kv = layer["head_dim"], layer["n_q"], layer["n_kv"]
             q_heads, kv_heads = n_q // dim, n_kv // dim
@@ -430,3 +435,43 @@ class FastDecode:
             h = h + lora(linear(inner, layer["down"]), inner, groups["down"], scales)
         x = norm(h, self.norm).to(low)
         return lora(linear(x, self.head), x, self.head_lora, scales)
+
+    def _compilable(self, cache, batch: int, scales: list) -> bool:
+        """Whether this step can run compiled (``masrl.models.compiled_decode``): no row decodes with an adapter,
+        stacked projections, every cache layer written in place over all its rows at one filled length with room
+        for this position, and a compiler that builds inductor's kernels."""
+        if not self.stacked or any(s is not None for s in scales):
+            return False
+        layers = cache.layers
+        filled = getattr(layers[0], "_filled", None)
+        for layer in layers:
+            buffer = getattr(layer, "_k", None)
+            if (buffer is None or not layer.is_initialized or layer._rows != slice(None) or layer._filled != filled
+                    or buffer.shape[0] != batch or filled >= buffer.shape[-2]):
+                return False
+        from masrl.models.compiled_decode import compiler_failure
+
+        return compiler_failure() is None
+
+    def _compiled_step(self, h, cos, sin, cache, additive) -> torch.Tensor:
+        """The layers and LM head of ``_step`` as ``masrl.models.compiled_decode.decode_step`` compiled; the
+        cache layers then stand where their own ``update`` would leave them."""
+        from masrl.models.compiled_decode import compiled_decode_step, projection
+
+        if self._compiled_inputs is None:
+            first = self.layers[0]
+            layers = [(spec["norm1"], projection(spec["qkv"][0]), spec["q_norm"], spec["k_norm"], projection(spec["o"]),
+                       spec["norm2"], projection(spec["gate_up"][0]), projection(spec["down"])) for spec in self.layers]
+            shapes = (first["n_q"], first["n_kv"], first["head_dim"], first["n_inner"], first["scaling"], self.hidden,
+                      base_linear(self.llama.lm_head).out_features)
+            self._compiled_inputs = (layers, shapes)
+        layers, shapes = self._compiled_inputs
+        filled = cache.layers[0]._filled
+        logits = compiled_decode_step()(h, cos, sin, layers, [(c._k, c._v) for c in cache.layers],
+                                        torch.tensor(filled), additive, self.norm, projection(self.head), shapes,
+                                        self.dtypes[1])
+        for layer in cache.layers:
+            layer._filled = filled + 1
+            layer.keys, layer.values = layer._k[:, :, :filled + 1], layer._v[:, :, :filled + 1]
+        return logits
+

@@ -79,12 +79,15 @@ class TransformersEngine(Engine):
                  autocast: str | torch.dtype | None = None, prefix_cache: bool = True,
                  prefix_cache_mib: float = 1024.0, compact_finished: bool = True,
                  max_running_tokens: int = 65536, decode_attention: bool = True, packed_linear: bool = True,
-                 fast_decode: bool = True, max_prefill_tokens: int | None = None):
+                 fast_decode: bool = True, max_prefill_tokens: int | None = None,
+                 compile_decode: bool = False):
         self.model = model
         # decode steps of plain float32 Llama models computed from the weights, bitwise transformers' forward in
         # about half the operator calls (masrl.models.fast_decode); others keep transformers' forward
         self.fast_decode = fast_decode
         self._fast: FastDecode | None = None  # the last one built (its stacked weights reused while unchanged)
+        # the base model's fast steps as one compiled graph (masrl.models.compiled_decode; rollout.compile_decode)
+        self.compile_decode = compile_decode
         # CPU attention while decoding (masrl.models.cpu_attention): 1-token queries as float32 matmuls over the
         # cache, prompts under autocast in float32
         self.decode_attention = decode_attention
@@ -254,6 +257,8 @@ class TransformersEngine(Engine):
             return None
         self._fast = FastDecode.for_model(model, self._fast, packed=self.packed_linears is not None,
                                           shared_packs=self.packed_linears)
+        if self._fast is not None:
+            self._fast.compiled = self.compile_decode
         return self._fast
 
     def cache_dtype(self, model) -> torch.dtype | None:

@@ -58,7 +58,8 @@ def make_engine(rollout: RolloutConfig | None, model: torch.nn.Module, tokenizer
     prefix = {} if rollout is None else {"prefix_cache": rollout.prefix_cache,
                                          "prefix_cache_mib": rollout.prefix_cache_mib,
                                          "max_running_tokens": rollout.max_running_tokens,
-                                         "max_prefill_tokens": rollout.max_prefill_tokens}
+                                         "max_prefill_tokens": rollout.max_prefill_tokens,
+                                         "compile_decode": rollout.compile_decode}
     return TransformersEngine(model, eos_token_ids=eos_ids, pad_token_id=int(tokenizer.pad_token_id),
                               max_batch_size=max_batch_size, seed=seed, autocast=autocast, **prefix)
 
