@@ -28,8 +28,9 @@ and not at all from a warm cache.)
 ``--profile ROWS``: a ``torch.profiler`` table of one decode step per mode at ROWS rows (the step's fifth call in a
 call of ``--new`` tokens), operators and compiled regions by self CPU time, in the JSON under ``profile``.
 
-Only the base model's step (no LoRA routing) with stacked, packed weights (SmolLM2 under bf16 autocast on a CPU
-that packs bf16) is measured here; the script stops with a message otherwise.
+Only the base model's step (no LoRA routing) is measured. ``static`` and ``dynamic`` rewrite the stacked, packed
+step (SmolLM2 under bf16 autocast on a CPU that packs bf16; the script stops with a message otherwise); ``--model
+tiny`` (the float32 tiny model, no autocast) measures ``whole`` only.
 
     python benchmarks/compile_decode.py --rows 8 32 --out benchmarks/results/compile_decode/smollm2_amx_rows8_32.json
     python benchmarks/compile_decode.py --rows 8 32 --modes whole     # the engine's option only
@@ -130,7 +131,7 @@ def profile_step(fast_decode, run, nth: int = 5, top: int = 20) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=["smollm2", "smollm2-shape"], default="smollm2")
+    ap.add_argument("--model", choices=["smollm2", "smollm2-shape", "tiny"], default="smollm2")
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=16)
@@ -158,8 +159,11 @@ def main() -> None:
           flush=True)
     model = build_base(args.model)
     vocab = model.config.vocab_size
-    autocast = resolve_autocast("auto", "cpu")
-    if autocast != "bfloat16":
+    packed_step = args.model != "tiny"
+    if not packed_step and set(args.modes) != {"whole"}:
+        raise SystemExit("compile_decode.py --model tiny measures --modes whole only (float32)")
+    autocast = resolve_autocast("auto", "cpu") if packed_step else None
+    if packed_step and autocast != "bfloat16":
         raise SystemExit("compile_decode.py measures the bf16 packed step (a CPU with native bf16)")
     engine = TransformersEngine(model, eos_token_ids=[vocab], pad_token_id=0, autocast=autocast)
     eager = FastDecode._step
@@ -186,7 +190,7 @@ def main() -> None:
             start = time.process_time()
             call(mode, rows, args.new)
             warm[mode] = time.process_time() - start
-            if engine._fast is None or not (engine._fast.packed and engine._fast.stacked):
+            if engine._fast is None or not engine._fast.stacked or (packed_step and not engine._fast.packed):
                 raise SystemExit("the engine's fast step is not the stacked, packed bf16 step here")
         per_step = {mode: [] for mode in steps}
         for _ in range(args.reps):

@@ -14,8 +14,8 @@ persist across runs in inductor's cache (``masrl.models.compiled_layers.inductor
 
 **Exactness.** Run uncompiled, ``decode_step`` is bitwise ``FastDecode``'s eager step
 (``tests/test_compiled_decode.py``); compiled, inductor's fused kernels keep float32 inside where eager rounds
-to bf16 between operators, so bf16 log-probs differ by bf16 rounding (measured below 0.05 on SmolLM2) and
-float32 ones by float rounding; greedy tokens agree unless two candidates tie within that.
+to bf16 between operators, so bf16 log-probs differ by bf16 rounding (within 0.08 on SmolLM2, greedy tokens
+equal) and float32 ones by float rounding; greedy tokens agree unless two candidates tie within that.
 
 **Where it runs.** Steps of the base model only: a batch whose rows decode with LoRA adapters (per-row routes or
 PEFT's active adapters), unstacked projections (models above ``fast_decode.STACK_MAX_BYTES``), or a cache whose
@@ -23,9 +23,10 @@ layers are not all at the same filled length over all rows run the eager step. E
 compiled step checks ``compiled_layers.compile_decision``'s conditions for the compiler once per process (a C++
 compiler that builds inductor's kernels); without one the step stays eager with one warning.
 
-**Speed.** Measured on an Intel Xeon with AMX, SmolLM2-135M under bf16 autocast, one thread: see
-docs/performance.md, "Compiled decode step" (``benchmarks/compile_decode.py``). The compile itself takes tens of
-seconds per graph with a cold cache, so it is off by default.
+**Speed.** Not faster than the eager step where measured, so off by default: on an Intel Xeon with AMX, one
+thread, SmolLM2-135M under bf16 autocast 1.03-1.04x eager's CPU per decode step at 8 and 32 rows
+(``benchmarks/compile_decode.py --modes whole``; benchmarks/RESULTS.md, "Compiled decode step"); the compile takes
+about a minute per graph with a cold cache.
 """
 from __future__ import annotations
 
