@@ -6,8 +6,8 @@ shape-generic graph (torch's automatic dynamic shapes), so micro-batches of ever
 compiling each length anew (a training step's micro-batches rarely repeat a length). All layers of a model
 share the code and the compiled graph (their weights are graph
 inputs), so a 30-layer model compiles once per shape, not 30 times. Only the trainer's forwards go through it
-(``compiled_layers`` around them); the engine keeps its own decode step (compiled the same way, it
-decoded 1.03-1.15x slower than eager: ``benchmarks/compile_decode.py``).
+(``compiled_layers`` around them); the engine's decode step is compiled by its own option,
+``rollout.compile_decode`` (``masrl.models.compiled_decode``; off by default: not measured faster than eager).
 
 Compiled graphs persist across runs in inductor's FX graph cache under masrl's cache folder
 (``$MASRL_CACHE_DIR/inductor``, ``masrl.paths.cache_dir``) unless ``TORCHINDUCTOR_CACHE_DIR`` is set.
