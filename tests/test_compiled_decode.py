@@ -4,7 +4,8 @@
   Llama with padding, Qwen2 (biased q/k/v), Qwen3 (q/k norms), the packed bf16 step under autocast;
 * compiled with inductor, the same greedy tokens, log-probs within float32 rounding (bf16, slow: the same
   greedy tokens until two candidates tie within bf16 rounding);
-* rows with LoRA adapters, and a process without a working C++ compiler, decode eager (the latter says so once);
+* rows with LoRA adapters, a process without a working C++ compiler, and a compiled step that fails decode eager
+  (the latter two say so once; the failed step loses nothing);
 * the config option reaches the engine.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import masrl.models.compiled_decode as compiled_decode
-from masrl.models.compiled_layers import cxx_compiler
+from masrl.models.compiled_layers import cxx_compiler, inductor_cache
 from masrl.models.packed_linear import available as packing_available
 
 
@@ -121,6 +122,31 @@ def test_without_a_working_compiler_it_decodes_eager_and_says_so_once(calls, mon
     lines = [r.getMessage() for r in caplog.records if "compile_decode" in r.getMessage()]
     assert lines == ["rollout.compile_decode: true, eager decode steps: "
                      "no C++ compiler found ($CXX, g++, clang++, c++)"]
+
+
+def test_a_compiled_step_that_fails_is_run_eager_and_so_is_the_rest(monkeypatch, caplog):
+    monkeypatch.setattr(compiled_decode, "_REFUSED", {})
+    failed = []
+
+    def failing(h, cos, sin, layers, caches, filled, *args):
+        failed.append(h.shape[0])
+        keys, values = caches[0]  # as a graph that fails after its first layer's cache write
+        keys[:, :, int(filled)] = 7.0
+        values[:, :, int(filled)] = -7.0
+        raise RuntimeError("InductorError: a kernel failed\nthe rest of the message")
+
+    monkeypatch.setattr(compiled_decode, "compiled_decode_step", lambda: failing)
+    monkeypatch.setattr(compiled_decode, "compiler_failure", lambda: compiled_decode._REFUSED.get(inductor_cache()))
+    model = _tiny()
+    ref = _decode(model, False)
+    with caplog.at_level(logging.WARNING, logger="masrl.models.compiled_decode"):
+        got = _decode(model, True)
+        again = _decode(model, True)
+    assert got == ref and again == ref
+    assert failed == [6]  # tried once; every later step of the process eager
+    lines = [r.getMessage() for r in caplog.records if "compile_decode" in r.getMessage()]
+    assert lines == ["rollout.compile_decode: true, eager decode steps: the compiled step failed "
+                     "(RuntimeError: InductorError: a kernel failed)"]
 
 
 def test_the_config_option_reaches_the_engine():

@@ -371,7 +371,8 @@ class RolloutConfig(_Strict):
         "transformers engine on CPU: the fast decode step of the base model (rows without LoRA adapters) as one "
         "graph compiled with inductor (masrl.models.compiled_decode: one shape-generic graph for every row count "
         "and length, cached across runs under the masrl cache folder); log-probs within bf16 / float32 rounding "
-        "of the eager step. Needs a C++ compiler that builds inductor's kernels (else eager, one warning). Off "
+        "of the eager step. Needs a C++ compiler that builds inductor's kernels (else eager, one warning; a "
+        "compiled step that fails is run eager, and so is the rest of the process, one warning). Off "
         "by default: measured 0.99-1.10x the eager step's time, and the first call compiles for ~0.5-1 min "
         "(docs/performance.md, \"compiled decode step\")"))
     continuous_batching: bool = Field(False, description=(

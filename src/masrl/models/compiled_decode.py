@@ -19,9 +19,12 @@ equal) and float32 ones by float rounding; greedy tokens agree unless two candid
 
 **Where it runs.** Steps of the base model only: a batch whose rows decode with LoRA adapters (per-row routes or
 PEFT's active adapters), unstacked projections (models above ``fast_decode.STACK_MAX_BYTES``), or a cache whose
-layers are not all at the same filled length over all rows run the eager step. Each call that wants the
-compiled step checks ``compiled_layers.compile_decision``'s conditions for the compiler once per process (a C++
-compiler that builds inductor's kernels); without one the step stays eager with one warning.
+layers are not all at the same filled length over all rows run the eager step. A C++ compiler that builds
+inductor's kernels is checked for once per process (``compiled_layers.cxx_compiler``, ``inductor_failure``);
+without one every step stays eager, with one warning. A compiled step that
+fails (a graph inductor cannot build for a new shape, a kernel that fails) is run eager instead, and so is every
+later step of the process, with one warning: the cache's filled length moves only after a compiled step
+succeeds, so the eager step rewrites the same positions and nothing is lost.
 
 **Speed.** Not faster than the eager step where measured, so off by default: on an Intel Xeon with AMX, one
 thread, SmolLM2-135M under bf16 autocast 1.03-1.04x eager's CPU per decode step at 8 and 32 rows
@@ -144,9 +147,9 @@ _REFUSED: dict[str, str | None] = {}  # why the compiled step cannot run in this
 
 
 def compiler_failure() -> str | None:
-    """Why inductor cannot compile the step here (None: it can): no C++ compiler, or one that cannot build
-    inductor's kernels (``compiled_layers.inductor_failure``). Checked once per process; the first refusal is
-    logged as a warning."""
+    """Why the step does not run compiled here (None: it does): no C++ compiler, one that cannot build
+    inductor's kernels (``compiled_layers.inductor_failure``), or a compiled step that failed (``refuse``).
+    The compiler is checked once per process; a refusal is logged once, as a warning."""
     from masrl.models.compiled_layers import cxx_compiler, inductor_cache, inductor_failure
 
     folder = inductor_cache()
@@ -156,7 +159,17 @@ def compiler_failure() -> str | None:
             reason = "no C++ compiler found ($CXX, g++, clang++, c++)"
         elif (failure := inductor_failure()) is not None:
             reason = f"the C++ compiler cannot build inductor's kernels here ({failure})"
-        _REFUSED[folder] = reason
+        _REFUSED[folder] = None
         if reason is not None:
-            log.warning("rollout.compile_decode: true, eager decode steps: %s", reason)
+            refuse(reason)
     return _REFUSED[folder]
+
+
+def refuse(reason: str) -> None:
+    """From now on, in this process, every decode step runs eager; says why once (a warning)."""
+    from masrl.models.compiled_layers import inductor_cache
+
+    folder = inductor_cache()
+    if _REFUSED.get(folder) is None:
+        _REFUSED[folder] = reason
+        log.warning("rollout.compile_decode: true, eager decode steps: %s", reason)

@@ -411,7 +411,14 @@ class FastDecode:
         additive = (torch.zeros(padded.shape, dtype=torch.float32).masked_fill_(padded, float("-inf"))[:, None, None, :]
                     if bool(padded.any()) else None)
         if self.compiled and self._compilable(cache, batch, scales):
-            return self._compiled_step(h, cos, sin, cache, additive)
+            from masrl.models.compiled_decode import refuse
+
+            try:
+                return self._compiled_step(h, cos, sin, cache, additive)
+            except Exception as e:  # noqa: BLE001 - a graph inductor cannot build or run: this step and the rest eager
+                # nothing is lost: the cache's filled length has not moved, so the eager step rewrites the same
+                # position of every layer
+                refuse(f"the compiled step failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})")
         for layer, groups, cache_layer in zip(self.layers, self.loras, cache.layers):
             dim, n_q, n_kv = layer["head_dim"], layer["n_q"], layer["n_kv"]
             q_heads, kv_heads = n_q // dim, n_kv // dim
