@@ -9,7 +9,8 @@ lowers ``mkldnn._linear_pointwise`` only for weights frozen into the graph as co
 weights change at every RL step cannot use), the cache write and the 1-token attention as the engine's
 (``masrl::cache_attention``, around ``masrl.models.cpu_attention.grouped_decode_attention``). Sizes are symbolic
 (``dynamic=True``) and the filled length travels as a 0-d tensor, so one graph serves every row count as rows
-finish and every length as the cache grows; a batch with a padding mask and one without are two graphs. Graphs
+finish and every length as the cache grows; a batch with a padding mask and one without, and a batch of one row,
+compile graphs of their own (at most four; the quickstart's 3-step run with the option on: three). Graphs
 persist across runs in inductor's cache (``masrl.models.compiled_layers.inductor_cache``).
 
 **Exactness.** Run uncompiled, ``decode_step`` is bitwise ``FastDecode``'s eager step
