@@ -28,9 +28,9 @@ later step of the process, with one warning: the cache's filled length moves onl
 succeeds, so the eager step rewrites the same positions and nothing is lost.
 
 **Speed.** Not faster than the eager step where measured, so off by default: on an Intel Xeon with AMX, one
-thread, SmolLM2-135M under bf16 autocast 1.03-1.04x eager's CPU per decode step at 8 and 32 rows
-(``benchmarks/compile_decode.py --modes whole``; benchmarks/RESULTS.md, "Compiled decode step"); the compile takes
-about a minute per graph with a cold cache.
+thread, 1.03-1.06x eager's CPU per decode step for SmolLM2-135M under bf16 autocast at 8 and 32 rows, 0.99-1.10x
+for the float32 tiny model at 16 and 64 (``benchmarks/compile_decode.py --modes whole``; benchmarks/RESULTS.md,
+"Compiled decode step"); SmolLM2's first call compiles for up to about a minute with a cold cache.
 """
 from __future__ import annotations
 

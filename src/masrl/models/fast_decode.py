@@ -24,7 +24,8 @@ directly from the weights:
 engine's tokens and log-probs). Two of the rewrites reorder nothing but rely on the BLAS: a matrix product's columns do not depend
 on which other weight rows share the call (stacked ``q``/``k``/``v``), and ``rms_norm`` computes the mean of
 squares as transformers' formula does; both are checked by the tests on the machine that runs them.
-``TransformersEngine(fast_decode=False)`` keeps transformers' forward.
+``TransformersEngine(fast_decode=False)`` keeps transformers' forward; ``TransformersEngine(compile_decode=True)``
+(``rollout.compile_decode``) runs the base model's step as one compiled graph (``masrl.models.compiled_decode``).
 
 **bfloat16.** The step computes in the precision transformers' forward would use (``precision``): bf16 weights
 (with or without autocast) run every op in bf16 as transformers does (RMSNorm in float32, cast back, times the
@@ -481,4 +482,3 @@ class FastDecode:
             layer._filled = filled + 1
             layer.keys, layer.values = layer._k[:, :, :filled + 1], layer._v[:, :, :filled + 1]
         return logits
-
