@@ -40,6 +40,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from masrl.models.fast_decode import rms_norm as _rms_norm
+
 log = logging.getLogger(__name__)
 
 
@@ -88,14 +90,6 @@ def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None
     if packed:
         return packed_linear(x, weight, bias, n_out)
     return F.linear(x, weight, bias)
-
-
-def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-    """``FastDecode._rms_norm``: transformers' RMSNorm (float32, cast back, times the weight)."""
-    weight, eps = norm
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def decode_step(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: Sequence[tuple], caches: Sequence[tuple],
@@ -148,20 +142,15 @@ _REFUSED: dict[str, str | None] = {}  # why the compiled step cannot run in this
 
 
 def compiler_failure() -> str | None:
-    """Why the step does not run compiled here (None: it does): no C++ compiler, one that cannot build
-    inductor's kernels (``compiled_layers.inductor_failure``), or a compiled step that failed (``refuse``).
+    """Why the step does not run compiled here (None: it does): no C++ compiler or one that cannot build
+    inductor's kernels (``compiled_layers.toolchain_failure``), or a compiled step that failed (``refuse``).
     The compiler is checked once per process; a refusal is logged once, as a warning."""
-    from masrl.models.compiled_layers import cxx_compiler, inductor_cache, inductor_failure
+    from masrl.models.compiled_layers import inductor_cache, toolchain_failure
 
     folder = inductor_cache()
     if folder not in _REFUSED:
-        reason = None
-        if cxx_compiler() is None:
-            reason = "no C++ compiler found ($CXX, g++, clang++, c++)"
-        elif (failure := inductor_failure()) is not None:
-            reason = f"the C++ compiler cannot build inductor's kernels here ({failure})"
         _REFUSED[folder] = None
-        if reason is not None:
+        if (reason := toolchain_failure()) is not None:
             refuse(reason)
     return _REFUSED[folder]
 

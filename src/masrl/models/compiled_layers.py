@@ -71,6 +71,19 @@ def inductor_failure() -> str | None:
     return _BUILDS[folder]
 
 
+NO_COMPILER = "no C++ compiler found ($CXX, g++, clang++, c++)"
+
+
+def toolchain_failure() -> str | None:
+    """Why inductor cannot compile here (None: it can): no C++ compiler (``cxx_compiler``), or one that cannot
+    build inductor's kernels (``inductor_failure``); the update's ``compile_decision`` and the engine's compiled
+    decode step (``masrl.models.compiled_decode``) say it in these words."""
+    if cxx_compiler() is None:
+        return NO_COMPILER
+    failure = inductor_failure()
+    return None if failure is None else f"the C++ compiler cannot build inductor's kernels here ({failure})"
+
+
 def _compiler_error(text: str) -> str:
     """The compiler's first error in inductor's message (after its ``Output:`` line when there is one)."""
     lines = [line.strip() for line in text.splitlines()]
@@ -97,7 +110,7 @@ def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
     if device != "cpu":
         blockers.append(f"the model is on {device} (compiled layers are a CPU lever)")
     if cxx_compiler() is None:
-        blockers.append("no C++ compiler found ($CXX, g++, clang++, c++)")
+        blockers.append(NO_COMPILER)
     if lora:
         blockers.append("LoRA adapters are routed per row (eager PEFT layers)")
     if checkpointing:
@@ -109,8 +122,8 @@ def compile_decision(setting: str, *, device: str, total_steps: int, lora: bool,
     if setting == "auto" and total_steps < AUTO_MIN_STEPS:
         blockers.append(f"{total_steps} RL steps do not repay the compile time (auto compiles from "
                         f"{AUTO_MIN_STEPS})")
-    if not blockers and (failure := inductor_failure()) is not None:
-        blockers.append(f"the C++ compiler cannot build inductor's kernels here ({failure})")
+    if not blockers and (failure := toolchain_failure()) is not None:
+        blockers.append(failure)
     if blockers:
         return False, f"trainer.compile: {setting}, eager decoder layers: " + "; ".join(blockers)
     return True, f"trainer.compile: {setting}, decoder layers compiled with inductor (cache {inductor_cache()})"

@@ -197,6 +197,15 @@ def unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """transformers' RMSNorm: in float32, cast back to the input's dtype, times the weight (type promotion:
+    a float32 weight on a bf16 input gives float32, as under autocast); ``norm``: (weight, eps)."""
+    weight, eps = norm
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
 class FastDecode:
     """Decode steps of one ``LlamaForCausalLM`` (or a PEFT LoRA model over one) from its current weights (see the
     module docstring).
@@ -230,7 +239,7 @@ class FastDecode:
         self._lora_groups(inner.layers)
         # the base model's steps through masrl.models.compiled_decode (rollout.compile_decode; set by the engine)
         self.compiled = False
-        self._compiled_inputs = None  # the compiled step's per-layer weights, made on its first use
+        self._compiled_inputs = None  # the compiled step's weights (per layer, LM head), made on its first use
 
     @staticmethod
     def _adapter_dtype(model: torch.nn.Module, dtypes: tuple[torch.dtype, torch.dtype]) -> torch.dtype:
@@ -364,14 +373,7 @@ class FastDecode:
             return cls._linear(x, pairs[0])
         return torch.cat([cls._linear(x, pair) for pair in pairs], -1)
 
-    @staticmethod
-    def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-        """transformers' RMSNorm: in float32, cast back to the input's dtype, times the weight (type promotion:
-        a float32 weight on a bf16 input gives float32, as under autocast)."""
-        weight, eps = norm
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    _rms_norm = staticmethod(rms_norm)
 
     def _row_scales(self, routes: Sequence[str | None] | None) -> list:
         """Per block layout, the per-row adapter scales for ``routes`` (made when the routing changes)."""
@@ -412,11 +414,11 @@ class FastDecode:
         additive = (torch.zeros(padded.shape, dtype=torch.float32).masked_fill_(padded, float("-inf"))[:, None, None, :]
                     if bool(padded.any()) else None)
         if self.compiled and self._compilable(cache, batch, scales):
-            from masrl.models.compiled_decode import refuse
-
             try:
                 return self._compiled_step(h, cos, sin, cache, additive)
             except Exception as e:  # noqa: BLE001 - a graph inductor cannot build or run: this step and the rest eager
+                from masrl.models.compiled_decode import refuse
+
                 # nothing is lost: the cache's filled length has not moved, so the eager step rewrites the same
                 # position of every layer
                 refuse(f"the compiled step failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})")
@@ -472,12 +474,11 @@ class FastDecode:
                        spec["norm2"], projection(spec["gate_up"][0]), projection(spec["down"])) for spec in self.layers]
             shapes = (first["n_q"], first["n_kv"], first["head_dim"], first["n_inner"], first["scaling"], self.hidden,
                       base_linear(self.llama.lm_head).out_features)
-            self._compiled_inputs = (layers, shapes)
-        layers, shapes = self._compiled_inputs
+            self._compiled_inputs = (layers, projection(self.head), shapes)
+        layers, head, shapes = self._compiled_inputs
         filled = cache.layers[0]._filled
         logits = compiled_decode_step()(h, cos, sin, layers, [(c._k, c._v) for c in cache.layers],
-                                        torch.tensor(filled), additive, self.norm, projection(self.head), shapes,
-                                        self.dtypes[1])
+                                        torch.tensor(filled), additive, self.norm, head, shapes, self.dtypes[1])
         for layer in cache.layers:
             layer._filled = filled + 1
             layer.keys, layer.values = layer._k[:, :, :filled + 1], layer._v[:, :, :filled + 1]
