@@ -40,8 +40,6 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from masrl.models.fast_decode import rms_norm as _rms_norm
-
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +88,15 @@ def _linear(x: torch.Tensor, projection: tuple[torch.Tensor, torch.Tensor | None
     if packed:
         return packed_linear(x, weight, bias, n_out)
     return F.linear(x, weight, bias)
+
+
+def _rms_norm(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """``masrl.models.fast_decode.rms_norm`` restated: fast_decode imports this module, so it cannot import that
+    one (no import cycles); ``tests/test_compiled_decode.py`` pins the two steps bitwise equal."""
+    weight, eps = norm
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def decode_step(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers: Sequence[tuple], caches: Sequence[tuple],
